@@ -1,0 +1,1 @@
+"""specache engine: document -> tokens -> chunked prefill -> host store + guide -> speculative decode -> text."""

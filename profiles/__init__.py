@@ -1,0 +1,1 @@
+"""YAML hardware and model profiles, loaded by engine.profiles."""
