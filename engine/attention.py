@@ -1,0 +1,23 @@
+"""The attention function registered with transformers under the name "specache".
+
+Stock Llama/Mistral/Qwen2 attention modules project and rotate q/k/v, call
+`cache.update(...)`, then call this function; it hands the query to our cache layer,
+which knows how its K/V are kept (exact, guide + fetched set, window)."""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from engine.model import ATTENTION_NAME
+
+
+def specache_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kv_cache=None, **kwargs):
+    """query [b, H, T, D] (key/value were already stored by cache.update) -> ([b, T, H, D], None)."""
+    if kv_cache is None:
+        raise RuntimeError("the specache attention needs kv_cache=<engine.kvcache.KVCache> in the forward call")
+    layer = kv_cache.layers[module.layer_idx]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return layer.attend(query, scale, kv_cache.step), None
+
+
+AttentionInterface.register(ATTENTION_NAME, specache_attention)

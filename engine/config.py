@@ -1,0 +1,67 @@
+"""Validated configuration dataclasses for the cache engine and for generation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from engine.errors import BadArgument
+
+CACHE_MODES = ("full", "specache", "kivi", "window")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the KV cache is kept.
+
+    mode: full (exact, preallocated), specache (guide + exact top-k prefetch),
+    kivi (guide + residual window only, k = 0), window (sinks + recent exact window).
+    """
+
+    mode: str = "specache"
+    bits: int = 2  # guide code width
+    group: int = 64  # quantization group size g
+    k: int = 256  # exact positions fetched per layer per KV head per step
+    residual: int = 64  # newest R tokens kept exact on the device
+    sinks: int = 4  # first S tokens kept exact on the device
+    window: int | None = None  # window mode: exact recent tokens (None: same device bytes as specache)
+    chunk_size: int = 512  # prefill chunk, tokens
+
+    def __post_init__(self) -> None:
+        if self.mode not in CACHE_MODES:
+            raise BadArgument(f"--cache must be one of {', '.join(CACHE_MODES)}, not {self.mode!r}")
+        if self.bits not in (1, 2):
+            raise BadArgument(f"--bits must be 1 or 2, not {self.bits}")
+        if self.group not in (32, 64):
+            raise BadArgument(f"--group must be 32 or 64, not {self.group}")
+        if self.k < 0:
+            raise BadArgument(f"--k must be >= 0, not {self.k}")
+        if self.residual < 1:
+            raise BadArgument(f"--residual must be >= 1, not {self.residual}")
+        if self.sinks < 0:
+            raise BadArgument(f"--sinks must be >= 0, not {self.sinks}")
+        if self.window is not None and self.window < 1:
+            raise BadArgument(f"--window must be >= 1, not {self.window}")
+        if self.chunk_size < 16:
+            raise BadArgument(f"--chunk-size must be >= 16, not {self.chunk_size}")
+
+    def with_overrides(self, **overrides) -> "CacheConfig":
+        """A copy with the given fields replaced (None values are ignored)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding settings. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise BadArgument(f"--max-tokens must be >= 1, not {self.max_tokens}")
+        if self.temperature < 0:
+            raise BadArgument(f"--temperature must be >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BadArgument(f"--top-p must be in (0, 1], not {self.top_p}")

@@ -1,0 +1,147 @@
+"""Chunked prefill and the decoders, as generators that yield progress and tokens.
+
+    prompt ids -> prefill (chunk by chunk into the cache) -> decode
+    full / kivi / window: one token per step.
+    specache: pre-decoding, then two tokens per step [T_t, T'_{t+1}]: the output token,
+    attending with the exact K/V fetched for it, and a speculative token whose attention
+    row picks (per layer, per KV head) the positions to fetch for the next step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from engine.config import CacheConfig, GenerationConfig
+from engine.kvcache import KVCache, make_cache
+from engine.sampling import sample
+
+
+@dataclass
+class Progress:
+    """Prefill progress: `done` of `total` prompt tokens (all rows together)."""
+
+    done: int
+    total: int
+
+
+@dataclass
+class Tokens:
+    """One decode step's new token per row (None for rows already finished)."""
+
+    ids: list[int | None]
+
+
+@dataclass
+class Finished:
+    """Everything about a finished generation."""
+
+    tokens: list[list[int]]  # generated ids per row (stop token excluded)
+    prompt_tokens: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    steps: int
+    cache_stats: dict = field(default_factory=dict)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+@torch.inference_mode()
+def forward(model, cache: KVCache, ids: torch.Tensor, rows: slice, keep: int | None = None,
+            select: int | None = None, logits_to_keep: int = 1) -> torch.Tensor:
+    """Run ids [b, T] through the model against the cache rows; commit `keep` tokens. -> logits [b, n, V]."""
+    step = cache.begin(rows, ids.shape[1], keep, select)
+    out = model(input_ids=ids, position_ids=step.positions(), cache=cache, use_cache=True,
+                kv_cache=cache, logits_to_keep=logits_to_keep)
+    cache.commit()
+    return out.logits
+
+
+def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int) -> Iterator[int | torch.Tensor]:
+    """Feed one row's prompt in chunks; yields the tokens done after each chunk, then the last logits [V]."""
+    device = cache.lengths.device
+    ids = torch.tensor(prompt, dtype=torch.long, device=device)[None]
+    logits = None
+    for s in range(0, len(prompt), chunk_size):
+        logits = forward(model, cache, ids[:, s : s + chunk_size], slice(row, row + 1))
+        yield min(s + chunk_size, len(prompt))
+    yield logits[0, -1]
+
+
+def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: GenerationConfig,
+             ) -> Iterator[Progress | Tokens | Finished]:
+    """Prefill every prompt into one batch cache, then decode all rows together."""
+    param = next(model.parameters())
+    batch = len(prompts)
+    max_len = max(len(p) for p in prompts) + gen.max_tokens + 2
+    cache = make_cache(model.config, cache_config, batch, max_len, param.dtype, param.device)
+    generator = torch.Generator(device=param.device).manual_seed(gen.seed)
+
+    t0 = time.perf_counter()
+    total, done, last = sum(len(p) for p in prompts), 0, []
+    for row, prompt in enumerate(prompts):
+        for item in prefill(model, cache, prompt, row, cache_config.chunk_size):
+            if isinstance(item, int):
+                yield Progress(done + item, total)
+            else:
+                last.append(item)
+        done += len(prompt)
+    if param.device.type == "cuda":
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+
+    speculative = cache_config.mode == "specache" and cache_config.k > 0
+    decoder = speculative_steps if speculative else plain_steps
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    finished = [False] * batch
+    steps = 0
+    for next_ids in decoder(model, cache, torch.stack(last), gen, generator):
+        steps += 1
+        emitted: list[int | None] = []
+        for r, t in enumerate(next_ids.tolist()):
+            if finished[r] or t in gen.stop_ids:
+                finished[r] = True
+                emitted.append(None)
+                continue
+            outputs[r].append(t)
+            emitted.append(t)
+            if len(outputs[r]) >= gen.max_tokens:
+                finished[r] = True
+        yield Tokens(emitted)
+        if all(finished):
+            break
+    if param.device.type == "cuda":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    yield Finished(outputs, [len(p) for p in prompts], t1 - t0, t2 - t1, steps, cache.stats())
+
+
+def plain_steps(model, cache: KVCache, logits: torch.Tensor, gen: GenerationConfig,
+                generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """One token per step. logits [B, V] are the prefill's last logits. Yields ids [B]."""
+    rows = slice(0, cache.batch)
+    while True:
+        ids = sample(logits, gen.temperature, gen.top_p, generator)
+        yield ids
+        logits = forward(model, cache, ids[:, None], rows)[:, -1]
+
+
+def speculative_steps(model, cache: KVCache, logits: torch.Tensor, gen: GenerationConfig,
+                      generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """SpeCache decoding (design page, Algorithms 2 and 3). Yields the output ids [B] of each step."""
+    rows = slice(0, cache.batch)
+    out = sample(logits, gen.temperature, gen.top_p, generator)  # T1
+    yield out
+    # Pre-decoding: T1 alone against guide + residual; its row picks the first fetch set, its
+    # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
+    spec = forward(model, cache, out[:, None], rows, keep=0, select=0)[:, -1].argmax(-1)
+    while True:
+        pair = torch.stack([out, spec], dim=1)  # [B, 2] = [T_t, T'_{t+1}]
+        logits = forward(model, cache, pair, rows, keep=1, select=1, logits_to_keep=2)  # [B, 2, V]
+        out = sample(logits[:, 0], gen.temperature, gen.top_p, generator)
+        spec = logits[:, 1].argmax(-1)
+        yield out

@@ -1,0 +1,199 @@
+"""The KV cache handed to transformers: a list of per-layer objects, one Step shared by all.
+
+transformers calls `cache.update(key_states, value_states, layer_idx)` from each attention
+module; our registered attention function (engine.attention) then calls
+`cache.layers[layer_idx].attend(query, scaling, cache.step)`. Rows of a batch may have
+different lengths: each row's committed length lives in `cache.lengths`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from engine.config import CacheConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cache needs to know about the model."""
+
+    layers: int
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, heads, kv, head_dim)
+
+
+@dataclass
+class Step:
+    """What one forward pass does to the cache (shared by all layers during that pass).
+
+    rows: the cache rows the batch occupies (a contiguous slice, so reads are views).
+    start: [b] position of each row's first new token (= its committed length).
+    n_new: tokens fed per row. keep: how many of them are committed afterwards
+    (n_new for prefill; 1 in a speculative step, whose second token is only a probe).
+    """
+
+    rows: slice
+    start: torch.Tensor  # [b] long
+    n_new: int
+    keep: int
+    select: int | None = None  # index of the new token whose attention row picks the next fetch set
+
+    def positions(self) -> torch.Tensor:
+        """Absolute positions of the new tokens. -> [b, T]"""
+        return self.start[:, None] + torch.arange(self.n_new, device=self.start.device)
+
+
+def grouped_query(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, H, T, D] -> [b, H_kv, G*T, D]: the query heads sharing a KV head side by side."""
+    b, h, t, d = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * t, d)
+
+
+def ungroup_output(o: torch.Tensor, heads: int, t: int) -> torch.Tensor:
+    """[b, H_kv, G*T, D] -> [b, T, H, D], the layout transformers' attention modules expect."""
+    b, _, _, d = o.shape
+    return o.reshape(b, heads, t, d).transpose(1, 2)
+
+
+def causal_mask(step: Step, group: int, length: int) -> torch.Tensor | None:
+    """Boolean mask [b, 1, G*T, length]: query t of row r sees positions <= start_r + t.
+
+    None when every row sees every position (one new token, equal lengths)."""
+    if step.n_new == 1 and bool((step.start == step.start[0]).all()) and int(step.start[0]) + 1 == length:
+        return None
+    pos = step.positions()  # [b, T]
+    cols = torch.arange(length, device=pos.device)
+    allowed = cols[None, None, :] <= pos[:, :, None]  # [b, T, L]
+    return allowed.repeat(1, group, 1)[:, None]  # rows ordered (g, t) like grouped_query
+
+
+class FullLayer:
+    """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
+
+    def __init__(self, shape: ModelShape, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        self.shape = shape
+        self.k = torch.zeros(batch, shape.kv_heads, max_len, shape.head_dim, dtype=dtype, device=device)  # [B, H_kv, L, D]
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """Write the new tokens' K/V ([b, H_kv, T, D]) at their positions."""
+        write_rows(self.k, self.v, k, v, step)
+
+    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+        """Exact attention of q [b, H, T, D] over each row's past and new tokens -> [b, T, H, D]."""
+        length = int(step.start.max()) + step.n_new
+        keys = self.k[step.rows, :, :length]
+        values = self.v[step.rows, :, :length]
+        qg = grouped_query(q, self.shape.kv_heads)
+        mask = causal_mask(step, self.shape.group, length)
+        out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
+        return ungroup_output(out, self.shape.heads, step.n_new)
+
+    def device_bytes(self, lengths: torch.Tensor) -> int:
+        return int(lengths.sum()) * 2 * self.shape.kv_heads * self.shape.head_dim * self.k.element_size()
+
+    def host_bytes(self, lengths: torch.Tensor) -> int:
+        return 0
+
+
+def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+    """Store new K/V [b, H_kv, T, D] into [B, H_kv, L, D] buffers at each row's positions."""
+    b, t = k.shape[0], k.shape[2]
+    if b == 1 or bool((step.start == step.start[0]).all()):
+        s = int(step.start[0])
+        dst_k[step.rows, :, s : s + t] = k
+        dst_v[step.rows, :, s : s + t] = v
+        return
+    rows = torch.arange(step.rows.start, step.rows.start + b, device=k.device)[:, None]  # [b, 1]
+    pos = step.positions()  # [b, T]
+    dst_k[rows, :, pos] = k.transpose(1, 2)  # advanced dims first: [b, T, H_kv, D]
+    dst_v[rows, :, pos] = v.transpose(1, 2)
+
+
+def kv_bytes_per_token(shape: ModelShape, element_size: int) -> int:
+    """Bytes of K and V for one token over all layers."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * element_size
+
+
+class KVCache(Cache):
+    """transformers Cache whose layers are ours; `step` says what the current forward pass does."""
+
+    def __init__(self, layers: list, shape: ModelShape, config: CacheConfig, batch: int, max_len: int):
+        super().__init__(layers=layers)
+        self.shape = shape
+        self.config = config
+        self.batch = batch
+        self.max_len = max_len
+        device = layers[0].k.device if hasattr(layers[0], "k") else torch.device("cpu")
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
+        self.step: Step | None = None
+
+    def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None) -> Step:
+        """Start a forward pass over `rows` feeding n_new tokens each."""
+        start = self.lengths[rows].clone()
+        if int(start.max()) + n_new > self.max_len:
+            raise RuntimeError(f"cache overflow: {int(start.max()) + n_new} > planned {self.max_len} tokens")
+        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select)
+        return self.step
+
+    def commit(self) -> None:
+        """Advance the lengths of the step's rows by the kept tokens."""
+        step = self.step
+        self.lengths[step.rows] += step.keep
+        for layer in self.layers:
+            if hasattr(layer, "after_step"):
+                layer.after_step(step, self.lengths)
+        self.step = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.layers[layer_idx].update(key_states, value_states, self.step)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lengths.max())
+
+    def device_bytes(self) -> int:
+        return sum(layer.device_bytes(self.lengths) for layer in self.layers)
+
+    def host_bytes(self) -> int:
+        return sum(layer.host_bytes(self.lengths) for layer in self.layers)
+
+    def stats(self) -> dict:
+        """Cache statistics for --json: bytes per tier plus whatever the layers measured."""
+        stats = {"mode": self.config.mode, "device_bytes": self.device_bytes(),
+                 "host_bytes": self.host_bytes(), "full_fp16_bytes": self.full_fp16_bytes()}
+        extra = getattr(self.layers[0], "run_stats", None)
+        if extra is not None:
+            stats.update(extra(self.layers))
+        return stats
+
+    def full_fp16_bytes(self) -> int:
+        """What a full 16-bit cache of the same tokens would hold."""
+        return int(self.lengths.sum()) * kv_bytes_per_token(self.shape, 2)
+
+
+def make_cache(model_config, config: CacheConfig, batch: int, max_len: int,
+               dtype: torch.dtype, device: torch.device) -> KVCache:
+    """Build the cache for the configured mode."""
+    shape = ModelShape.from_config(model_config)
+    if config.mode == "full":
+        layers = [FullLayer(shape, batch, max_len, dtype, device) for _ in range(shape.layers)]
+    else:
+        from engine.guided import make_guided_layers
+
+        layers = make_guided_layers(shape, config, batch, max_len, dtype, device)
+    return KVCache(layers, shape, config, batch, max_len)

@@ -1,0 +1,3 @@
+from specache_cli.app import main
+
+main()
