@@ -79,6 +79,9 @@ def convert_gguf(gguf: Path, dest: Path, on_status: Callable[[str], None] | None
     """Convert the GGUF to a safetensors model folder at dest, atomically (temp folder, then rename)."""
     from filelock import FileLock
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr stays for our own progress
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest) + ".lock"):
