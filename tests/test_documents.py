@@ -1,0 +1,241 @@
+"""Tests of engine.documents on the generated fixtures (scripts/make_fixtures.py)."""
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.documents import (
+    Document,
+    iter_pdf_pages,
+    load_corpus,
+    load_document,
+    normalise_pdf_text,
+)
+from engine.errors import (
+    BadArgument,
+    CorruptDocument,
+    EmptyDocument,
+    EncryptedDocument,
+    InputNotFound,
+    NoExtractableText,
+    SpecacheError,
+    UnsupportedInput,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data"
+REPORT = ROOT / "examples" / "report.pdf"
+REPORT_PAGES = 14
+# Federalist No. 2 (Jay), as it reads in examples/texts/federalist.txt
+KNOWN_SENTENCE = (
+    "It is not yet forgotten that well-grounded apprehensions of imminent danger "
+    "induced the people of America to form the memorable Congress of 1774."
+)
+
+
+def flat(text: str) -> str:
+    """Whitespace-insensitive view of a text (PDF lines break anywhere)."""
+    return " ".join(text.split())
+
+
+def assert_error(exc: SpecacheError, source: str, *words: str) -> None:
+    """A user error message is one line, names the file and says the given words."""
+    message = str(exc)
+    assert "\n" not in message
+    assert source in message
+    for word in words:
+        assert word in message
+
+
+@pytest.fixture(scope="module")
+def report() -> Document:
+    return load_document(str(REPORT))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_file_is_input_not_found(tmp_path: Path) -> None:
+    source = str(tmp_path / "nowhere.pdf")
+    with pytest.raises(InputNotFound) as info:
+        load_document(source)
+    assert_error(info.value, source, "no such file")
+
+
+def test_directory_is_unsupported(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedInput) as info:
+        load_document(str(tmp_path))
+    assert_error(info.value, str(tmp_path), ".pdf", ".txt", ".md", ".markdown", '"-"')
+
+
+def test_unknown_extension_is_unsupported(tmp_path: Path) -> None:
+    path = tmp_path / "notes.docx"
+    path.write_text("some words")
+    with pytest.raises(UnsupportedInput) as info:
+        load_document(str(path))
+    assert_error(info.value, str(path), ".docx", ".pdf, .txt, .md, .markdown")
+
+
+def test_binary_text_file_is_unsupported(tmp_path: Path) -> None:
+    path = tmp_path / "data.txt"
+    path.write_bytes(b"\x00\x01\x02binary\x00\x00\xff" * 50)
+    with pytest.raises(UnsupportedInput) as info:
+        load_document(str(path))
+    assert_error(info.value, str(path), "binary")
+
+
+def test_corrupt_pdf(caplog: pytest.LogCaptureFixture) -> None:
+    source = str(DATA / "corrupt.pdf")
+    caplog.set_level(logging.DEBUG)
+    level_before = logging.getLogger("pypdf").level
+    with pytest.raises(CorruptDocument) as info:
+        load_document(source)
+    assert_error(info.value, source, "corrupt")
+    assert not [r for r in caplog.records if r.name.startswith("pypdf")]
+    assert logging.getLogger("pypdf").level == level_before  # restored after the call
+
+
+def test_pdf_name_without_pdf_content_is_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "fake.pdf"
+    path.write_text("just some text, not a PDF")
+    with pytest.raises(CorruptDocument) as info:
+        load_document(str(path))
+    assert_error(info.value, str(path), "%PDF-")
+
+
+def test_encrypted_without_password() -> None:
+    source = str(DATA / "encrypted.pdf")
+    with pytest.raises(EncryptedDocument) as info:
+        load_document(source)
+    assert_error(info.value, source, "encrypted", "--password")
+
+
+def test_encrypted_with_wrong_password() -> None:
+    source = str(DATA / "encrypted.pdf")
+    with pytest.raises(EncryptedDocument) as info:
+        load_document(source, password="not-the-secret")
+    assert_error(info.value, source, "wrong password", "--password")
+
+
+def test_scanned_pdf_has_no_text() -> None:
+    source = str(DATA / "scanned.pdf")
+    with pytest.raises(NoExtractableText) as info:
+        load_document(source)
+    assert_error(info.value, source, "scanned", "OCR")
+
+
+def test_whitespace_text_file_is_empty() -> None:
+    source = str(DATA / "empty.txt")
+    with pytest.raises(EmptyDocument) as info:
+        load_document(source)
+    assert_error(info.value, source, "empty")
+
+
+def test_whitespace_stdin_is_empty() -> None:
+    with pytest.raises(EmptyDocument) as info:
+        load_document("-", stdin=io.StringIO(" \n\t\n"))
+    assert_error(info.value, "-", "empty")
+
+
+# ---------------------------------------------------------------- successes
+
+
+def test_encrypted_with_right_password() -> None:
+    doc = load_document(str(DATA / "encrypted.pdf"), password="secret")
+    assert doc.kind == "pdf" and doc.pages == 1
+    assert "AFTER an unequivocal experience" in doc.text
+
+
+def test_pdf_detected_by_magic_not_extension(tmp_path: Path) -> None:
+    path = tmp_path / "download"
+    shutil.copy(DATA / "encrypted.pdf", path)
+    doc = load_document(str(path), password="secret")
+    assert doc.kind == "pdf" and doc.source == str(path)
+
+
+def test_report_text_and_pages(report: Document) -> None:
+    assert report.kind == "pdf"
+    assert report.pages == REPORT_PAGES
+    assert report.source == str(REPORT)
+    assert report.text.startswith("The Federalist Papers")
+    assert KNOWN_SENTENCE in flat(report.text)
+    assert "  " not in report.text and " \n" not in report.text
+
+
+def test_on_page_called_once_per_page_in_order() -> None:
+    calls: list[tuple[int, int]] = []
+    load_document(str(REPORT), on_page=lambda i, n: calls.append((i, n)))
+    assert calls == [(i, REPORT_PAGES) for i in range(REPORT_PAGES)]
+
+
+def test_iter_pdf_pages_yields_each_page() -> None:
+    pages = list(iter_pdf_pages(DATA / "encrypted.pdf", password="secret"))
+    assert [(i, n) for i, n, _ in pages] == [(0, 1)]
+    assert "The Federalist Papers" in pages[0][2]
+
+
+def test_text_file() -> None:
+    source = str(DATA / "sample.txt")
+    doc = load_document(source)
+    assert doc == Document(source=source, text=doc.text, pages=None, kind="text")
+    assert "When on board H.M.S. Beagle, as naturalist" in doc.text
+
+
+def test_markdown_file_keeps_its_markup() -> None:
+    doc = load_document(str(DATA / "short.md"))
+    assert doc.kind == "markdown" and doc.pages is None
+    assert doc.text.startswith("# On the Origin of Species")
+    assert "\n\n## The plan of the work\n\n" in doc.text
+
+
+def test_text_file_decoding(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9 cr\xe8me\r\nline two  \r\n".encode("latin-1"))
+    assert load_document(str(path)).text == "caf\ufffd cr\ufffdme\nline two"
+    path.write_bytes("\ufeffna\u00efve".encode("utf-8"))
+    assert load_document(str(path)).text == "na\u00efve"
+
+
+def test_stdin() -> None:
+    doc = load_document("-", stdin=io.StringIO("Heresies in either can rarely be cured by persecution.\n"))
+    assert doc == Document(source="-", text="Heresies in either can rarely be cured by persecution.",
+                           pages=None, kind="text")
+
+
+def test_corpus_keeps_order() -> None:
+    sources = [str(DATA / "short.md"), "-", str(DATA / "encrypted.pdf"), str(DATA / "sample.txt")]
+    docs = load_corpus(sources, password="secret", stdin=io.StringIO("from stdin"))
+    assert [d.source for d in docs] == sources
+    assert [d.kind for d in docs] == ["markdown", "text", "pdf", "text"]
+
+
+def test_corpus_stops_at_first_bad_document() -> None:
+    with pytest.raises(EmptyDocument):
+        load_corpus([str(DATA / "sample.txt"), str(DATA / "empty.txt")])
+
+
+def test_corpus_reads_stdin_once_only() -> None:
+    with pytest.raises(BadArgument):
+        load_corpus(["-", "-"], stdin=io.StringIO("text"))
+
+
+# ---------------------------------------------------------------- normalisation
+
+
+@pytest.mark.parametrize(
+    ("raw", "clean"),
+    [
+        ("an exam-\nple of it", "an example of it"),
+        ("well-\nInformed", "well-\nInformed"),
+        ("respectable--\nthe honest errors", "respectable--\nthe honest errors"),
+        ("spaced    out\t words  \nnext", "spaced out words\nnext"),
+        ("para one\n\n\n\npara two", "para one\n\npara two"),
+        ("  padded page  \n", "padded page"),
+    ],
+)
+def test_normalise_pdf_text(raw: str, clean: str) -> None:
+    assert normalise_pdf_text(raw) == clean
