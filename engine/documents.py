@@ -178,13 +178,13 @@ def _load_pdf(data: bytes, source: str, password: str | None, on_page: OnPage | 
 
 def _open_pdf(data: bytes, source: str, password: str | None) -> PdfReader:
     """Parse the PDF and decrypt it if needed; map every pypdf failure to a typed error."""
-    from pypdf import PasswordType, PdfReader
+    from pypdf import PdfReader
 
     try:
         with _quiet_pypdf():
             reader = PdfReader(io.BytesIO(data), strict=False)
             if reader.is_encrypted:
-                _decrypt(reader, source, password, PasswordType.NOT_DECRYPTED)
+                _decrypt(reader, source, password)
             len(reader.pages)  # forces the page tree to load, so damage shows here
     except SpecacheError:
         raise
@@ -193,18 +193,19 @@ def _open_pdf(data: bytes, source: str, password: str | None) -> PdfReader:
     return reader
 
 
-def _decrypt(reader: PdfReader, source: str, password: str | None, not_decrypted) -> None:
+def _decrypt(reader: PdfReader, source: str, password: str | None) -> None:
     """Try the given password, or the empty one that many 'protected' PDFs use."""
+    from pypdf import PasswordType
+    from pypdf.errors import DependencyError
+
     try:
         result = reader.decrypt(password if password is not None else "")
-    except Exception as exc:
-        if type(exc).__name__ == "DependencyError":
-            raise EncryptedDocument(
-                f"{source}: the PDF uses AES encryption, which needs the 'cryptography' package "
-                "(pip install cryptography); then pass its password with --password"
-            ) from exc
-        raise
-    if result != not_decrypted:
+    except DependencyError as exc:
+        raise EncryptedDocument(
+            f"{source}: the PDF uses AES encryption, which needs the 'cryptography' package "
+            "(pip install cryptography); then pass its password with --password"
+        ) from exc
+    if result != PasswordType.NOT_DECRYPTED:
         return
     if password is None:
         raise EncryptedDocument(f"{source}: the PDF is encrypted; pass its password with --password")
