@@ -132,13 +132,13 @@ def kv_bytes_per_token(shape: ModelShape, element_size: int) -> int:
 class KVCache(Cache):
     """transformers Cache whose layers are ours; `step` says what the current forward pass does."""
 
-    def __init__(self, layers: list, shape: ModelShape, config: CacheConfig, batch: int, max_len: int):
+    def __init__(self, layers: list, shape: ModelShape, config: CacheConfig, batch: int, max_len: int,
+                 device: torch.device):
         super().__init__(layers=layers)
         self.shape = shape
         self.config = config
         self.batch = batch
         self.max_len = max_len
-        device = layers[0].k.device if hasattr(layers[0], "k") else torch.device("cpu")
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
         self.step: Step | None = None
 
@@ -196,4 +196,4 @@ def make_cache(model_config, config: CacheConfig, batch: int, max_len: int,
         from engine.guided import make_guided_layers
 
         layers = make_guided_layers(shape, config, batch, max_len, dtype, device)
-    return KVCache(layers, shape, config, batch, max_len)
+    return KVCache(layers, shape, config, batch, max_len, device)

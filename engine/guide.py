@@ -1,0 +1,49 @@
+"""The guide of one layer: every quantized position's K and V in 1 or 2 bits (engine.quant),
+preallocated for the planned length, filled a group of g tokens at a time."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from engine import quant
+
+
+class Guide:
+    """Quantized K [B, H_kv, L, D] (per-channel groups of g tokens) and V (per-token groups)."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, bits: int, group: int,
+                 device: torch.device):
+        cap = -(-max_len // group) * group
+        self.keys = quant.empty_keys(batch, kv_heads, cap, head_dim, bits, group, device)
+        self.values = quant.empty_values(batch, kv_heads, cap, head_dim, bits, min(group, head_dim), device)
+        self.bits, self.group = bits, group
+        self.elem_bits = (quant.guide_bits_per_element(bits, group)
+                          + quant.guide_bits_per_element(bits, min(group, head_dim))) / 2
+        self.per_token = kv_heads * head_dim  # elements of K (and of V) per token
+
+    def add(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize exact k/v [1, H_kv, n, D] of positions [start, start + n) of one row (n % g == 0)."""
+        keys = replace(self.keys, codes=self.keys.codes[row : row + 1], scale=self.keys.scale[row : row + 1],
+                       zero=self.keys.zero[row : row + 1])
+        values = replace(self.values, codes=self.values.codes[row : row + 1],
+                         scale=self.values.scale[row : row + 1], zero=self.values.zero[row : row + 1])
+        quant.quantize_keys_into(keys, k.to(keys.codes.device), start)
+        quant.quantize_values_into(values, v.to(values.codes.device), start)
+
+    def scores(self, q: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
+        """q [b, H_kv, Q, D] against the first n quantized keys of rows -> [b, H_kv, Q, n] (unscaled)."""
+        return quant.guide_scores(q, _rows(self.keys, rows), n)
+
+    def weighted_values(self, p: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
+        """p [b, H_kv, Q, n] times the first n quantized values of rows -> [b, H_kv, Q, D]."""
+        return quant.guide_weighted_values(p, _rows(self.values, rows), n)
+
+    def bytes(self, tokens: int) -> int:
+        """Storage of `tokens` quantized tokens (K and V, codes + fp16 scale and zero)."""
+        return int(2 * tokens * self.per_token * self.elem_bits / 8)
+
+
+def _rows(q, rows: slice):
+    """The same quantized tensor restricted to a slice of batch rows (a view)."""
+    return replace(q, codes=q.codes[rows], scale=q.scale[rows], zero=q.zero[rows])

@@ -1,0 +1,229 @@
+"""Cache layers for the guide-based modes: specache, kivi (k = 0) and window.
+
+Per layer and row, positions [0, qend) are held in the low-bit guide (and, for specache,
+exactly in the host store); the newest tokens [qend, len) sit exact in a residual buffer on
+the device, where qend = quant_boundary(len) moves a whole group of g tokens at a time; the
+first S tokens also stay exact on the device (attention sinks).
+
+Attention of the new tokens (design page, Decoding):
+  scores over [0, qend): guide scores, replaced by exact scores at sink and fetched positions;
+  scores over [qend, len + T): exact, causal.  One softmax over both.
+  output = guide values weighted by the guide-only probabilities + exact values elsewhere.
+With select = t, the t-th new token's probabilities, summed over the query heads of each KV
+head, pick the top-k positions that will be in the guide at the next step; their exact K/V
+are prefetched from the host store while the rest of the step runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.kvcache import ModelShape, Step, grouped_query, ungroup_output
+from engine.transfer import HostStore
+
+NEG_INF = float("-inf")
+
+
+def quant_boundary(length: torch.Tensor, residual: int, group: int) -> torch.Tensor:
+    """Positions below the returned value are quantized: whole groups that left the residual window."""
+    return ((length - residual).clamp(min=0) // group) * group
+
+
+def window_tokens(config: CacheConfig, shape: ModelShape, max_len: int, exact_bytes: int) -> int:
+    """Recent-window size giving window mode the device bytes of specache at max_len tokens."""
+    guide_bits = config.bits + 32 / config.group
+    guide = max_len * 2 * shape.kv_heads * shape.head_dim * guide_bits / 8  # per layer
+    fetched = config.k * 2 * shape.kv_heads * shape.head_dim * exact_bytes
+    per_token = 2 * shape.kv_heads * shape.head_dim * exact_bytes
+    return max(1, int((guide + fetched) / per_token) + config.residual)
+
+
+class GuidedLayer:
+    """One layer's KV for specache / kivi / window modes (see module docstring)."""
+
+    def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device):
+        from engine.guide import Guide
+
+        self.shape, self.config = shape, config
+        self.mode = config.mode
+        self.topk = 0 if config.mode != "specache" else config.k
+        self.use_guide = config.mode != "window"
+        if self.use_guide:
+            self.residual, self.group = config.residual, config.group
+        else:  # window: no guide, the residual window is the whole exact context
+            self.residual = config.window or window_tokens(config, shape, max_len, torch.finfo(dtype).bits // 8)
+            self.group = 1
+        h, d = shape.kv_heads, shape.head_dim
+        self.sinks = config.sinks
+        self.sink_k = torch.zeros(batch, h, max(self.sinks, 1), d, dtype=dtype, device=device)  # [B, H_kv, S, D]
+        self.sink_v = torch.zeros_like(self.sink_k)
+        slots = self.residual + self.group + max(config.chunk_size, 2)  # window + a group waiting + new tokens
+        self.res_k = torch.zeros(batch, h, slots, d, dtype=dtype, device=device)  # [B, H_kv, W, D]
+        self.res_v = torch.zeros_like(self.res_k)
+        self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
+        self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device) if self.use_guide else None
+        self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device) if self.use_guide else None
+        self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
+        self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
+
+    # ---- writing -------------------------------------------------------------------------
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """Store the new tokens' K/V [b, H_kv, T, D]: host store, sinks, residual buffer."""
+        b, t = k.shape[0], k.shape[2]
+        rows = torch.arange(step.rows.start, step.rows.start + b, device=k.device)[:, None]  # [b, 1]
+        pos = step.positions()  # [b, T]
+        if self.store is not None and step.keep:  # only committed tokens enter the exact store
+            self.store.write(rows, pos[:, : step.keep], k[:, :, : step.keep], v[:, :, : step.keep])
+        sink = pos < self.sinks  # [b, T]
+        if bool(sink.any()):
+            r, j = sink.nonzero(as_tuple=True)
+            self.sink_k[rows[r, 0], :, pos[r, j]] = k[r, :, j]
+            self.sink_v[rows[r, 0], :, pos[r, j]] = v[r, :, j]
+        slot = pos - self.qend[step.rows][:, None]  # [b, T]
+        self.res_k[rows, :, slot] = k.transpose(1, 2)
+        self.res_v[rows, :, slot] = v.transpose(1, 2)
+
+    def after_step(self, step: Step, lengths: torch.Tensor) -> None:
+        """After a pass is committed: quantize the groups that left the residual window."""
+        new_q = quant_boundary(lengths, self.residual, self.group)
+        for row in range(step.rows.start, step.rows.stop):
+            old, new = int(self.qend[row]), int(new_q[row])
+            if new <= old:
+                continue
+            if self.guide is not None:
+                k, v = self.store.read(row, old, new)
+                self.guide.add(row, old, k, v)
+            shift = new - old  # drop the quantized tokens from the residual buffer
+            keep = self.res_k.shape[2] - shift
+            self.res_k[row, :, :keep] = self.res_k[row, :, shift:].clone()
+            self.res_v[row, :, :keep] = self.res_v[row, :, shift:].clone()
+            self.qend[row] = new
+
+    # ---- attention -----------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+        """q [b, H, T, D] -> [b, T, H, D]. See the module docstring."""
+        if step.n_new > 2:
+            return self.attend_prefill(q, scaling, step)
+        return self.attend_decode(q, scaling, step)
+
+    def attend_prefill(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+        """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk."""
+        row = step.rows.start
+        start, t = int(step.start[0]), step.n_new
+        qg = grouped_query(q, self.shape.kv_heads)
+        if self.store is not None:
+            k_past, v_past = self.store.read(row, 0, int(self.qend[row]))
+        else:  # window mode keeps no store: sinks and the window are all there is
+            k_past, v_past = self.sink_k[row : row + 1, :, : min(self.sinks, int(self.qend[row]))], \
+                self.sink_v[row : row + 1, :, : min(self.sinks, int(self.qend[row]))]
+        n_res = start + t - int(self.qend[row])
+        keys = torch.cat([k_past, self.res_k[row : row + 1, :, :n_res]], dim=2)
+        values = torch.cat([v_past, self.res_v[row : row + 1, :, :n_res]], dim=2)
+        past = keys.shape[2] - n_res
+        cols = torch.arange(keys.shape[2], device=q.device)
+        col_pos = torch.where(cols < past, cols, cols - past + int(self.qend[row]))
+        qpos = start + torch.arange(t, device=q.device)
+        mask = (col_pos[None, :] <= qpos[:, None]).repeat(self.shape.group, 1)[None, None]  # [1, 1, G*T, n]
+        out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
+        return ungroup_output(out, self.shape.heads, t)
+
+    def attend_decode(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+        """One or two new tokens per row against guide + sinks + fetched set + residual."""
+        rows, t = step.rows, step.n_new
+        b, h, g = q.shape[0], self.shape.kv_heads, self.shape.group
+        qg = grouped_query(q, h)  # [b, H_kv, G*T, D]
+        qend = self.qend[rows]  # [b]
+        nq = int(qend.max()) if self.use_guide else 0
+        dev = q.device
+        cols = torch.arange(nq + 1, device=dev)  # guide columns plus one trash column at nq
+        # 1. guide region scores [b, H_kv, GT, nq + 1]
+        scores = torch.full((b, h, g * t, nq + 1), NEG_INF, dtype=torch.float32, device=dev)
+        if nq:
+            scores[..., :nq] = self.guide.scores(qg.float(), rows, nq) * scaling
+        # 2. sinks: exact scores where the sink is in the quantized region
+        s = min(self.sinks, nq)
+        if s:
+            sink_scores = (qg @ self.sink_k[rows, :, :s].transpose(-1, -2)).float() * scaling
+            scores[..., :s] = sink_scores
+        # 3. fetched set: exact scores at the selected positions
+        kf = self.topk if nq else 0
+        if kf:
+            fk, fv = self.store.fetched(rows)
+            idx = torch.where(self.fvalid[rows], self.fidx[rows], nq)  # [b, H_kv, k]; invalid -> trash
+            fscores = (qg @ fk.transpose(-1, -2)).float() * scaling  # [b, H_kv, GT, k]
+            scores.scatter_(-1, idx[:, :, None, :].expand(-1, -1, g * t, -1), fscores)
+        # mask quantized columns beyond each row's qend (and the trash column)
+        scores.masked_fill_((cols[None, :] >= qend[:, None])[:, None, None, :], NEG_INF)
+        # 4. residual + new tokens, exact and causal
+        n_res = int((step.start + t - qend).max())
+        rk, rv = self.res_k[rows, :, :n_res], self.res_v[rows, :, :n_res]
+        rscores = (qg @ rk.transpose(-1, -2)).float() * scaling  # [b, H_kv, GT, n_res]
+        rpos = qend[:, None] + torch.arange(n_res, device=dev)  # [b, n_res] absolute positions
+        qpos = step.positions()  # [b, T]
+        visible = rpos[:, None, :] <= qpos[:, :, None]  # [b, T, n_res]
+        rscores.masked_fill_(~visible.repeat(1, g, 1)[:, None], NEG_INF)
+        # 5. one softmax
+        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)
+        pg, pr = probs[..., : nq + 1], probs[..., nq + 1 :]
+        out = (pr @ rv.float()) if rv.dtype != torch.float32 else pr @ rv
+        if s:
+            out = out + pg[..., :s] @ self.sink_v[rows, :, :s].float()
+        if kf:
+            fidx = idx[:, :, None, :].expand(-1, -1, g * t, -1)  # [b, H_kv, GT, k]
+            out = out + torch.gather(pg, -1, fidx) @ fv.float()
+        if nq:  # the guide serves every quantized position that is neither a sink nor fetched
+            guide_p = pg.clone()
+            guide_p[..., :s] = 0
+            if kf:
+                guide_p.scatter_(-1, fidx, 0.0)  # invalid entries hit the trash column
+            out = out + self.guide.weighted_values(guide_p[..., :nq], rows, nq)
+        if step.select is not None and self.topk:
+            self.select_and_prefetch(probs, step, nq, n_res, qend, rpos)
+        return ungroup_output(out.to(q.dtype), self.shape.heads, t)
+
+    def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
+        """Top-k positions of the selecting token (summed over its KV head's query heads), among those
+        that will be in the guide at the next step; start fetching their exact K/V."""
+        b, h, g, t = probs.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
+        rows = step.rows
+        p = probs.view(b, h, g, t, -1)[:, :, :, step.select].sum(dim=2)  # [b, H_kv, nq + 1 + n_res]
+        next_len = step.start + step.keep
+        next_q = quant_boundary(next_len, self.residual, self.group)  # [b]
+        span = int(next_q.max())
+        if span <= self.sinks:
+            self.fvalid[rows] = False
+            return
+        cand = torch.full((b, h, span + n_res), -1.0, device=p.device)  # absolute positions (+ spill)
+        cand[..., : min(nq, span)] = p[..., : min(nq, span)]
+        cand.scatter_(-1, rpos[:, None, :].expand(-1, h, -1), p[..., nq + 1 :])
+        pos = torch.arange(cand.shape[-1], device=p.device)
+        out_of_guide = (pos[None, :] >= next_q[:, None]) | (pos[None, :] < self.sinks)  # [b, L]
+        cand.masked_fill_(out_of_guide[:, None, :], -1.0)
+        n = min(self.topk, span)
+        top, idx = cand.topk(n, dim=-1)  # [b, H_kv, n]
+        valid = top >= 0
+        self.fidx[rows, :, :n] = idx
+        self.fvalid[rows] = False
+        self.fvalid[rows, :, :n] = valid
+        self.store.prefetch(rows, idx.clamp(max=self.store.k.shape[2] - 1))
+
+    # ---- accounting ----------------------------------------------------------------------
+    def device_bytes(self, lengths: torch.Tensor) -> int:
+        per_token = 2 * self.shape.kv_heads * self.shape.head_dim * self.res_k.element_size()
+        qend = quant_boundary(lengths, self.residual, self.group)
+        exact = int((lengths - qend).sum()) + int(torch.minimum(qend, torch.tensor(self.sinks)).sum())
+        total = exact * per_token
+        if self.guide is not None:
+            total += self.guide.bytes(int(qend.sum()))
+        if self.topk:  # the fetched set holds at most k exact positions of the guided region
+            total += int((qend - self.sinks).clamp(min=0).clamp(max=self.topk).sum()) * per_token
+        return total
+
+    def host_bytes(self, lengths: torch.Tensor) -> int:
+        return self.store.host_bytes(int(lengths.sum())) if self.store is not None else 0
+
+
+def make_guided_layers(shape: ModelShape, config: CacheConfig, batch: int, max_len: int,
+                       dtype: torch.dtype, device: torch.device) -> list[GuidedLayer]:
+    return [GuidedLayer(shape, config, batch, max_len, dtype, device) for _ in range(shape.layers)]
