@@ -52,9 +52,9 @@ class Finished:
 
 @torch.inference_mode()
 def forward(model, cache: KVCache, ids: torch.Tensor, rows: slice, keep: int | None = None,
-            select: int | None = None, logits_to_keep: int = 1) -> torch.Tensor:
+            select: int | None = None, logits_to_keep: int = 1, is_prefill: bool = False) -> torch.Tensor:
     """Run ids [b, T] through the model against the cache rows; commit `keep` tokens. -> logits [b, n, V]."""
-    step = cache.begin(rows, ids.shape[1], keep, select)
+    step = cache.begin(rows, ids.shape[1], keep, select, is_prefill)
     out = model(input_ids=ids, position_ids=step.positions(), cache=cache, use_cache=True,
                 kv_cache=cache, logits_to_keep=logits_to_keep)
     cache.commit()
@@ -67,7 +67,7 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
     ids = torch.tensor(prompt, dtype=torch.long, device=device)[None]
     logits = None
     for s in range(0, len(prompt), chunk_size):
-        logits = forward(model, cache, ids[:, s : s + chunk_size], slice(row, row + 1))
+        logits = forward(model, cache, ids[:, s : s + chunk_size], slice(row, row + 1), is_prefill=True)
         yield min(s + chunk_size, len(prompt))
     yield logits[0, -1]
 

@@ -103,7 +103,7 @@ class GuidedLayer:
     # ---- attention -----------------------------------------------------------------------
     def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
         """q [b, H, T, D] -> [b, T, H, D]. See the module docstring."""
-        if step.n_new > 2:
+        if step.prefill:
             return self.attend_prefill(q, scaling, step)
         return self.attend_decode(q, scaling, step)
 

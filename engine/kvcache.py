@@ -51,6 +51,7 @@ class Step:
     n_new: int
     keep: int
     select: int | None = None  # index of the new token whose attention row picks the next fetch set
+    prefill: bool = False  # prompt tokens: attention over the exact past
 
     def positions(self) -> torch.Tensor:
         """Absolute positions of the new tokens. -> [b, T]"""
@@ -142,12 +143,13 @@ class KVCache(Cache):
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
         self.step: Step | None = None
 
-    def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None) -> Step:
+    def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
+              prefill: bool = False) -> Step:
         """Start a forward pass over `rows` feeding n_new tokens each."""
         start = self.lengths[rows].clone()
         if int(start.max()) + n_new > self.max_len:
             raise RuntimeError(f"cache overflow: {int(start.max()) + n_new} > planned {self.max_len} tokens")
-        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select)
+        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select, prefill)
         return self.step
 
     def commit(self) -> None:
