@@ -81,7 +81,7 @@ def convert_gguf(gguf: Path, dest: Path, on_status: Callable[[str], None] | None
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # stderr stays for our own progress
+    hf_logging.disable_progress_bar()
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest) + ".lock"):
@@ -146,8 +146,11 @@ def load_model(
     """Load a causal LM and its tokenizer from local files only, with our attention function."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
     import engine.attention  # noqa: F401  registers the attention function
 
+    hf_logging.disable_progress_bar()  # stderr is for our own progress
     start = time.perf_counter()
     name, path = resolve_model_dir(spec, on_status)
     dev = pick_device(device)

@@ -1,17 +1,12 @@
 """The Typer application: a thin layer that parses flags, calls the engine and renders results.
 
 Results go to stdout (text, --json or --jsonl); progress, timings and logs go to stderr.
-Every user error is a typed engine.errors.SpecacheError mapped to a one-line message and
-its own exit code here; nothing else in the project calls sys.exit.
+Every user error is a typed engine.errors.SpecacheError, mapped to a one-line message and its
+own exit code by console.guarded around each command.
 """
 from __future__ import annotations
 
-import sys
-
 import typer
-
-from engine.errors import SpecacheError
-from specache_cli.console import err_console
 
 app = typer.Typer(
     name="specache",
@@ -22,31 +17,13 @@ app = typer.Typer(
 )
 
 # Each command module exposes register(app). Keep this list the only place commands are wired.
-from specache_cli import run_cmds  # noqa: E402
+from specache_cli import plan_cmd, run_cmds  # noqa: E402
 
-for _module in (run_cmds,):
+for _module in (run_cmds, plan_cmd):
     _module.register(app)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: run the app, turning user errors into exit codes."""
-    try:
-        app(args=argv, standalone_mode=False)
-    except SpecacheError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted[/]")
-        sys.exit(130)
-    except typer.Exit as exc:  # raised by commands for plain exits
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        err_console.print("[bold red]aborted[/]")
-        sys.exit(130)
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show(file=sys.stderr)
-            sys.exit(exc.exit_code)
-        raise
+def main() -> None:
+    """Console-script entry point. Commands are wrapped by console.guarded, so user errors
+    already arrive here as a one-line message and their exit code; click maps bad flags to 2."""
+    app()

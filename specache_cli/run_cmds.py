@@ -10,28 +10,36 @@ import typer
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import BadArgument, BatchFailures, SpecacheError
 from engine.pipeline import STRATEGIES, Runner, ask, summarize
-from specache_cli.console import err_console
+from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json, print_timings, progress_bar, render_job
 
 DEFAULT_CACHE = "full"
 
 
 def _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens, temperature,
-            top_p, seed, strategy, quiet) -> Runner:
-    """Validate flags, then load the model (flags first: a bad flag should not cost a model load)."""
+            top_p, seed, strategy, quiet):
+    """Validate the flags now; return a function that loads the model on first call (so bad flags and
+    unreadable documents are reported before any model load)."""
     if strategy not in STRATEGIES:
         raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
     cache_cfg = CacheConfig(mode=cache).with_overrides(bits=bits, group=group, k=k, residual=residual,
                                                        sinks=sinks, chunk_size=chunk_size)
     gen = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    from engine.model import load_model
+    loaded: list[Runner] = []
 
-    status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False))
-    lm = load_model(model, device=device, dtype=dtype, on_status=status)
-    if not quiet:
-        err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s[/]",
-                          highlight=False)
-    return Runner(lm, cache_cfg, gen, strategy)
+    def get() -> Runner:
+        if not loaded:
+            from engine.model import load_model
+
+            status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False))
+            lm = load_model(model, device=device, dtype=dtype, on_status=status)
+            if not quiet:
+                err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}) loaded in "
+                                  f"{lm.load_seconds:.1f} s[/]", highlight=False)
+            loaded.append(Runner(lm, cache_cfg, gen, strategy))
+        return loaded[0]
+
+    return get
 
 
 def _load(source: str, password: Optional[str], quiet: bool):
@@ -76,8 +84,8 @@ def summarize_cmd(
     quiet: bool = QUIET,
 ) -> None:
     """Summarize each document."""
-    runner = _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                     temperature, top_p, seed, strategy, quiet)
+    get_runner = _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
+                         temperature, top_p, seed, strategy, quiet)
     structured = json_out or jsonl
     failures = 0
     for source in files:
@@ -85,7 +93,7 @@ def summarize_cmd(
             doc = _load(source, password, quiet)
             if len(files) > 1 and not structured:
                 sys.stdout.write(f"# {source}\n")
-            result = render_job(summarize(runner, doc.text, source), quiet, stream_text=not structured)
+            result = render_job(summarize(get_runner(), doc.text, source), quiet, stream_text=not structured)
         except SpecacheError as exc:
             if len(files) == 1:
                 raise
@@ -120,9 +128,10 @@ def ask_cmd(
         raise BadArgument("ask needs a question: specache ask --doc FILE \"question\"")
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
-    runner = _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                     temperature, top_p, seed, strategy, quiet)
+    get_runner = _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
+                         temperature, top_p, seed, strategy, quiet)
     docs = [_load(source, password, quiet) for source in doc]
+    runner = get_runner()
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)
     source = ", ".join(d.source for d in docs)
     structured = json_out or jsonl
@@ -137,5 +146,5 @@ def ask_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("summarize")(summarize_cmd)
-    app.command("ask")(ask_cmd)
+    app.command("summarize")(guarded(summarize_cmd))
+    app.command("ask")(guarded(ask_cmd))

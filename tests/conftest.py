@@ -44,12 +44,12 @@ def embedded_dir():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_dir):
-    """A local HF folder: a tiny random Llama (512-token window) with the real SmolLM2 tokenizer."""
+    """A local HF folder: a tiny random Llama (1024-token window) with the real SmolLM2 tokenizer."""
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("tiny-model")
     tok = AutoTokenizer.from_pretrained(embedded_dir)
-    model = make_tiny_model(vocab=len(tok), max_pos=512, layers=2)
+    model = make_tiny_model(vocab=len(tok), max_pos=1024, layers=2)
     model.config.bos_token_id, model.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -1,0 +1,144 @@
+"""`specache plan`: how many sequences fit, which k, and whether the prefetch hides (docs/planner.md)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from engine.planner import DEFAULT_PREFILL_CHUNK, GIB, MODES, REFERENCES, Plan, check_settings, detect_hardware, plan
+from engine.profiles import HardwareProfile, load_hardware, load_model_profile
+from specache_cli.console import err_console, guarded
+from specache_cli.render import emit_json
+
+BREAKDOWN_LABELS = {
+    "kv_cache": "  KV cache, 16-bit",
+    "guide": "  guide",
+    "residual_window": "  residual window (R + g - 1)",
+    "sinks": "  sink tokens",
+    "fetch_buffers": "  fetch buffers (x2)",
+    "host_store": "  exact store (same RAM)",
+    "decode_working_set": "  decode working set",
+    "prefill_activations": "  prefill activations",
+}
+
+
+def size(nbytes: int | None) -> str:
+    """Bytes in binary units, 3 significant figures."""
+    if nbytes is None:
+        return "-"
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}" if nbytes / scale < 100 else f"{nbytes / scale:.0f} {unit}"
+    return f"{nbytes} B"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds * 1e3 < 1000 else f"{seconds:.3g} s"
+
+
+def _hardware(gpu: str, measure: bool) -> HardwareProfile:
+    if gpu.strip().lower() != "auto":
+        return load_hardware(gpu)
+    hw = detect_hardware(measure=measure)
+    if hw.kind == "cpu":
+        err_console.print(f"note: no CUDA device found; planning for the CPU with this machine's RAM "
+                          f"({size(hw.device_memory_bytes)}, {size(hw.free_memory_bytes)} available) as device memory",
+                          highlight=False)
+    else:
+        err_console.print(f"note: detected {hw.source.removeprefix('detected: ')}: {size(hw.device_memory_bytes)} total, "
+                          f"{size(hw.free_memory_bytes)} free, host->device {hw.h2d_gbps:g} GB/s"
+                          + (" (measured)" if measure else " (profile figure)"), highlight=False)
+        if hw.name == "cuda-generic":
+            err_console.print("note: unrecognized GPU: memory bandwidth and matmul throughput are conservative "
+                              "placeholders; pass --gpu NAME or a YAML profile for a better estimate", highlight=False)
+    return hw
+
+
+def render_table(p: Plan) -> Table:
+    """The plan as a rich table: one column per mode."""
+    hw, m = p.hardware, p.model
+    info = p.to_json()
+    budget, host_usable = info["budget"], info["host"]["usable_bytes"]
+    title = (f"{m.display_name} on {hw.display_name}, {p.context:,} tokens, {p.bits}-bit guide g{p.group}, "
+             f"R={p.residual}, S={p.sinks}, reference: {p.reference}")
+    caption = (f"device {size(budget['device_memory_bytes'])} - runtime {size(budget['runtime_reserve_bytes'])} "
+               f"- margin {size(budget['allocator_margin_bytes'])} -> {size(budget['usable_bytes'])} usable "
+               f"(weights {size(budget['weights_bytes'])}); step times are a roofline estimate")
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    table.add_column("")
+    for mode in MODES:
+        table.add_column(mode, justify="right")
+    modes = [p.mode(name) for name in MODES]
+
+    def row(label: str, values: list[str]) -> None:
+        table.add_row(label, *values)
+
+    row("device / sequence", [size(mp.device_bytes_per_sequence) for mp in modes])
+    for key, label in BREAKDOWN_LABELS.items():
+        if any(key in mp.device_breakdown for mp in modes):
+            row(label, [size(mp.device_breakdown.get(key)) for mp in modes])
+    row("shared: weights", [size(mp.shared_device_bytes["weights"]) for mp in modes])
+    row("shared: prefill activations", [size(mp.shared_device_bytes.get("prefill_activations")) for mp in modes])
+    row("max batch", [f"{mp.max_batch} ({mp.limited_by})" for mp in modes])
+    row("k (per layer, KV head)", [str(mp.k) if mp.mode == "specache" else "-" for mp in modes])
+    row("host RAM / sequence", [size(mp.host_bytes_per_sequence) for mp in modes])
+    row("host RAM at max batch", [_host_cell(mp.host_bytes_per_sequence * mp.max_batch, host_usable) for mp in modes])
+    row("transfer / step", [f"{size(mp.transfer_bytes_per_step)}, {ms(mp.transfer_seconds_per_step)}"
+                            if mp.transfer_bytes_per_step else "-" for mp in modes])
+    row("compute / step", [ms(mp.compute_seconds_per_step) for mp in modes])
+    row("prefetch hidden", [("yes" if mp.prefetch_hidden else f"no (k <= {mp.k_max_hidden} would)")
+                            if mp.mode == "specache" else "-" for mp in modes])
+    row("decode tokens/s", [f"{mp.tokens_per_second:,.0f}" for mp in modes])
+    row("speedup vs full", ["-" if mp.predicted_speedup_vs_full is None else f"{mp.predicted_speedup_vs_full:.2f}x"
+                            for mp in modes])
+    return table
+
+
+def _host_cell(needed: int, usable: int | None) -> str:
+    if not needed:
+        return "-"
+    if usable is None:
+        return f"{size(needed)} (host RAM unknown)"
+    return f"{size(needed)} ({'fits' if needed <= usable else 'exceeds'} {size(usable)})"
+
+
+def plan_cmd(
+    context: int = typer.Option(..., "--context", "-c", help="Tokens per sequence (prompt + generated)."),
+    gpu: str = typer.Option("auto", "--gpu", help="auto (detect this machine), a profile name (rtx-a6000, h100-sxm, "
+                                                  "cpu, ...) or a YAML profile path."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="A model profile name (mistral-7b, llama-3.1-8b, "
+                                                                   "...), a YAML path, or a local HF model folder / config.json."),
+    bits: Optional[int] = typer.Option(None, help="Guide code width, 1 or 2 (default: the model profile's)."),
+    group: Optional[int] = typer.Option(None, help="Quantization group size g, 32 or 64 (default: the model profile's)."),
+    k: Optional[int] = typer.Option(None, "--k", help="Exact positions fetched per layer per KV head (default: the model profile's)."),
+    residual: int = typer.Option(64, help="Exact recent tokens R."),
+    sinks: int = typer.Option(4, help="Exact first tokens S."),
+    host_ram: Optional[float] = typer.Option(None, "--host-ram", help="Host RAM in GB (GiB, as RAM is sold); default: "
+                                                                      "this machine's with --gpu auto, else unchecked."),
+    reference: str = typer.Option("engine", help=f"{' or '.join(REFERENCES)}: the full-cache row as this engine runs it, "
+                                                  "or as the paper's transformers baseline (one-shot prefill, fp32 logits)."),
+    prefill_chunk: int = typer.Option(DEFAULT_PREFILL_CHUNK, help="Prefill chunk, tokens (the engine's --chunk-size)."),
+    measure: bool = typer.Option(True, help="With --gpu auto: measure pinned host->device bandwidth."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (docs/planner.md, JSON contract)."),
+) -> None:
+    """Plan batch size and k from first principles for full cache, KIVI and SpeCache."""
+    host_bytes = None if host_ram is None else int(host_ram * GIB)
+    profile = load_model_profile(model)
+    check_settings(context, profile.default_bits if bits is None else bits,
+                   profile.default_group if group is None else group, residual, sinks,
+                   profile.default_k if k is None else k, host_bytes, None, reference, prefill_chunk)
+    hw = _hardware(gpu, measure)
+    result = plan(hw, profile, context, bits, group, residual, sinks, k, host_bytes,
+                  reference=reference, prefill_chunk=prefill_chunk)
+    for note in result.notes:
+        err_console.print(f"note: {note}", highlight=False)
+    if json_out:
+        emit_json(result.to_json(), lines=False)
+        return
+    Console(highlight=False).print(render_table(result))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(guarded(plan_cmd))
