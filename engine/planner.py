@@ -314,7 +314,7 @@ class _Sizing:
     state: dict  # resident bytes per sequence, by part
     decode_working_set: int  # transient per sequence during decode
     prefill_bytes: int  # transient prefill activations
-    prefill_per_sequence: bool  # True: every row prefilled at once (paper baseline); False: one row at a time
+    prefill_per_sequence: bool  # True: the whole batch prefilled together (paper); False: one row at a time (engine)
     host_per_sequence: int
     read_per_sequence: int  # bytes one decode step reads per sequence
     queries: int  # tokens fed per step
@@ -324,7 +324,7 @@ def _sizing(mode: str, hw: HardwareProfile, m: ModelProfile, context: int, bits:
             sinks: int, k: int, reference: str, chunk: int, eb: int) -> _Sizing:
     kvb = kv_bytes_per_token(m, eb)
     if mode == "full":
-        one_shot = reference == "paper"
+        one_shot = reference == "paper"  # the whole batch in one forward, as one generate() call does
         if one_shot:
             prefill = prefill_activation_bytes(m, context, eb, all_logits=True)
         else:
@@ -344,7 +344,7 @@ def _sizing(mode: str, hw: HardwareProfile, m: ModelProfile, context: int, bits:
     prefill = prefill_activation_bytes(m, min(chunk, context), eb, past_tokens=context, past_views=PAST_VIEWS,
                                        mask=True)
     return _Sizing(state, decode_working_set_bytes(m, context, queries, eb, guided=True),
-                   prefill, False, host, read, queries)
+                   prefill, reference == "paper", host, read, queries)
 
 
 def _max_batch(s: _Sizing, available: int) -> tuple[int, int]:
@@ -422,8 +422,10 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
 
     bits / group / k default to the model profile's defaults. host_ram_bytes defaults to the RAM
     detected with the hardware (None: the host check is skipped). reference "engine" models this
-    project's engine (rows prefilled one at a time in chunks); "paper" makes the full-cache row the
-    paper's transformers baseline (whole batch in one forward, fp32 logits of every position).
+    project's engine: rows prefilled one at a time in chunks, so prefill activations are paid once.
+    "paper" models the paper's throughput setup: the whole batch is prefilled together, the full
+    cache in one forward with fp16 + fp32 logits of every position (transformers before 4.45), the
+    guided caches in chunks of prefill_chunk tokens; prefill activations are paid per sequence.
     """
     bits = model.default_bits if bits is None else bits
     group = model.default_group if group is None else group
@@ -452,6 +454,9 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     modes = [replace(mp, predicted_speedup_vs_full=(mp.tokens_per_second / full_tps) if full_tps > 0 else None)
              for mp in modes]
     notes.extend(_mode_notes(modes, available, model, eb))
+    if hardware.kind == "cpu":
+        notes.append("CPU step times are a roofline; measured CPU decode is dominated by per-layer framework "
+                     "overhead (docs/planner.md)")
     return Plan(hardware, model, context, bits, group, residual, sinks, k, reference, prefill_chunk, eb, budget,
                 host_ram_bytes, tuple(modes), tuple(notes))
 
@@ -589,7 +594,8 @@ def detect_hardware(measure: bool = True) -> HardwareProfile:
     if not torch.cuda.is_available():
         cpu = load_hardware("cpu")
         return replace(cpu, device_memory_bytes=ram_total, free_memory_bytes=min(ram_available, ram_total),
-                       host_ram_bytes=ram_total, source=f"detected: no CUDA device; RAM as device memory ({cpu.source})")
+                       host_ram_bytes=ram_total,
+                       source=f"detected: no CUDA device; RAM as device memory ({cpu.source})")
     name = torch.cuda.get_device_name(0)
     free, total = torch.cuda.mem_get_info(0)
     base = match_cuda_device(name) or load_hardware("cuda-generic")

@@ -59,7 +59,8 @@ class HardwareProfile:
     source: str = "<built-in>"
 
     def __post_init__(self) -> None:
-        _check(self.kind in KINDS, self.source, "kind", f"must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        _check(self.kind in KINDS, self.source, "kind",
+               f"must be one of {', '.join(KINDS)}, not {self.kind!r}")
         _check(self.compute_dtype in DTYPE_BYTES, self.source, "compute_dtype",
                f"must be one of {', '.join(DTYPE_BYTES)}, not {self.compute_dtype!r}")
         _positive(self, "device_memory_bytes", "memory_bandwidth_gbps", "matmul_tflops", "h2d_gbps",
@@ -68,10 +69,12 @@ class HardwareProfile:
                f"must be one of {sorted(PCIE_GBPS_PER_LANE)}, not {self.pcie_gen}")
         _check((self.pcie_gen is None) == (self.pcie_lanes is None), self.source, "pcie_lanes",
                "must be given together with pcie_gen")
-        _check(self.kind == "cpu" or self.pcie_gen is not None, self.source, "pcie_gen", "is required for a cuda profile")
+        _check(self.kind == "cpu" or self.pcie_gen is not None, self.source, "pcie_gen",
+               "is required for a cuda profile")
         link = self.pcie_link_gbps
         if link is not None:
-            _check(self.h2d_gbps <= link, self.source, "h2d_gbps", f"{self.h2d_gbps} exceeds the PCIe link's {link:.1f} GB/s")
+            _check(self.h2d_gbps <= link, self.source, "h2d_gbps",
+                   f"{self.h2d_gbps} exceeds the PCIe link's {link:.1f} GB/s")
         _check(self.free_memory_bytes is None or self.free_memory_bytes <= self.device_memory_bytes,
                self.source, "free_memory_bytes", "exceeds device_memory_bytes")
 

@@ -38,21 +38,25 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds * 1e3 < 1000 else f"{seconds:.3g} s"
 
 
+def note(text: str) -> None:
+    """One note line on stderr (never wrapped)."""
+    err_console.print(f"note: {text}", highlight=False, soft_wrap=True)
+
+
 def _hardware(gpu: str, measure: bool) -> HardwareProfile:
     if gpu.strip().lower() != "auto":
         return load_hardware(gpu)
     hw = detect_hardware(measure=measure)
     if hw.kind == "cpu":
-        err_console.print(f"note: no CUDA device found; planning for the CPU with this machine's RAM "
-                          f"({size(hw.device_memory_bytes)}, {size(hw.free_memory_bytes)} available) as device memory",
-                          highlight=False)
-    else:
-        err_console.print(f"note: detected {hw.source.removeprefix('detected: ')}: {size(hw.device_memory_bytes)} total, "
-                          f"{size(hw.free_memory_bytes)} free, host->device {hw.h2d_gbps:g} GB/s"
-                          + (" (measured)" if measure else " (profile figure)"), highlight=False)
-        if hw.name == "cuda-generic":
-            err_console.print("note: unrecognized GPU: memory bandwidth and matmul throughput are conservative "
-                              "placeholders; pass --gpu NAME or a YAML profile for a better estimate", highlight=False)
+        note(f"no CUDA device found; planning for the CPU with this machine's RAM ({size(hw.device_memory_bytes)}, "
+             f"{size(hw.free_memory_bytes)} available) as device memory")
+        return hw
+    how = "measured" if measure else "profile figure"
+    note(f"detected {hw.source.removeprefix('detected: ')}: {size(hw.device_memory_bytes)} total, "
+         f"{size(hw.free_memory_bytes)} free, host->device {hw.h2d_gbps:g} GB/s ({how})")
+    if hw.name == "cuda-generic":
+        note("unrecognized GPU: memory bandwidth and matmul throughput are conservative placeholders; "
+             "pass --gpu NAME or a YAML profile for a better estimate")
     return hw
 
 
@@ -104,21 +108,26 @@ def _host_cell(needed: int, usable: int | None) -> str:
     return f"{size(needed)} ({'fits' if needed <= usable else 'exceeds'} {size(usable)})"
 
 
+GPU_HELP = "auto (detect this machine), a profile name (rtx-a6000, h100-sxm, cpu, ...) or a YAML profile path."
+MODEL_HELP = ("A model profile name (mistral-7b, llama-3.1-8b, ...), a YAML path, or a local HF model folder "
+              "or config.json.")
+HOST_HELP = "Host RAM in GB (GiB, as RAM is sold); default: this machine's with --gpu auto, else unchecked."
+REFERENCE_HELP = (f"{' or '.join(REFERENCES)}: prefill as this engine runs it (one row at a time), or as the "
+                  "paper's setup (whole batch together; full cache in one forward with fp32 logits of every position).")
+
+
 def plan_cmd(
     context: int = typer.Option(..., "--context", "-c", help="Tokens per sequence (prompt + generated)."),
-    gpu: str = typer.Option("auto", "--gpu", help="auto (detect this machine), a profile name (rtx-a6000, h100-sxm, "
-                                                  "cpu, ...) or a YAML profile path."),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="A model profile name (mistral-7b, llama-3.1-8b, "
-                                                                   "...), a YAML path, or a local HF model folder / config.json."),
+    gpu: str = typer.Option("auto", "--gpu", help=GPU_HELP),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
     bits: Optional[int] = typer.Option(None, help="Guide code width, 1 or 2 (default: the model profile's)."),
-    group: Optional[int] = typer.Option(None, help="Quantization group size g, 32 or 64 (default: the model profile's)."),
-    k: Optional[int] = typer.Option(None, "--k", help="Exact positions fetched per layer per KV head (default: the model profile's)."),
+    group: Optional[int] = typer.Option(None, help="Quantization group size g, 32 or 64 (default: the model's)."),
+    k: Optional[int] = typer.Option(None, "--k", help="Exact positions fetched per layer per KV head "
+                                                      "(default: the model profile's)."),
     residual: int = typer.Option(64, help="Exact recent tokens R."),
     sinks: int = typer.Option(4, help="Exact first tokens S."),
-    host_ram: Optional[float] = typer.Option(None, "--host-ram", help="Host RAM in GB (GiB, as RAM is sold); default: "
-                                                                      "this machine's with --gpu auto, else unchecked."),
-    reference: str = typer.Option("engine", help=f"{' or '.join(REFERENCES)}: the full-cache row as this engine runs it, "
-                                                  "or as the paper's transformers baseline (one-shot prefill, fp32 logits)."),
+    host_ram: Optional[float] = typer.Option(None, "--host-ram", help=HOST_HELP),
+    reference: str = typer.Option("engine", help=REFERENCE_HELP),
     prefill_chunk: int = typer.Option(DEFAULT_PREFILL_CHUNK, help="Prefill chunk, tokens (the engine's --chunk-size)."),
     measure: bool = typer.Option(True, help="With --gpu auto: measure pinned host->device bandwidth."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (docs/planner.md, JSON contract)."),
@@ -132,12 +141,12 @@ def plan_cmd(
     hw = _hardware(gpu, measure)
     result = plan(hw, profile, context, bits, group, residual, sinks, k, host_bytes,
                   reference=reference, prefill_chunk=prefill_chunk)
-    for note in result.notes:
-        err_console.print(f"note: {note}", highlight=False)
+    for text in result.notes:
+        note(text)
     if json_out:
         emit_json(result.to_json(), lines=False)
         return
-    Console(highlight=False).print(render_table(result))
+    Console(highlight=False, soft_wrap=True).print(render_table(result))
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,391 @@
+"""The memory planner and the profiles: every formula alone, the paper validation point, golden
+JSON and table output for two profiles, detection without a GPU, and malformed profiles.
+
+Regenerate the golden files after an intended change with: UPDATE_GOLDEN=1 pytest tests/test_planner.py
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from engine import planner as P
+from engine.errors import BadArgument, DoesNotFit, ProfileError
+from engine.profiles import (
+    estimate_parameters,
+    list_hardware,
+    list_models,
+    load_hardware,
+    load_model_profile,
+    match_cuda_device,
+    model_profile_from_config,
+)
+from specache_cli.app import app
+
+GOLDEN = Path(__file__).parent / "golden"
+DOCS = Path(__file__).parent.parent / "docs" / "planner.md"
+MIB, GIB = 1024**2, 1024**3
+MODE_KEYS = {"mode", "max_batch", "k", "device_bytes_per_sequence", "host_bytes_per_sequence",
+             "transfer_bytes_per_step", "prefetch_hidden", "predicted_speedup_vs_full"}
+GOLDEN_CASES = {  # name -> CLI arguments
+    "plan_a6000_mistral7b_32k": ["--gpu", "rtx-a6000", "--model", "mistral-7b", "--context", "32768",
+                                 "--bits", "1", "--reference", "paper"],
+    "plan_l4_smollm2_8k": ["--gpu", "l4", "--model", "smollm2-135m", "--context", "8192", "--host-ram", "32"],
+}
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    return load_model_profile("mistral-7b")
+
+
+@pytest.fixture(scope="module")
+def a6000():
+    return load_hardware("rtx-a6000")
+
+
+def run_cli(*args: str, env: dict | None = None):
+    return CliRunner().invoke(app, ["plan", *args], env={"COLUMNS": "120", **(env or {})})
+
+
+# --- formulas ------------------------------------------------------------------------------------
+
+def test_kv_and_guide_sizes(mistral):
+    assert P.kv_elements_per_token(mistral) == 2 * 32 * 8 * 128
+    assert P.kv_bytes_per_token(mistral) == 128 * 1024  # 128 KiB per token in fp16
+    # design page: 1-bit g64 = 1.5 bits (0.094x fp16), g32 = 2, 2-bit g64 = 2.5, g32 = 3
+    assert [P.guide_bits_per_element(b, g) for b, g in ((1, 64), (1, 32), (2, 64), (2, 32))] == [1.5, 2, 2.5, 3]
+    assert P.guide_bits_per_element(1, 64) / 16 == pytest.approx(0.094, abs=5e-4)
+    assert P.guide_bytes(mistral, 32768, 1, 64) == 384 * MIB
+    assert P.guide_bytes(mistral, 32768, 2, 32) == 768 * MIB
+    assert P.exact_tail_tokens(64, 64) == 127
+    assert P.fetch_buffer_bytes(mistral, 64) == 2 * 64 * 128 * 1024
+    assert P.weight_bytes(mistral) == 2 * 7_241_732_096
+    assert P.layer_view_bytes(mistral, 32768) == 128 * MIB
+
+
+def test_prefill_activations(mistral):
+    ctx = 32768
+    # paper baseline: the whole prompt at once, fp16 logits of every position plus an fp32 copy
+    one_shot = P.prefill_activation_bytes(mistral, ctx, all_logits=True)
+    assert one_shot == 2 * ctx * 4096 * 2 + ctx * 32000 * (2 + 4)
+    assert one_shot == 6512 * MIB
+    # last-position logits: the MLP (gate, up, product) is the peak
+    assert P.prefill_activation_bytes(mistral, ctx) == 2 * ctx * 4096 * 2 + 3 * ctx * 14336 * 2
+    # a 512-token chunk of a guided layer: two 16-bit copies of the layer's past + the boolean mask
+    chunk = P.prefill_activation_bytes(mistral, 512, past_tokens=ctx, past_views=2, mask=True)
+    attention = 512 * (2 * 32 + 2 * 8) * 128 * 2 + 2 * 128 * MIB + 4 * 512 * (ctx + 512)
+    assert chunk == 2 * 512 * 4096 * 2 + attention
+    assert P.causal_mask_bytes(mistral, 512, 1024) == 4 * 512 * 1024
+
+
+def test_decode_working_set(mistral):
+    assert P.decode_working_set_bytes(mistral, 32768, 1, guided=False) == 32000 * 2
+    guided = P.decode_working_set_bytes(mistral, 32768, 2, guided=True)
+    assert guided == 2 * 32000 * 2 + P.SCORE_COPIES * 2 * 32 * 32768 * 4 + 128 * MIB
+
+
+def test_budget_and_batch(a6000):
+    total = 49140 * MIB
+    assert a6000.device_memory_bytes == total
+    assert P.device_budget_bytes(a6000) == total - 512 * MIB - int(0.05 * total)
+    with_free = replace(a6000, free_memory_bytes=20 * GIB)
+    assert P.device_budget_bytes(with_free) == 20 * GIB - int(0.05 * total)
+    cpu = load_hardware("cpu")
+    assert P.runtime_reserve_bytes(cpu) == int(0.1 * cpu.device_memory_bytes)
+    assert P.batch_that_fits(100, 30) == 3
+    assert P.batch_that_fits(100, 30, shared=20) == 2
+    assert P.batch_that_fits(10, 30) == 0
+    assert P.batch_that_fits(-5, 30) == 0
+    assert P.host_usable_bytes(100 * GIB) == 90 * GIB
+
+
+def test_step_times(a6000, mistral):
+    weights = P.weight_bytes(mistral)
+    # batch 1, one token: memory-bound, weights + one sequence's reads over 80% of 768 GB/s
+    t = P.decode_step_seconds(a6000, mistral, 1, 1, 1000, 1024)
+    assert t == pytest.approx((weights + 1000) / (768e9 * 0.8))
+    # a huge batch: compute-bound at 60% of 154.8 TFLOPS
+    t = P.decode_step_seconds(a6000, mistral, 10_000, 2, 0, 1024)
+    flops = 10_000 * 2 * (2 * mistral.parameters + 4 * 32 * 128 * 1024 * 32)
+    assert t == pytest.approx(flops / (154.8e12 * 0.6))
+    assert P.transfer_seconds(a6000, 12 * 10**9) == pytest.approx(1.0)  # 24 GB/s x 0.5 sparse efficiency
+    assert P.transfer_seconds(load_hardware("cpu"), 12.5 * 10**9) == pytest.approx(1.0)  # gather rate as profiled
+
+
+def test_k_max_hidden_is_the_boundary(a6000, mistral):
+    p = P.plan(a6000, mistral, 32768)
+    sp = p.mode("specache")
+    kvb = P.kv_bytes_per_token(mistral)
+
+    def hidden(k: int) -> bool:
+        read = P.guide_bytes(mistral, 32768, 1, 64) + (127 + 4 + k) * kvb
+        compute = P.decode_step_seconds(a6000, mistral, sp.max_batch, 2, read, 32768)
+        return P.transfer_seconds(a6000, sp.max_batch * k * kvb) <= compute
+
+    assert hidden(sp.k_max_hidden) and not hidden(sp.k_max_hidden + 1)
+    assert sp.prefetch_hidden == (sp.k <= sp.k_max_hidden)
+
+
+def test_parameter_formula_matches_every_profile():
+    for m in list_models():
+        tied = m.name.startswith("smollm2")
+        bias = m.name.startswith("qwen")
+        assert estimate_parameters(m.layers, m.heads, m.kv_heads, m.head_dim, m.hidden_size, m.intermediate_size,
+                                   m.vocab_size, tied, bias) == m.parameters, m.name
+
+
+# --- profiles ------------------------------------------------------------------------------------
+
+def test_builtin_profiles_cover_the_issue():
+    hw = {h.name for h in list_hardware()}
+    assert {"rtx-a6000", "a100-40gb-pcie", "a100-40gb-sxm", "a100-80gb-pcie", "a100-80gb-sxm", "h100-pcie",
+            "h100-sxm", "h200", "l4", "rtx-4090", "rtx-3090", "cpu"} <= hw
+    models = {m.name for m in list_models()}
+    assert {"llama-2-7b", "llama-2-13b", "llama-3-8b", "llama-3.1-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b",
+            "smollm2-135m"} <= models
+    for h in list_hardware():
+        assert h.source == f"profiles/hardware/{h.name}.yaml"
+        if h.kind == "cuda":
+            assert h.h2d_gbps < h.pcie_link_gbps
+
+
+def test_lookup_by_alias_and_unknown_names():
+    assert load_hardware("A6000").name == "rtx-a6000"
+    assert load_model_profile("Mistral-7B-Instruct-v0.2").name == "mistral-7b"
+    with pytest.raises(BadArgument, match="known: .*rtx-a6000"):
+        load_hardware("rtx-9999")
+    with pytest.raises(BadArgument, match="known: .*mistral-7b"):
+        load_model_profile("gpt-5")
+
+
+def test_cuda_name_matching_is_whole_word():
+    assert match_cuda_device("NVIDIA L4").name == "l4"
+    assert match_cuda_device("NVIDIA L40S") is None
+    assert match_cuda_device("NVIDIA H100 80GB HBM3").name == "h100-sxm"
+    assert match_cuda_device("NVIDIA H100 PCIe").name == "h100-pcie"
+    assert match_cuda_device("NVIDIA A100-SXM4-40GB").name == "a100-40gb-sxm"
+
+
+MISTRAL_CONFIG = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "vocab_size": 32000, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+}
+
+
+def test_model_profile_from_hf_config(tmp_path, mistral):
+    model_dir = tmp_path / "My-Mistral"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(MISTRAL_CONFIG))
+    for path in (model_dir, model_dir / "config.json"):
+        m = load_model_profile(str(path))
+        assert m.name == "My-Mistral"
+        assert (m.layers, m.heads, m.kv_heads, m.head_dim, m.parameters, m.max_context) == \
+            (32, 32, 8, 128, mistral.parameters, 32768)
+        assert (m.default_bits, m.default_k) == (1, 64)
+    small = model_profile_from_config({**MISTRAL_CONFIG, "hidden_size": 576, "num_attention_heads": 9,
+                                       "num_key_value_heads": 3, "intermediate_size": 1536, "num_hidden_layers": 30,
+                                       "vocab_size": 49152, "tie_word_embeddings": True})
+    assert small.parameters == load_model_profile("smollm2-135m").parameters
+    assert (small.default_bits, small.default_k) == (2, 256)
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+GOOD_GPU = """name: test-gpu
+display_name: Test GPU
+kind: cuda
+device_memory_mib: 16384
+memory_bandwidth_gbps: 500
+matmul_tflops: 100
+pcie_gen: 4
+pcie_lanes: 16
+h2d_gbps: 20
+"""
+
+
+@pytest.mark.parametrize("edit, field, problem", [
+    (("memory_bandwidth_gbps: 500", "memory_bandwidth_gbps: fast"), "memory_bandwidth_gbps", "wrong type"),
+    (("matmul_tflops: 100\n", ""), "matmul_tflops", "missing"),
+    (("h2d_gbps: 20", "h2d_gbps: 20\nh2d_gbs: 3"), "h2d_gbs", "not a known field"),
+    (("h2d_gbps: 20", "h2d_gbps: 40"), "h2d_gbps", "exceeds the PCIe link"),
+    (("kind: cuda", "kind: tpu"), "kind", "must be one of"),
+    (("matmul_tflops: 100", "matmul_tflops: -1"), "matmul_tflops", "must be > 0"),
+    (("pcie_lanes: 16", "pcie_lanes: true"), "pcie_lanes", "wrong type"),
+])
+def test_malformed_hardware_profile(tmp_path, edit, field, problem):
+    load_hardware(write(tmp_path, "ok.yaml", GOOD_GPU))  # the unedited profile is valid
+    path = write(tmp_path, "bad.yaml", GOOD_GPU.replace(*edit))
+    with pytest.raises(ProfileError) as err:
+        load_hardware(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: field '{field}'") and problem in message and "\n" not in message
+
+
+def test_malformed_model_profile_and_yaml(tmp_path):
+    good = (Path(__file__).parent.parent / "profiles" / "models" / "mistral-7b.yaml").read_text()
+    bad = write(tmp_path, "m.yaml", good.replace("kv_heads: 8", "kv_heads: 5"))
+    with pytest.raises(ProfileError, match=r"m\.yaml: field 'kv_heads' \(5\) must divide heads \(32\)"):
+        load_model_profile(bad)
+    broken = write(tmp_path, "broken.yaml", "name: [unclosed\n")
+    with pytest.raises(ProfileError, match=r"broken\.yaml: not valid YAML"):
+        load_model_profile(broken)
+    listing = write(tmp_path, "list.yaml", "- 1\n- 2\n")
+    with pytest.raises(ProfileError, match=r"list\.yaml: expected a mapping"):
+        load_hardware(listing)
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps({k: v for k, v in MISTRAL_CONFIG.items() if k != "vocab_size"}))
+    with pytest.raises(ProfileError, match=r"config\.json: field 'vocab_size' is missing"):
+        load_model_profile(str(cfg))
+
+
+def test_malformed_profile_exit_code(tmp_path):
+    path = write(tmp_path, "bad.yaml", GOOD_GPU.replace("matmul_tflops: 100", "matmul_tflops: lots"))
+    r = run_cli("--gpu", path, "--model", "mistral-7b", "--context", "1024")
+    assert r.exit_code == 11
+    assert f"{path}: field 'matmul_tflops'" in r.stderr and r.stdout == ""
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+def test_paper_validation_a6000_mistral_32k(a6000, mistral):
+    """Paper: full cache batch 3, 1-bit SpeCache about 36 (docs/planner.md, "Validation")."""
+    p = P.plan(a6000, mistral, 32768, bits=1, reference="paper")
+    full, spec = p.mode("full"), p.mode("specache")
+    assert 3 * 0.8 <= full.max_batch <= 3 * 1.2
+    assert 36 * 0.8 <= spec.max_batch <= 36 * 1.2 and spec.limited_by == "device"
+    assert (full.max_batch, spec.max_batch) == (3, 42)
+    doc = DOCS.read_text()  # the doc's table shows what the planner gives
+    assert "| full cache | 3 | 3 |" in doc and "| SpeCache 1-bit | 36 | 42 |" in doc
+    # this engine's own full cache (rows prefilled one at a time in 512-token chunks)
+    assert P.plan(a6000, mistral, 32768, bits=1).mode("full").max_batch == 7
+    # a 160 GB host caps the exact store at 36 sequences (the doc's host-RAM paragraph)
+    assert P.plan(a6000, mistral, 32768, bits=1, host_ram_bytes=160 * GIB).mode("specache").max_batch == 36
+
+
+def test_plan_defaults_and_limits(a6000):
+    smol = load_model_profile("smollm2-135m")
+    p = P.plan(a6000, smol, 4096)
+    assert (p.bits, p.k) == (2, 256)  # the model profile's defaults
+    assert p.mode("specache").k == 256 and p.mode("kivi").k == 0 and p.mode("full").k == 0
+    assert P.plan(a6000, smol, 4096, batch_limit=5).mode("kivi").max_batch == 5
+    assert P.plan(a6000, smol, 4096, batch_limit=5).mode("kivi").limited_by == "batch_limit"
+    small = P.plan(a6000, smol, 100, k=1000)
+    assert small.k == 100 and any("exceeds the context" in n for n in small.notes)
+    long = P.plan(a6000, smol, 10_000)
+    assert any("exceeds" in n and "8192" in n for n in long.notes)
+    with pytest.raises(BadArgument, match="--bits"):
+        P.plan(a6000, smol, 1024, bits=3)
+    with pytest.raises(BadArgument, match="--context"):
+        P.plan(a6000, smol, 0)
+
+
+def test_nothing_fits_and_speedup_none():
+    p = P.plan(load_hardware("l4"), load_model_profile("llama-3-70b"), 8192)
+    assert all(mp.max_batch == 0 for mp in p.modes)
+    assert p.mode("specache").predicted_speedup_vs_full is None
+    assert any("weights alone" in n for n in p.notes)
+
+
+def test_cpu_profile_counts_the_exact_store_on_the_device():
+    cpu, smol = load_hardware("cpu"), load_model_profile("smollm2-135m")
+    sp = P.plan(cpu, smol, 8192).mode("specache")
+    assert sp.device_breakdown["host_store"] == 8192 * P.kv_bytes_per_token(smol, 4)  # fp32 on the CPU
+    assert P.plan(cpu, smol, 8192, host_ram_bytes=GIB).host_ram_bytes is None  # one pool: no separate check
+
+
+def test_plan_for_run(a6000, mistral):
+    mp = P.plan_for_run(MISTRAL_CONFIG, 32768, "specache", hardware=a6000)
+    assert (mp.max_batch, mp.k) == (56, 64)
+    assert P.plan_for_run(mistral, 32768, "full", hardware=a6000).max_batch == 7
+    # the model already loaded: free memory excludes the weights, which the planner adds back
+    loaded = replace(a6000, free_memory_bytes=a6000.device_memory_bytes - 512 * MIB - P.weight_bytes(mistral))
+    assert P.plan_for_run(mistral, 32768, "full", hardware=loaded, weights_resident=True).max_batch == 7
+    with pytest.raises(DoesNotFit):
+        P.plan_for_run(load_model_profile("llama-3-70b"), 8192, hardware=load_hardware("l4"))
+    with pytest.raises(BadArgument):
+        P.plan_for_run(mistral, 1024, "window", hardware=a6000)
+
+
+# --- detection -----------------------------------------------------------------------------------
+
+def test_detect_without_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    hw = P.detect_hardware()
+    total, _ = P.machine_ram_bytes()
+    assert hw.kind == "cpu" and hw.name == "cpu"
+    assert hw.device_memory_bytes == total == hw.host_ram_bytes
+    assert 0 < hw.free_memory_bytes <= total
+    assert hw.source.startswith("detected: no CUDA device")
+    r = run_cli("--gpu", "auto", "--model", "smollm2-135m", "--context", "2048", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert "no CUDA device found" in r.stderr
+    out = json.loads(r.stdout)
+    assert out["gpu"] == "cpu" and out["hardware"]["device_memory_bytes"] == total
+
+
+def test_detect_cuda_is_mocked_without_a_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA RTX A6000")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (40 * GIB, 47 * GIB))
+    hw = P.detect_hardware(measure=False)
+    assert hw.name == "rtx-a6000" and hw.device_memory_bytes == 47 * GIB and hw.free_memory_bytes == 40 * GIB
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA Mystery 9000")
+    assert P.detect_hardware(measure=False).name == "cuda-generic"
+
+
+# --- CLI: golden JSON and table ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden_json_and_table(name):
+    args = GOLDEN_CASES[name]
+    r_json, r_table = run_cli(*args, "--json"), run_cli(*args)
+    assert r_json.exit_code == 0 and r_table.exit_code == 0, r_json.stderr + r_table.stderr
+    got_json = json.loads(r_json.stdout)
+    json_path, table_path = GOLDEN / f"{name}.json", GOLDEN / f"{name}.txt"
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        json_path.write_text(json.dumps(got_json, indent=2) + "\n")
+        table_path.write_text(r_table.stdout)
+    assert got_json == json.loads(json_path.read_text())
+    assert r_table.stdout == table_path.read_text()
+
+
+def test_json_contract():
+    r = run_cli(*GOLDEN_CASES["plan_a6000_mistral7b_32k"], "--json")
+    out = json.loads(r.stdout)
+    assert {"gpu", "model", "context", "modes"} <= set(out)
+    assert (out["gpu"], out["model"], out["context"]) == ("rtx-a6000", "mistral-7b", 32768)
+    assert [m["mode"] for m in out["modes"]] == ["full", "kivi", "specache"]
+    for mode in out["modes"]:
+        assert MODE_KEYS <= set(mode)
+        assert isinstance(mode["prefetch_hidden"], bool) and isinstance(mode["max_batch"], int)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--context", "0"], "--context must be >= 1"),
+    (["--context", "1024", "--bits", "3"], "--bits must be 1 or 2"),
+    (["--context", "1024", "--group", "48"], "--group must be 32 or 64"),
+    (["--context", "1024", "--host-ram", "0"], "--host-ram must be > 0"),
+    (["--context", "1024", "--reference", "vllm"], "--reference must be one of"),
+    (["--context", "1024", "--gpu", "tpu-v9"], "unknown hardware profile"),
+])
+def test_bad_flags(args, message):
+    r = run_cli("--gpu", "rtx-a6000", *args) if "--gpu" not in args else run_cli(*args)
+    assert r.exit_code == 2
+    assert message in r.stderr and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1
