@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.errors import BadArgument, DoesNotFit
 from engine.profiles import HardwareProfile, ModelProfile, load_hardware, match_cuda_device, model_profile_from_config
+from engine.quant import guide_bits_per_element
 
 MIB = 1024**2
 GIB = 1024**3
@@ -52,19 +53,22 @@ def kv_bytes_per_token(model: ModelProfile, element_bytes: int = 2) -> int:
     return kv_elements_per_token(model) * element_bytes
 
 
-def guide_bits_per_element(bits: int, group: int, element_bytes: int = 2) -> float:
-    """Guide storage per element: b bits of code + one scale and one zero (16-bit) per group of g."""
-    return bits + 2 * 8 * element_bytes / group
-
-
-def guide_bytes(model: ModelProfile, tokens: int, bits: int, group: int, element_bytes: int = 2) -> int:
-    """Device bytes of the quantized guide of `tokens` tokens (codes bit-packed)."""
-    return math.ceil(tokens * kv_elements_per_token(model) * guide_bits_per_element(bits, group, element_bytes) / 8)
+def guide_bytes(model: ModelProfile, tokens: int, bits: int, group: int) -> int:
+    """Device bytes of the quantized guide of `tokens` tokens: bit-packed codes + fp16 scale and zero per
+    group (engine.quant: keys in groups of g tokens, values in groups of min(g, head_dim) channels)."""
+    key_bits = guide_bits_per_element(bits, group)
+    value_bits = guide_bits_per_element(bits, min(group, model.head_dim))
+    return math.ceil(tokens * model.layers * model.kv_heads * model.head_dim * (key_bits + value_bits) / 8)
 
 
 def exact_tail_tokens(residual: int, group: int) -> int:
     """Worst-case exact recent tokens: R, plus up to g - 1 more because keys are quantized a full group at a time."""
     return residual + group - 1
+
+
+def engine_residual_slots(residual: int, group: int, chunk: int) -> int:
+    """Exact residual slots engine/guided.py preallocates per row: the window, a group waiting, a prefill chunk."""
+    return residual + group + max(chunk, 2)
 
 
 def fetch_buffer_bytes(model: ModelProfile, k: int, element_bytes: int = 2, buffers: int = FETCH_BUFFERS) -> int:
@@ -332,9 +336,10 @@ def _sizing(mode: str, hw: HardwareProfile, m: ModelProfile, context: int, bits:
         return _Sizing({"kv_cache": context * kvb}, decode_working_set_bytes(m, context, 1, eb, guided=False),
                        prefill, one_shot, 0, context * kvb, 1)
     tail = min(context, exact_tail_tokens(residual, group))
-    state = {"guide": guide_bytes(m, context, bits, group, eb), "residual_window": tail * kvb,
+    slots = tail if reference == "paper" else engine_residual_slots(residual, group, chunk)
+    state = {"guide": guide_bytes(m, context, bits, group), "residual_window": slots * kvb,
              "sinks": min(sinks, context) * kvb}
-    queries, read = 1, state["guide"] + state["residual_window"] + state["sinks"]
+    queries, read = 1, state["guide"] + (tail + min(sinks, context)) * kvb
     host = 0
     if mode == "specache":
         state["fetch_buffers"] = fetch_buffer_bytes(m, k, eb)

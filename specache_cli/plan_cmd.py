@@ -15,7 +15,7 @@ from specache_cli.render import emit_json
 BREAKDOWN_LABELS = {
     "kv_cache": "  KV cache, 16-bit",
     "guide": "  guide",
-    "residual_window": "  residual window (R + g - 1)",
+    "residual_window": "  exact residual window",
     "sinks": "  sink tokens",
     "fetch_buffers": "  fetch buffers (x2)",
     "host_store": "  exact store (same RAM)",

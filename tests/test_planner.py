@@ -63,9 +63,13 @@ def test_kv_and_guide_sizes(mistral):
     assert P.guide_bytes(mistral, 32768, 1, 64) == 384 * MIB
     assert P.guide_bytes(mistral, 32768, 2, 32) == 768 * MIB
     assert P.exact_tail_tokens(64, 64) == 127
+    assert P.engine_residual_slots(64, 64, 512) == 640  # engine/guided.py's preallocated buffer
     assert P.fetch_buffer_bytes(mistral, 64) == 2 * 64 * 128 * 1024
     assert P.weight_bytes(mistral) == 2 * 7_241_732_096
     assert P.layer_view_bytes(mistral, 32768) == 128 * MIB
+    # head_dim 32 < g 64: value groups are 32 channels (2 bits/element), key groups 64 tokens (1.5)
+    narrow = replace(mistral, head_dim=32)
+    assert P.guide_bytes(narrow, 64, 1, 64) == 64 * 32 * 8 * 32 * (1.5 + 2) / 8
 
 
 def test_prefill_activations(mistral):
@@ -306,7 +310,7 @@ def test_cpu_profile_counts_the_exact_store_on_the_device():
 
 def test_plan_for_run(a6000, mistral):
     mp = P.plan_for_run(MISTRAL_CONFIG, 32768, "specache", hardware=a6000)
-    assert (mp.max_batch, mp.k) == (56, 64)
+    assert (mp.max_batch, mp.k) == (50, 64)
     assert P.plan_for_run(mistral, 32768, "full", hardware=a6000).max_batch == 7
     # the model already loaded: free memory excludes the weights, which the planner adds back
     loaded = replace(a6000, free_memory_bytes=a6000.device_memory_bytes - 512 * MIB - P.weight_bytes(mistral))
