@@ -1,45 +1,43 @@
-"""The guide's math: 1/2-bit KIVI quantization of K and V, bit packing, and scoring
-kernels that read the packed codes.
+"""The guide's math: 1/2-bit KIVI quantization of K and V, bit packing, and kernels that
+read the packed codes.
 
-Quantization (KIVI layout, see /work/shared/design/specache-algorithm.md):
+Quantization (KIVI layout, /work/shared/design/specache-algorithm.md):
 
 - keys per channel: a group is ``g`` consecutive TOKENS of one channel;
 - values per token: a group is ``g`` consecutive CHANNELS of one token;
 - 2 bit (plain KIVI): z = min, s = (max - min) / 3, q = clamp(round((x - z) / s), 0, 3);
 - 1 bit (the paper's modified KIVI): z = (3 min + max) / 4, s = (max - min) / 2,
-  q = clamp(round((x - z) / s), 0, 1), so reconstructions sit at min + range/4 and
-  min + 3 range/4;
-- x' = q * s + z. Scale and zero are stored in fp16; they are rounded to fp16 *before*
+  q = clamp(round((x - z) / s), 0, 1): reconstructions at min + range/4, min + 3 range/4;
+- x' = q * s + z, computed in fp32. Scale and zero are stored in fp16 and rounded *before*
   the codes are chosen, so the codes are optimal for the stored parameters. A constant
   group (s == 0 after rounding) divides by 1 instead and reconstructs to z.
 
-Bit packing (``pack_codes``), along the last axis, in runs of 8 codes, LSB first:
+Bit packing, "bit-sliced" (``pack_codes``): N codes (N % 8 == 0) become R = N/8 bytes per
+bit plane; byte ``r`` of plane ``k`` holds, in bit ``i``, bit ``k`` of code ``i*R + r``.
+Plane 0 (low bits) comes first, then plane 1 (2 bit only). Expanding one bit ``i`` for
+all R bytes is a single ``bytes & (1 << i)``, which gives R consecutive codes; so the
+torch kernels expand a whole block with one broadcast AND over contiguous memory (no
+per-element shifts, no table lookups) and fold the 2**i weights into the other operand.
 
-- 1 bit: byte ``p`` holds codes ``8p .. 8p+7``; bit ``i`` is code ``8p+i``;
-- 2 bit: bit planes per run of 8 codes: byte ``2p`` holds the low bits of codes
-  ``8p .. 8p+7`` (bit ``i`` = code ``8p+i``), byte ``2p+1`` their high bits. Read as a
-  little-endian uint16, word ``p`` has the low plane in bits 0-7 and the high plane in
-  bits 8-15.
+Storage layouts (token capacity Lc):
 
-So every 16-bit word holds 16 (1 bit) or 8 (2 bit) whole codes, which the torch kernels
-expand with one 65536-entry table lookup per word, and a SIMD kernel can use bytes as
-lane masks directly (a masked add per plane).
-
-Storage layouts (capacity ``Lc`` tokens, a multiple of ``g`` for keys):
-
-- keys: ``codes`` uint8 ``[B, H, Lc/g, D, g*bits/8]``: per token group and channel, the
-  group's ``g`` tokens packed along tokens ("token-packed"). Unpacked, a group is a
-  contiguous ``[D, g]`` matrix, i.e. K^T of that group, ready for ``q @ K^T``.
+- keys: ``codes`` uint8 ``[B, H, Lc/g, bits, g/8, D]``: per token group, per plane, the
+  group's g tokens bit-sliced (byte row r, bit i -> token j*g + i*g/8 + r), channels
+  innermost. Expanded, a group's plane is a contiguous ``[g, D]`` matrix: K of the group.
   ``scale``/``zero`` fp16 ``[B, H, Lc/g, D]``. Keys are quantized in whole groups, so the
-  number of quantized key tokens ``n`` is always a multiple of ``g`` (the engine keeps
-  the tail in its exact residual window).
-- values: ``codes`` uint8 ``[B, H, Lc, D*bits/8]`` (channel-packed per token),
-  ``scale``/``zero`` fp16 ``[B, H, Lc, D/g]``. Any ``n`` is allowed.
+  number of quantized key tokens ``n`` is always a multiple of g (the engine keeps the
+  tail in its exact residual window).
+- values: ``codes`` uint8 ``[B, H, Lc/64, bits, 8, D]``: blocks of 64 tokens bit-sliced
+  the same way (byte row r, bit i -> token blk*64 + i*8 + r), so expanded blocks are a
+  contiguous ``[64 * blocks, D]`` V. ``scale``/``zero`` fp16 ``[B, H, Lc, D/g]``. Any
+  ``n`` is allowed; tokens are written one at a time or in runs (read-modify-write of
+  the shared bytes).
 
 The kernels ``guide_scores`` (q @ K^T) and ``guide_weighted_values`` (p @ V) never build a
-dequantized copy of the guide: they expand the codes (as centred odd integers 2c - 3 ..
-3, exact in fp32 and bf16) with a table lookup, fold the per-group scale into the query
-(keys) or the probabilities (values), and the zero point into one small matmul. ``*_reference`` functions do dequantize-then-matmul, for tests.
+dequantized copy of the guide: per group, K = s * c + z, so q @ K^T = (q * s) @ c^T +
+q @ z^T, with c the expanded codes (exact small integers) and s folded into the query
+(keys) or the probabilities (values). Codes are expanded in cache-sized chunks. The
+``*_reference`` functions dequantize then matmul, for tests.
 """
 
 from __future__ import annotations
@@ -49,11 +47,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-import torch.nn.functional as F
 
 __all__ = [
     "QuantizedKeys",
     "QuantizedValues",
+    "VALUE_BLOCK",
     "pack_codes",
     "unpack_codes",
     "quantize_keys",
@@ -72,11 +70,15 @@ __all__ = [
     "tensor_bytes",
 ]
 
-_BITS = (1, 2)
+VALUE_BLOCK = 64  # tokens per bit-sliced block of the value codes
+_VR = VALUE_BLOCK // 8  # byte rows per value block
+# Codes are expanded in chunks of about this many bytes, so that they are still in cache
+# when the matmul reads them (CPU; on other devices one chunk).
+_CHUNK_BYTES = 2 << 20
 
 
 def _check_bits(bits: int) -> None:
-    if bits not in _BITS:
+    if bits not in (1, 2):
         raise ValueError(f"bits must be 1 or 2, got {bits}")
 
 
@@ -86,23 +88,21 @@ def _check_bits(bits: int) -> None:
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Pack codes (uint8 [..., N], values < 2**bits, N % 8 == 0) into uint8 [..., N*bits/8].
 
-    Layout: see the module docstring (runs of 8 codes, LSB first; 2 bit as two bit planes).
+    Bit-sliced, R = N/8: out[..., k*R + r] bit i = bit k of code i*R + r (module docstring).
     """
     _check_bits(bits)
     n = codes.shape[-1]
     if n % 8:
         raise ValueError(f"the packed axis must be a multiple of 8, got {n}")
-    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // 8, 8)  # [..., N/8, 8]
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], 8, n // 8)  # [..., 8 (bit i), R]
     planes = []
-    for plane in range(bits):
-        cp = (c >> plane) & 1 if bits > 1 else c
-        out = cp[..., 0].clone()  # [..., N/8]
+    for k in range(bits):
+        ck = (c >> k) & 1 if bits > 1 else c
+        out = ck[..., 0, :].clone(memory_format=torch.contiguous_format)  # [..., R], a copy
         for i in range(1, 8):
-            out |= cp[..., i] << i
+            out |= ck[..., i, :] << i
         planes.append(out)
-    if bits == 1:
-        return planes[0]
-    return torch.stack(planes, dim=-1).reshape(*codes.shape[:-1], n // 4)  # [..., N/4]
+    return torch.cat(planes, dim=-1)  # [..., bits*R]
 
 
 def unpack_codes(packed: Tensor, bits: int, n: int | None = None) -> Tensor:
@@ -110,58 +110,28 @@ def unpack_codes(packed: Tensor, bits: int, n: int | None = None) -> Tensor:
     _check_bits(bits)
     m = packed.shape[-1]
     total = m * 8 // bits
-    if n is None:
-        n = total
-    if n > total:
-        raise ValueError(f"asked for {n} codes, packed axis holds {total}")
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    if bits == 1:
-        c = (packed.unsqueeze(-1) >> shifts) & 1  # [..., M, 8]
-    else:
-        p = packed.reshape(*packed.shape[:-1], m // 2, 2)  # [..., M/2, 2 planes]
-        lo = (p[..., 0:1] >> shifts) & 1  # [..., M/2, 8]
-        hi = (p[..., 1:2] >> shifts) & 1
-        c = lo | (hi << 1)
+    n = total if n is None else n
+    if not 0 <= n <= total or m % bits:
+        raise ValueError(f"cannot unpack {n} codes from {m} bytes at {bits} bit")
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)[:, None]  # [8, 1]
+    p = packed.reshape(*packed.shape[:-1], bits, 1, m // bits)  # [..., bits, 1, R]
+    c = (p >> shifts) & 1  # [..., bits, 8, R]
+    if bits == 2:
+        c = c[..., 0, :, :] | (c[..., 1, :, :] << 1)
     return c.reshape(*packed.shape[:-1], total)[..., :n]
 
 
-@functools.lru_cache(maxsize=16)
-def _word_table(bits: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Read-only constant: uint16 word -> its centred codes, [65536, 16/bits] in ``dtype``."""
-    w = torch.arange(65536, dtype=torch.int32, device=device)[:, None]
-    i = torch.arange(8 if bits == 2 else 16, dtype=torch.int32, device=device)
-    if bits == 1:
-        t = (w >> i) & 1
-    else:
-        t = ((w >> i) & 1) | (((w >> (i + 8)) & 1) << 1)
-    return (2 * t - ((1 << bits) - 1)).to(dtype)  # centred codes 2c - (2^b - 1)
+@functools.lru_cache(maxsize=8)
+def _bit_masks(device: torch.device) -> Tensor:
+    """Read-only constant: uint8 [8, 1, 1] = 1 << i."""
+    return (1 << torch.arange(8, dtype=torch.int32, device=device)).to(torch.uint8).view(8, 1, 1)
 
 
-@functools.lru_cache(maxsize=16)
-def _byte_table(dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Read-only constant: byte -> its 8 centred one-bit codes (-1/+1), [256, 8] in ``dtype``."""
-    w = torch.arange(256, dtype=torch.int32, device=device)[:, None]
-    return (2 * ((w >> torch.arange(8, dtype=torch.int32, device=device)) & 1) - 1).to(dtype)
-
-
-def _expand_codes(packed: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
-    """Packed uint8 [..., M] -> centred codes 2c - (2^b - 1) as ``dtype`` [..., M*8/bits].
-
-    Centred codes are odd integers (exact in any float type) and make the code term and
-    the zero term of the kernels cancel less, which matters for bfloat16.
-    """
-    m = packed.shape[-1]
-    lead = packed.shape[:-1]
-    if m % 2 == 0:
-        try:  # no copy when strides allow (buffer prefixes do)
-            words = packed.view(torch.uint16)  # [..., M/2]
-        except RuntimeError:
-            words = packed.contiguous().view(torch.uint16)
-        words = words.to(torch.int32)
-        out = F.embedding(words, _word_table(bits, dtype, packed.device))  # [..., M/2, 16/b]
-    else:  # only 1 bit can have an odd byte count
-        out = F.embedding(packed.to(torch.int32), _byte_table(dtype, packed.device))
-    return out.reshape(*lead, m * 8 // bits)
+@functools.lru_cache(maxsize=32)
+def _slice_weights(rows: int, device: torch.device) -> Tensor:
+    """Read-only constant: fp32 [8 * rows] = 2**-i for the code at i*rows + r (undoes 1 << i)."""
+    w = torch.pow(2.0, -torch.arange(8, dtype=torch.float32, device=device))
+    return w.repeat_interleave(rows)
 
 
 # ------------------------------------------------------------------------ quantization
@@ -173,19 +143,12 @@ def _params(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     if bits == 2:
         s, z = rng / 3, lo
     else:
-        s, z = rng / 2, lo + rng / 4  # = (3 min + max) / 4
+        s, z = rng / 2, lo + rng / 4  # z = (3 min + max) / 4
     return s.to(torch.float16), z.to(torch.float16)
 
 
-def _centred(s16: Tensor, z16: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """fp32 (scale, zero) for centred codes: s c + z = (s/2)(2c - m) + (z + s m/2), m = 2^b - 1."""
-    s = s16.float()
-    m = (1 << bits) - 1
-    return s * 0.5, z16.float() + s * (m * 0.5)
-
-
 def _codes(x: Tensor, s16: Tensor, z16: Tensor, bits: int) -> Tensor:
-    """x, s, z broadcastable -> uint8 codes; s == 0 (constant group) is guarded."""
+    """x with broadcastable fp16 s, z -> uint8 codes; s == 0 (constant group) is guarded."""
     s = s16.float()
     s = torch.where(s > 0, s, torch.ones_like(s))
     q = torch.round((x - z16.float()) / s)
@@ -194,9 +157,9 @@ def _codes(x: Tensor, s16: Tensor, z16: Tensor, bits: int) -> Tensor:
 
 @dataclass
 class QuantizedKeys:
-    """Per-channel quantized keys (groups of ``group`` tokens), token-packed codes."""
+    """Per-channel quantized keys (groups of ``group`` tokens); layout in the module docstring."""
 
-    codes: Tensor  # uint8 [B, H, Lc/g, D, g*bits/8]
+    codes: Tensor  # uint8 [B, H, Lc/g, bits, g/8, D]
     scale: Tensor  # fp16 [B, H, Lc/g, D]
     zero: Tensor  # fp16 [B, H, Lc/g, D]
     bits: int
@@ -204,12 +167,12 @@ class QuantizedKeys:
 
     @property
     def capacity(self) -> int:
-        """Number of token slots (a multiple of ``group``)."""
-        return self.codes.shape[2] * self.group
+        """Token slots (a multiple of ``group``)."""
+        return self.scale.shape[2] * self.group
 
     @property
     def head_dim(self) -> int:
-        return self.codes.shape[3]
+        return self.scale.shape[3]
 
     def prefix(self, n: int) -> "QuantizedKeys":
         """View of the first ``n`` tokens (n % group == 0)."""
@@ -221,9 +184,9 @@ class QuantizedKeys:
 
 @dataclass
 class QuantizedValues:
-    """Per-token quantized values (groups of ``group`` channels), channel-packed codes."""
+    """Per-token quantized values (groups of ``group`` channels); layout in the module docstring."""
 
-    codes: Tensor  # uint8 [B, H, Lc, D*bits/8]
+    codes: Tensor  # uint8 [B, H, ceil(Lc/64), bits, 8, D]
     scale: Tensor  # fp16 [B, H, Lc, D/g]
     zero: Tensor  # fp16 [B, H, Lc, D/g]
     bits: int
@@ -231,18 +194,20 @@ class QuantizedValues:
 
     @property
     def capacity(self) -> int:
-        return self.codes.shape[2]
+        """Token slots."""
+        return self.scale.shape[2]
 
     @property
     def head_dim(self) -> int:
-        return self.codes.shape[3] * 8 // self.bits
+        return self.codes.shape[-1]
 
     def prefix(self, n: int) -> "QuantizedValues":
         """View of the first ``n`` tokens."""
         if not 0 <= n <= self.capacity:
             raise ValueError(f"n={n} outside [0, {self.capacity}]")
+        nb = -(-n // VALUE_BLOCK)
         return QuantizedValues(
-            self.codes[:, :, :n], self.scale[:, :, :n], self.zero[:, :, :n], self.bits, self.group
+            self.codes[:, :, :nb], self.scale[:, :, :n], self.zero[:, :, :n], self.bits, self.group
         )
 
 
@@ -258,11 +223,11 @@ def empty_keys(
 ) -> QuantizedKeys:
     """Zeroed key guide buffer for ``capacity`` tokens (rounded up to a whole group)."""
     _check_bits(bits)
-    if group % 8:
-        raise ValueError(f"key group must be a multiple of 8, got {group}")
+    if group % 8 or group <= 0:
+        raise ValueError(f"key group must be a positive multiple of 8, got {group}")
     j = -(-capacity // group)
     return QuantizedKeys(
-        codes=torch.zeros(batch, heads, j, head_dim, group * bits // 8, dtype=torch.uint8, device=device),
+        codes=torch.zeros(batch, heads, j, bits, group // 8, head_dim, dtype=torch.uint8, device=device),
         scale=torch.zeros(batch, heads, j, head_dim, dtype=torch.float16, device=device),
         zero=torch.zeros(batch, heads, j, head_dim, dtype=torch.float16, device=device),
         bits=bits,
@@ -274,12 +239,13 @@ def empty_values(
     batch: int, heads: int, capacity: int, head_dim: int, bits: int, group: int,
     device: torch.device | str | None = None,
 ) -> QuantizedValues:
-    """Zeroed value guide buffer for ``capacity`` tokens."""
+    """Zeroed value guide buffer for ``capacity`` tokens (codes rounded up to 64 tokens)."""
     _check_bits(bits)
-    if head_dim % group or head_dim % 8:
-        raise ValueError(f"head_dim {head_dim} must be a multiple of the group {group} and of 8")
+    if group <= 0 or head_dim % group:
+        raise ValueError(f"head_dim {head_dim} must be a multiple of the group {group}")
+    nb = -(-capacity // VALUE_BLOCK)
     return QuantizedValues(
-        codes=torch.zeros(batch, heads, capacity, head_dim * bits // 8, dtype=torch.uint8, device=device),
+        codes=torch.zeros(batch, heads, nb, bits, _VR, head_dim, dtype=torch.uint8, device=device),
         scale=torch.zeros(batch, heads, capacity, head_dim // group, dtype=torch.float16, device=device),
         zero=torch.zeros(batch, heads, capacity, head_dim // group, dtype=torch.float16, device=device),
         bits=bits,
@@ -288,32 +254,42 @@ def empty_values(
 
 
 def _quantize_keys_parts(k: Tensor, bits: int, group: int) -> tuple[Tensor, Tensor, Tensor]:
-    """k [B, H, T, D] (T % g == 0) -> codes [B, H, T/g, D, g*bits/8], scale, zero [B, H, T/g, D]."""
+    """k [B, H, T, D] (T % g == 0) -> codes [B, H, T/g, bits, g/8, D], scale, zero [B, H, T/g, D]."""
     b, h, t, d = k.shape
     if t % group:
         raise ValueError(f"key token count {t} is not a multiple of the group {group}")
-    x = k.float().reshape(b, h, t // group, group, d).transpose(-1, -2)  # [B, H, J, D, g]
-    s16, z16 = _params(x.amin(-1), x.amax(-1), bits)  # [B, H, J, D]
-    codes = _codes(x, s16[..., None], z16[..., None], bits)  # [B, H, J, D, g]
-    return pack_codes(codes, bits), s16, z16
+    x = k.float().reshape(b, h, t // group, group, d)  # [B, H, J, g, D]
+    s16, z16 = _params(x.amin(3), x.amax(3), bits)  # [B, H, J, D]
+    codes = _codes(x, s16[:, :, :, None], z16[:, :, :, None], bits)  # [B, H, J, g, D]
+    packed = pack_codes(codes.transpose(-1, -2), bits)  # [B, H, J, D, bits*g/8]
+    packed = packed.view(b, h, t // group, d, bits, group // 8).permute(0, 1, 2, 4, 5, 3)
+    return packed.contiguous(), s16, z16
 
 
 def _quantize_values_parts(v: Tensor, bits: int, group: int) -> tuple[Tensor, Tensor, Tensor]:
-    """v [B, H, T, D] (D % g == 0) -> codes [B, H, T, D*bits/8], scale, zero [B, H, T, D/g]."""
+    """v [B, H, T, D] -> codes uint8 [B, H, T, D] (unpacked), scale, zero [B, H, T, D/g]."""
     b, h, t, d = v.shape
     if d % group:
         raise ValueError(f"head_dim {d} is not a multiple of the group {group}")
     x = v.float().reshape(b, h, t, d // group, group)  # [B, H, T, D/g, g]
     s16, z16 = _params(x.amin(-1), x.amax(-1), bits)  # [B, H, T, D/g]
     codes = _codes(x, s16[..., None], z16[..., None], bits).reshape(b, h, t, d)
-    return pack_codes(codes, bits), s16, z16
+    return codes, s16, z16
+
+
+def _pack_value_blocks(codes: Tensor, bits: int) -> Tensor:
+    """codes uint8 [B, H, 64*nb, D] -> packed [B, H, nb, bits, 8, D]."""
+    b, h, t, d = codes.shape
+    c = codes.view(b, h, t // VALUE_BLOCK, VALUE_BLOCK, d).transpose(-1, -2)  # [B, H, nb, D, 64]
+    packed = pack_codes(c, bits).view(b, h, t // VALUE_BLOCK, d, bits, _VR)
+    return packed.permute(0, 1, 2, 4, 5, 3).contiguous()
 
 
 def quantize_keys(k: Tensor, bits: int, group: int) -> QuantizedKeys:
     """k [B, H, L, D] with L % group == 0 -> QuantizedKeys holding exactly L tokens."""
     _check_bits(bits)
-    if group % 8:
-        raise ValueError(f"key group must be a multiple of 8, got {group}")
+    if group % 8 or group <= 0:
+        raise ValueError(f"key group must be a positive multiple of 8, got {group}")
     codes, s, z = _quantize_keys_parts(k, bits, group)
     return QuantizedKeys(codes, s, z, bits, group)
 
@@ -321,10 +297,10 @@ def quantize_keys(k: Tensor, bits: int, group: int) -> QuantizedKeys:
 def quantize_values(v: Tensor, bits: int, group: int) -> QuantizedValues:
     """v [B, H, L, D] with D % group == 0 -> QuantizedValues holding exactly L tokens."""
     _check_bits(bits)
-    if v.shape[-1] % 8:
-        raise ValueError(f"head_dim must be a multiple of 8, got {v.shape[-1]}")
-    codes, s, z = _quantize_values_parts(v, bits, group)
-    return QuantizedValues(codes, s, z, bits, group)
+    b, h, t, d = v.shape
+    dst = empty_values(b, h, t, d, bits, group, v.device)
+    quantize_values_into(dst, v, 0)
+    return dst
 
 
 def quantize_keys_into(dst: QuantizedKeys, k: Tensor, start: int) -> None:
@@ -341,36 +317,70 @@ def quantize_keys_into(dst: QuantizedKeys, k: Tensor, start: int) -> None:
 
 
 def quantize_values_into(dst: QuantizedValues, v: Tensor, start: int) -> None:
-    """Quantize v [B, H, T, D] into ``dst`` tokens [start, start+T)."""
-    end = start + v.shape[2]
+    """Quantize v [B, H, T, D] into ``dst`` tokens [start, start+T) (any start)."""
+    t = v.shape[2]
+    end = start + t
     if not 0 <= start <= end <= dst.capacity:
         raise ValueError(f"tokens [{start}, {end}) outside capacity {dst.capacity}")
-    codes, s, z = _quantize_values_parts(v, dst.bits, dst.group)
-    dst.codes[:, :, start:end] = codes
+    if t == 0:
+        return
+    codes, s, z = _quantize_values_parts(v, dst.bits, dst.group)  # codes [B, H, T, D]
     dst.scale[:, :, start:end] = s
     dst.zero[:, :, start:end] = z
+    b0, b1 = start // VALUE_BLOCK, -(-end // VALUE_BLOCK)
+    if start % VALUE_BLOCK == 0 and (end % VALUE_BLOCK == 0 or end == dst.capacity):
+        if t % VALUE_BLOCK:  # the last (partial) block of the buffer: pad with zero codes
+            codes = torch.cat([codes, codes.new_zeros(*codes.shape[:2], (b1 - b0) * VALUE_BLOCK - t,
+                                                      codes.shape[3])], dim=2)
+        dst.codes[:, :, b0:b1] = _pack_value_blocks(codes, dst.bits)
+        return
+    # Partial blocks: the new tokens share bytes with their neighbours. For each bit i,
+    # the tokens with that bit have distinct (block, row) bytes: clear and set bit i.
+    pos = torch.arange(start, end, device=v.device)
+    blk, i_bit, row = pos // VALUE_BLOCK, (pos % VALUE_BLOCK) // _VR, pos % _VR
+    for i in range(8):
+        sel = (i_bit == i).nonzero().flatten()
+        if sel.numel() == 0:
+            continue
+        bi, ri = blk[sel], row[sel]
+        ci = codes[:, :, sel]  # [B, H, t_i, D]
+        for k in range(dst.bits):
+            cur = dst.codes[:, :, bi, k, ri]  # [B, H, t_i, D]
+            bit = ((ci >> k) & 1) << i
+            dst.codes[:, :, bi, k, ri] = (cur & (255 - (1 << i))) | bit
 
 
 def dequantize_keys(qk: QuantizedKeys, n: int | None = None) -> Tensor:
     """QuantizedKeys -> fp32 [B, H, n, D] (n defaults to the capacity; n % g == 0)."""
     qk = qk.prefix(qk.capacity if n is None else n)
-    b, h, j, d, _ = qk.codes.shape
-    c = unpack_codes(qk.codes, qk.bits).float()  # [B, H, J, D, g]
+    b, h, j, bits, r, d = qk.codes.shape
+    packed = qk.codes.permute(0, 1, 2, 5, 3, 4).reshape(b, h, j, d, bits * r)
+    c = unpack_codes(packed, bits).float()  # [B, H, J, D, g]
     x = c * qk.scale.float()[..., None] + qk.zero.float()[..., None]
     return x.transpose(-1, -2).reshape(b, h, j * qk.group, d)
 
 
 def dequantize_values(qv: QuantizedValues, n: int | None = None) -> Tensor:
     """QuantizedValues -> fp32 [B, H, n, D] (n defaults to the capacity)."""
-    qv = qv.prefix(qv.capacity if n is None else n)
-    b, h, t, _ = qv.codes.shape
-    d, g = qv.head_dim, qv.group
-    c = unpack_codes(qv.codes, qv.bits).float().reshape(b, h, t, d // g, g)
+    n = qv.capacity if n is None else n
+    qv = qv.prefix(n)
+    b, h, nb, bits, r, d = qv.codes.shape
+    packed = qv.codes.permute(0, 1, 2, 5, 3, 4).reshape(b, h, nb, d, bits * r)
+    c = unpack_codes(packed, bits).transpose(-1, -2).reshape(b, h, nb * VALUE_BLOCK, d)[:, :, :n]
+    g = qv.group
+    c = c.float().reshape(b, h, n, d // g, g)
     x = c * qv.scale.float()[..., None] + qv.zero.float()[..., None]
-    return x.reshape(b, h, t, d)
+    return x.reshape(b, h, n, d)
 
 
 # ---------------------------------------------------------------------------- kernels
+
+
+def _chunk(total: int, bytes_per_item: int, device: torch.device) -> int:
+    """Items per chunk so that one chunk of expanded codes stays in cache (CPU only)."""
+    if device.type != "cpu":
+        return max(total, 1)
+    return max(1, min(total, _CHUNK_BYTES // max(bytes_per_item, 1)))
 
 
 def guide_scores(
@@ -379,25 +389,39 @@ def guide_scores(
     """q [B, Hkv, Q, D] @ dequant(K)[:, :, :n]^T -> fp32 [B, Hkv, Q, n] (no 1/sqrt(D)).
 
     ``n`` must be a multiple of the key group. Within group j, K[l, d] = s[j,d] c[l,d] +
-    z[j,d], so scores = (q * s[j]) @ c^T + q @ z[j]^T: the codes are expanded as exact
-    small integers in ``dtype`` (float32: exact; bfloat16: faster on CPUs with bf16 dot
-    products, ~1e-3 relative error) and the scale is folded into the query.
+    z[j,d], so scores = (q * s[j]) @ c^T + q @ z[j]^T. ``dtype`` is the type of the
+    expanded codes and of the matmul: float32 matches the reference to float rounding;
+    bfloat16 is faster on CPUs with bf16 dot products (and on GPUs) at ~1e-3 relative
+    error, far below the guide's own quantization error.
     """
     b, h, nq, d = q.shape
-    g = qk.group
+    g, bits = qk.group, qk.bits
     j = _key_groups(n, g, qk.capacity)
     if j == 0:
         return q.new_zeros(b, h, nq, 0, dtype=torch.float32)
     qf = q.float()
-    s, z = _centred(qk.scale[:, :, :j], qk.zero[:, :, :j], qk.bits)  # [B, H, J, D] each
-    c = _expand_codes(qk.codes[:, :, :j], qk.bits, dtype)  # [B, H, J, D, g]
-    qs = (qf[:, :, None] * s[:, :, :, None]).to(dtype)  # [B, H, J, Q, D]
-    zq = torch.matmul(z, qf.transpose(-1, -2))  # [B, H, J, Q]
-    sc = torch.matmul(qs, c)  # [B, H, J, Q, g]
-    if dtype != torch.float32:
-        sc = sc.float()
-    sc = sc + zq[..., None]  # [B, H, J, Q, g]
-    return sc.permute(0, 1, 3, 2, 4).reshape(b, h, nq, n)
+    ng = b * h * j
+    s = qk.scale[:, :, :j].float()  # [B, H, J, D]
+    qs = (qf[:, :, None] * s[:, :, :, None]).to(dtype).reshape(ng, nq, d)  # [G=BHJ, Q, D]
+    zq = torch.matmul(qk.zero[:, :, :j].float(), qf.transpose(-1, -2))  # [B, H, J, Q]
+    codes = qk.codes[:, :, :j].reshape(ng, bits, 1, g // 8, d)  # [G, bits, 1, g/8, D]
+    masks = _bit_masks(q.device)
+    sc = torch.empty(ng, nq, bits * g, dtype=dtype, device=q.device)  # [G, Q, bits*g]
+    step = _chunk(ng, bits * g * d * (1 + torch.finfo(dtype).bits // 8), q.device)
+    su8 = torch.empty(step, bits, 8, g // 8, d, dtype=torch.uint8, device=q.device)
+    sfl = torch.empty(step, bits, 8, g // 8, d, dtype=dtype, device=q.device)
+    for c0 in range(0, ng, step):
+        c1 = min(ng, c0 + step)
+        m = c1 - c0
+        torch.bitwise_and(codes[c0:c1], masks, out=su8[:m])  # bit i of row r -> token i*g/8 + r
+        e = sfl[:m].copy_(su8[:m]).view(m, bits * g, d)  # [G', (plane, token), D], {0, 2**i}
+        torch.bmm(qs[c0:c1], e.transpose(1, 2), out=sc[c0:c1])  # [G', Q, bits*g]
+    if bits == 2:  # low plane + 2 * high plane
+        sc = torch.add(sc[..., :g], sc[..., g:], alpha=2)  # [G, Q, g]
+    out = torch.empty(b, h, nq, j, g, dtype=torch.float32, device=q.device)
+    w = _slice_weights(g // 8, q.device)  # [g]
+    torch.addcmul(zq.transpose(-1, -2)[..., None], sc.view(b, h, j, nq, g).transpose(2, 3), w, out=out)
+    return out.view(b, h, nq, n)
 
 
 def guide_scores_reference(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor:
@@ -412,24 +436,46 @@ def guide_weighted_values(
 
     Per token l and channel group j: V[l, d] = s[l,j] c[l,d] + z[l,j], so
     p @ V[:, group j] = (p * s[:, j]) @ c[:, group j] + (p @ z[:, j]) broadcast over the
-    group's channels. ``dtype`` as in ``guide_scores``.
+    group's channels. Partial sums are accumulated in fp32; ``dtype`` as in ``guide_scores``.
     """
     b, h, nq, _ = p.shape
-    d, g = qv.head_dim, qv.group
+    d, g, bits = qv.head_dim, qv.group, qv.bits
+    jv = d // g
     qv = qv.prefix(n)
     if p.shape[-1] != n:
         raise ValueError(f"p has {p.shape[-1]} columns, expected n={n}")
     pf = p.float()
     if n == 0:
         return pf.new_zeros(b, h, nq, d)
-    s, z = _centred(qv.scale, qv.zero, qv.bits)  # [B, H, n, D/g] each
-    c = _expand_codes(qv.codes, qv.bits, dtype)  # [B, H, n, D]
-    out = torch.matmul(pf, z).repeat_interleave(g, dim=-1)  # [B, H, Q, D]
-    for jv in range(d // g):
-        ps = (pf * s[:, :, None, :, jv]).to(dtype)  # [B, H, Q, n]
-        part = torch.matmul(ps, c[..., jv * g : (jv + 1) * g])  # [B, H, Q, g]
-        out[..., jv * g : (jv + 1) * g] += part.float()
-    return out
+    bh, nb = b * h, qv.codes.shape[2]
+    zt = torch.matmul(pf, qv.zero.float())  # [B, H, Q, D/g]
+    w = _slice_weights(_VR, p.device).repeat(nb)[:n]  # [n] = 2**-i(token)
+    sw = (qv.scale.float() * w[:, None]).transpose(-1, -2)  # [B, H, D/g, n]
+    # one row per (channel group, query): ps[(j, q), l] = p[q, l] * s[l, j] * 2**-i(l)
+    ps = (sw[:, :, :, None] * pf[:, :, None]).to(dtype).reshape(bh, jv * nq, n)  # [BH, (D/g)Q, n]
+    codes = qv.codes.reshape(bh, nb, bits, 1, _VR, d)  # [BH, nb, bits, 1, 8, D]
+    masks = _bit_masks(p.device)
+    acc = torch.zeros(bh, jv * nq, d, dtype=torch.float32, device=p.device)  # [BH, (D/g)Q, D]
+    step = _chunk(nb, bh * bits * VALUE_BLOCK * d * (1 + torch.finfo(dtype).bits // 8), p.device)
+    su8 = torch.empty(bh, bits, step, 8, _VR, d, dtype=torch.uint8, device=p.device)
+    sfl = torch.empty(bh, bits, step, 8, _VR, d, dtype=dtype, device=p.device)
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
+        m = b1 - b0
+        # planes before blocks, so that each plane's tokens are one [m*64, D] matrix per row
+        torch.bitwise_and(codes[:, b0:b1], masks, out=su8[:, :, :m].transpose(1, 2))
+        e = sfl[:, :, :m].copy_(su8[:, :, :m]).view(bh, bits, m * VALUE_BLOCK, d)
+        t0, t1 = b0 * VALUE_BLOCK, min(n, b1 * VALUE_BLOCK)  # the last block may be partial
+        a = ps[:, :, t0:t1]  # [BH, (D/g)Q, t1-t0]
+        for k in range(bits):
+            c = e[:, k, : t1 - t0]  # [BH, t1-t0, D]
+            if dtype == torch.float32:
+                acc.baddbmm_(a, c, alpha=1 << k)
+            else:
+                acc.add_(torch.bmm(a, c), alpha=1 << k)
+    # keep the diagonal blocks: rows of group j times columns of group j
+    acc = torch.diagonal(acc.view(b, h, jv, nq, jv, g), dim1=2, dim2=4)  # [B, H, Q, g, D/g]
+    return (acc.transpose(-1, -2) + zt[..., None]).reshape(b, h, nq, d)
 
 
 def guide_weighted_values_reference(p: Tensor, qv: QuantizedValues, n: int) -> Tensor:

@@ -1,0 +1,330 @@
+"""engine.quant: packing, KIVI 1/2-bit quantizers, packed-code kernels, storage accounting."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine import quant
+from engine.quant import (
+    VALUE_BLOCK,
+    dequantize_keys,
+    dequantize_values,
+    empty_keys,
+    empty_values,
+    guide_bits_per_element,
+    guide_scores,
+    guide_scores_reference,
+    guide_weighted_values,
+    guide_weighted_values_reference,
+    pack_codes,
+    quantize_keys,
+    quantize_keys_into,
+    quantize_values,
+    quantize_values_into,
+    tensor_bytes,
+    unpack_codes,
+)
+
+BITS = [1, 2]
+GROUPS = [32, 64]
+FP16_EPS = 2.0**-10  # fp16 rounding (2**-11 relative) of scale and zero, with margin
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def kv_like(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Random data with per-channel offsets and a few outliers, like real keys."""
+    g = gen(seed)
+    x = torch.randn(*shape, generator=g)
+    x += 3 * torch.randn(shape[-1], generator=g)  # channel offsets
+    x.view(-1)[:: 97] *= 8  # outliers
+    return x
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("shape", [(8,), (3, 16), (5, 7, 24), (2, 3, 1, 64), (1, 136)])
+def test_pack_unpack_round_trip(bits, shape):
+    codes = torch.randint(0, 1 << bits, shape, generator=gen(sum(shape)), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (*shape[:-1], shape[-1] * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits), codes)
+    assert torch.equal(unpack_codes(packed, bits, shape[-1] - 3), codes[..., :-3])
+
+
+def test_pack_layout_is_bit_sliced():
+    # 1 bit, N = 32 -> R = 4 bytes; code t = i*R + r sits in byte r, bit i
+    codes = torch.zeros(32, dtype=torch.uint8)
+    codes[2 * 4 + 1] = 1  # i = 2, r = 1
+    assert pack_codes(codes, 1).tolist() == [0, 1 << 2, 0, 0]
+    # 2 bit: low plane bytes first, then high plane bytes
+    codes = torch.zeros(16, dtype=torch.uint8)  # R = 2
+    codes[3 * 2 + 0] = 2  # i = 3, r = 0, high bit only
+    codes[5 * 2 + 1] = 3  # i = 5, r = 1, both bits
+    assert pack_codes(codes, 2).tolist() == [0, 1 << 5, 1 << 3, 1 << 5]
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError):
+        pack_codes(torch.zeros(12, dtype=torch.uint8), 1)
+    with pytest.raises(ValueError):
+        pack_codes(torch.zeros(8, dtype=torch.uint8), 3)
+
+
+# ------------------------------------------------------------------------ quantization
+
+
+def _recon_levels(lo, hi, bits):
+    """Reconstruction levels per group from the exact min/max (before fp16 rounding)."""
+    rng = hi - lo
+    if bits == 2:
+        return [lo + m * rng / 3 for m in range(4)]
+    return [lo + rng / 4, lo + 3 * rng / 4]
+
+
+def _check_error(x, xr, lo, hi, bits):
+    """x, xr [..., g] with group min/max lo, hi [...]: the per-element error bound."""
+    rng = (hi - lo)[..., None]
+    bound = rng / 6 if bits == 2 else rng / 4  # half a step: s/2 = range/6; 1 bit: range/4
+    slack = FP16_EPS * (rng + torch.maximum(lo.abs(), hi.abs())[..., None]) + 1e-6
+    err = (x - xr).abs()
+    assert torch.all(err <= bound + slack), (err - bound).max()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_keys_error_bound(bits, group):
+    k = kv_like(2, 3, 4 * group, 64, seed=bits + group)
+    qk = quantize_keys(k, bits, group)
+    assert qk.codes.shape == (2, 3, 4, bits, group // 8, 64)
+    assert qk.scale.shape == qk.zero.shape == (2, 3, 4, 64)
+    assert qk.scale.dtype == qk.zero.dtype == torch.float16
+    kr = dequantize_keys(qk)
+    assert kr.shape == k.shape and kr.dtype == torch.float32
+    x = k.view(2, 3, 4, group, 64).transpose(-1, -2)  # [B, H, J, D, g]: per-channel groups
+    xr = kr.view(2, 3, 4, group, 64).transpose(-1, -2)
+    _check_error(x, xr, x.amin(-1), x.amax(-1), bits)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_values_error_bound(bits, group):
+    v = kv_like(2, 3, 70, 64, seed=10 + bits + group)
+    qv = quantize_values(v, bits, group)
+    assert qv.scale.shape == qv.zero.shape == (2, 3, 70, 64 // group)
+    vr = dequantize_values(qv)
+    assert vr.shape == v.shape
+    x = v.view(2, 3, 70, 64 // group, group)  # per-token groups of channels
+    xr = vr.view(2, 3, 70, 64 // group, group)
+    _check_error(x, xr, x.amin(-1), x.amax(-1), bits)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_codes_are_nearest_level_for_stored_params(bits):
+    """The code is clamp(round((x - z) / s)) with the stored fp16 s, z, and x' = c s + z."""
+    k = kv_like(1, 2, 64, 16, seed=3)
+    qk = quantize_keys(k, bits, 32)
+    s = qk.scale.float().repeat_interleave(32, dim=2)  # [B, H, L, D]
+    z = qk.zero.float().repeat_interleave(32, dim=2)
+    c = torch.round((k - z) / s).clamp(0, (1 << bits) - 1)
+    torch.testing.assert_close(dequantize_keys(qk), c * s + z, rtol=0, atol=1e-6)
+
+
+def test_one_bit_levels_and_clamp_at_max():
+    # one key group of 32 tokens x 1 channel: min 0, max 8 -> levels 2 and 6
+    x = torch.linspace(0.0, 8.0, 32).view(1, 1, 32, 1).repeat(1, 1, 1, 8)
+    qk = quantize_keys(x, 1, 32)
+    assert torch.all(qk.zero.float() == 2.0) and torch.all(qk.scale.float() == 4.0)
+    codes = unpack_codes(qk.codes.view(1, 1, 1, 4, 8).permute(0, 1, 2, 4, 3).reshape(1, 1, 8, 4), 1)
+    assert codes[..., -1].eq(1).all()  # x = max: raw code 1.5 is clamped to 1
+    assert codes[..., 0].eq(0).all()  # x = min: raw code -0.5 is clamped to 0
+    xr = dequantize_keys(qk)
+    assert torch.all(xr[:, :, -1] == 6.0)  # min + 3 * range / 4
+    assert torch.all(xr[:, :, 0] == 2.0)  # min + range / 4
+    assert set(xr.unique().tolist()) == {2.0, 6.0}
+    # values: one token, 64 channels 0..8
+    v = torch.linspace(0.0, 8.0, 64).view(1, 1, 1, 64)
+    vr = dequantize_values(quantize_values(v, 1, 64))
+    assert vr[0, 0, 0, -1] == 6.0 and vr[0, 0, 0, 0] == 2.0
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("const", [0.0, 0.75, -3.5, 1024.0])
+def test_constant_groups_reconstruct_exactly(bits, const):
+    k = kv_like(1, 2, 64, 16, seed=4)
+    k[:, :, :32, 5] = const  # one constant key group (channel 5, tokens 0..31)
+    k[:, 1] = const  # a whole constant head
+    qk = quantize_keys(k, bits, 32)
+    kr = dequantize_keys(qk)
+    assert not torch.isnan(kr).any()
+    assert torch.all(kr[:, :, :32, 5] == const) and torch.all(kr[:, 1] == const)
+    v = kv_like(1, 2, 5, 64, seed=5)
+    v[:, :, 2] = const  # constant tokens
+    v[:, 0, 3, :32] = const  # one constant channel group
+    vr = dequantize_values(quantize_values(v, bits, 32))
+    assert not torch.isnan(vr).any()
+    assert torch.all(vr[:, :, 2] == const) and torch.all(vr[:, 0, 3, :32] == const)
+    q = torch.randn(1, 2, 3, 16, generator=gen(6))
+    assert not torch.isnan(guide_scores(q, qk, 64)).any()
+
+
+def test_all_zero_input():
+    for bits in BITS:
+        z = torch.zeros(1, 1, 64, 64)
+        assert torch.equal(dequantize_keys(quantize_keys(z, bits, 64)), z)
+        assert torch.equal(dequantize_values(quantize_values(z, bits, 64)), z)
+
+
+# ---------------------------------------------------------------------------- storage
+
+
+@pytest.mark.parametrize(
+    "bits,group,bpe", [(1, 64, 1.5), (1, 32, 2.0), (2, 64, 2.5), (2, 32, 3.0)]
+)
+def test_storage_matches_formula(bits, group, bpe):
+    assert guide_bits_per_element(bits, group) == bpe
+    b, h, n, d = 2, 3, 256, 64
+    elements = b * h * n * d
+    x = torch.randn(b, h, n, d, generator=gen(7))
+    for q in (quantize_keys(x, bits, group), quantize_values(x, bits, group)):
+        assert tensor_bytes(q) * 8 == elements * bpe
+        assert tensor_bytes(q) / (elements * 2) == bpe / 16  # vs fp16; 1-bit g64: 0.09375
+        assert tensor_bytes(q) == tensor_bytes(
+            (empty_keys if isinstance(q, quant.QuantizedKeys) else empty_values)(b, h, n, d, bits, group)
+        )
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+def _close(a, b, rel=1e-5):
+    torch.testing.assert_close(a, b, rtol=rel, atol=rel * b.abs().max().item() + 1e-6)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_guide_scores_match_reference(bits, group):
+    b, h, nq, d = 2, 3, 5, 64
+    k = kv_like(b, h, 4 * group, d, seed=20 + bits + group)
+    qk = empty_keys(b, h, 6 * group, d, bits, group)  # capacity beyond the filled part
+    quantize_keys_into(qk, k, 0)
+    q = torch.randn(b, h, nq, d, generator=gen(21))
+    for n in (group, 3 * group, 4 * group):
+        ref = guide_scores_reference(q, qk, n)
+        out = guide_scores(q, qk, n)
+        assert out.shape == (b, h, nq, n) and out.dtype == torch.float32
+        _close(out, ref)
+        # the reference itself equals q @ dequantized K
+        _close(ref, q @ dequantize_keys(qk, n).transpose(-1, -2))
+        bf = guide_scores(q, qk, n, dtype=torch.bfloat16)
+        assert (bf - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert guide_scores(q, qk, 0).shape == (b, h, nq, 0)
+    with pytest.raises(ValueError):
+        guide_scores(q, qk, group + 8)  # keys come in whole groups
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_guide_weighted_values_match_reference(bits, group):
+    b, h, nq, d = 2, 3, 5, 64
+    cap = 3 * VALUE_BLOCK + 10
+    v = kv_like(b, h, cap, d, seed=30 + bits + group)
+    qv = empty_values(b, h, cap, d, bits, group)
+    quantize_values_into(qv, v, 0)
+    for n in (1, 7, 63, 64, 65, 130, cap):
+        p = torch.softmax(torch.randn(b, h, nq, n, generator=gen(n)), -1)
+        ref = guide_weighted_values_reference(p, qv, n)
+        out = guide_weighted_values(p, qv, n)
+        assert out.shape == (b, h, nq, d) and out.dtype == torch.float32
+        _close(out, ref)
+        _close(ref, p @ dequantize_values(qv, n))
+        bf = guide_weighted_values(p, qv, n, dtype=torch.bfloat16)
+        assert (bf - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_kernels_on_row_views_and_small_chunks(bits, monkeypatch):
+    """Batch-row views (as the engine slices them) and many chunks give the same results."""
+    b, h, nq, d, g = 3, 2, 6, 64, 32
+    k = kv_like(b, h, 8 * g, d, seed=40)
+    v = kv_like(b, h, 5 * VALUE_BLOCK - 3, d, seed=41)
+    qk, qv = quantize_keys(k, bits, g), quantize_values(v, bits, 32)
+    q = torch.randn(2, h, nq, d, generator=gen(42))
+    p = torch.softmax(torch.randn(2, h, nq, v.shape[2], generator=gen(43)), -1)
+    rows = slice(1, 3)
+    qk_r = replace(qk, codes=qk.codes[rows], scale=qk.scale[rows], zero=qk.zero[rows])
+    qv_r = replace(qv, codes=qv.codes[rows], scale=qv.scale[rows], zero=qv.zero[rows])
+    s_ref = guide_scores_reference(q, qk_r, 7 * g)
+    v_ref = guide_weighted_values_reference(p, qv_r, v.shape[2])
+    _close(guide_scores(q, qk_r, 7 * g), s_ref)
+    _close(guide_weighted_values(p, qv_r, v.shape[2]), v_ref)
+    monkeypatch.setattr(quant, "_CHUNK_BYTES", 20_000)  # a few groups / blocks per chunk
+    _close(guide_scores(q, qk_r, 7 * g), s_ref)
+    _close(guide_weighted_values(p, qv_r, v.shape[2]), v_ref)
+
+
+# ---------------------------------------------------------------------- incremental fill
+
+
+def _assert_same(a, b):
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(a.scale, b.scale)
+    assert torch.equal(a.zero, b.zero)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_keys_into_equals_one_shot(bits, group):
+    b, h, d = 2, 3, 64
+    k = kv_like(b, h, 5 * group, d, seed=50)
+    dst = empty_keys(b, h, 5 * group, d, bits, group)
+    dst.codes.random_(0, 256, generator=gen(51))  # stale contents are overwritten
+    quantize_keys_into(dst, k[:, :, : 2 * group], 0)  # two groups at once (a prefill chunk)
+    for j in range(2, 5):  # then one group at a time, as tokens leave the residual window
+        quantize_keys_into(dst, k[:, :, j * group : (j + 1) * group], j * group)
+    _assert_same(dst, quantize_keys(k, bits, group))
+    _assert_same(dst.prefix(2 * group), quantize_keys(k[:, :, : 2 * group], bits, group))
+    with pytest.raises(ValueError):
+        quantize_keys_into(dst, k[:, :, :group], group // 2)
+    with pytest.raises(ValueError):
+        quantize_keys_into(dst, k[:, :, :group], 5 * group)  # past the capacity
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_values_into_equals_one_shot(bits, group):
+    b, h, d = 2, 3, 64
+    n = 3 * VALUE_BLOCK
+    v = kv_like(b, h, n, d, seed=60)
+    dst = empty_values(b, h, n, d, bits, group)
+    dst.codes.random_(0, 256, generator=gen(61))  # stale contents are overwritten
+    t = 0
+    for run in [1, 5, 64, 13, 1, 1, 40, 30, 2]:  # token by token and in odd runs
+        quantize_values_into(dst, v[:, :, t : t + run], t)
+        t += run
+    for _ in range(n - t):  # the rest one token at a time
+        quantize_values_into(dst, v[:, :, t : t + 1], t)
+        t += 1
+    _assert_same(dst, quantize_values(v, bits, group))
+    # a prefix of the one-shot result equals quantizing the prefix (partial last block)
+    m = VALUE_BLOCK + 9
+    torch.testing.assert_close(dequantize_values(dst, m), dequantize_values(quantize_values(v[:, :, :m], bits, group)))
+    with pytest.raises(ValueError):
+        quantize_values_into(dst, v[:, :, :2], n - 1)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        quantize_keys(torch.zeros(1, 1, 64, 8), 3, 64)
+    with pytest.raises(ValueError):
+        quantize_keys(torch.zeros(1, 1, 40, 8), 1, 32)  # L % g
+    with pytest.raises(ValueError):
+        quantize_values(torch.zeros(1, 1, 4, 48), 1, 32)  # D % g
