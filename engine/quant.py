@@ -448,9 +448,10 @@ def guide_weighted_values(
     if n == 0:
         return pf.new_zeros(b, h, nq, d)
     bh, nb = b * h, qv.codes.shape[2]
-    zt = torch.matmul(pf, qv.zero.float())  # [B, H, Q, D/g]
-    w = _slice_weights(_VR, p.device).repeat(nb)[:n]  # [n] = 2**-i(token)
-    sw = (qv.scale.float() * w[:, None]).transpose(-1, -2)  # [B, H, D/g, n]
+    zt = torch.matmul(qv.zero.float().transpose(-1, -2).contiguous(), pf.transpose(-1, -2))  # [B, H, D/g, Q]
+    w = _slice_weights(_VR, p.device).expand(nb, VALUE_BLOCK).reshape(-1)[:n]  # [n] = 2**-i(token)
+    sw = torch.empty(b, h, jv, n, dtype=torch.float32, device=p.device)
+    torch.mul(qv.scale.float().transpose(-1, -2), w, out=sw)  # [B, H, D/g, n]
     # one row per (channel group, query): ps[(j, q), l] = p[q, l] * s[l, j] * 2**-i(l)
     ps = (sw[:, :, :, None] * pf[:, :, None]).to(dtype).reshape(bh, jv * nq, n)  # [BH, (D/g)Q, n]
     codes = qv.codes.reshape(bh, nb, bits, 1, _VR, d)  # [BH, nb, bits, 1, 8, D]
@@ -475,7 +476,7 @@ def guide_weighted_values(
                 acc.add_(torch.bmm(a, c), alpha=1 << k)
     # keep the diagonal blocks: rows of group j times columns of group j
     acc = torch.diagonal(acc.view(b, h, jv, nq, jv, g), dim1=2, dim2=4)  # [B, H, Q, g, D/g]
-    return (acc.transpose(-1, -2) + zt[..., None]).reshape(b, h, nq, d)
+    return (acc.transpose(-1, -2) + zt.transpose(-1, -2)[..., None]).reshape(b, h, nq, d)
 
 
 def guide_weighted_values_reference(p: Tensor, qv: QuantizedValues, n: int) -> Tensor:
