@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -94,12 +94,11 @@ def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: Ge
         torch.cuda.synchronize()
     t1 = time.perf_counter()
 
-    speculative = cache_config.mode == "specache" and cache_config.k > 0
-    decoder = speculative_steps if speculative else plain_steps
+    pick: Picker = lambda logits: sample(logits, gen.temperature, gen.top_p, generator)  # noqa: E731
     outputs: list[list[int]] = [[] for _ in range(batch)]
     finished = [False] * batch
     steps = 0
-    for next_ids in decoder(model, cache, torch.stack(last), gen, generator):
+    for next_ids, _ in decoder_for(cache_config)(model, cache, torch.stack(last), pick):
         steps += 1
         emitted: list[int | None] = []
         for r, t in enumerate(next_ids.tolist()):
@@ -120,28 +119,51 @@ def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: Ge
     yield Finished(outputs, [len(p) for p in prompts], t1 - t0, t2 - t1, steps, cache.stats())
 
 
-def plain_steps(model, cache: KVCache, logits: torch.Tensor, gen: GenerationConfig,
-                generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """One token per step. logits [B, V] are the prefill's last logits. Yields ids [B]."""
+Picker = Callable[[torch.Tensor], torch.Tensor]  # logits [B, V] -> next ids [B]
+
+
+def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One token per step. logits [B, V] are the prefill's last logits. Yields (ids [B], the logits they came from)."""
     rows = slice(0, cache.batch)
     while True:
-        ids = sample(logits, gen.temperature, gen.top_p, generator)
-        yield ids
+        ids = pick(logits)
+        yield ids, logits
         logits = forward(model, cache, ids[:, None], rows)[:, -1]
 
 
-def speculative_steps(model, cache: KVCache, logits: torch.Tensor, gen: GenerationConfig,
-                      generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """SpeCache decoding (design page, Algorithms 2 and 3). Yields the output ids [B] of each step."""
+def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """SpeCache decoding (design page, Algorithms 2 and 3). Yields (output ids [B], their logits) per step."""
     rows = slice(0, cache.batch)
-    out = sample(logits, gen.temperature, gen.top_p, generator)  # T1
-    yield out
+    out = pick(logits)  # T1
+    yield out, logits
     # Pre-decoding: T1 alone against guide + residual; its row picks the first fetch set, its
     # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
     spec = forward(model, cache, out[:, None], rows, keep=0, select=0)[:, -1].argmax(-1)
     while True:
         pair = torch.stack([out, spec], dim=1)  # [B, 2] = [T_t, T'_{t+1}]
-        logits = forward(model, cache, pair, rows, keep=1, select=1, logits_to_keep=2)  # [B, 2, V]
-        out = sample(logits[:, 0], gen.temperature, gen.top_p, generator)
-        spec = logits[:, 1].argmax(-1)
-        yield out
+        both = forward(model, cache, pair, rows, keep=1, select=1, logits_to_keep=2)  # [B, 2, V]
+        out = pick(both[:, 0])
+        spec = both[:, 1].argmax(-1)
+        yield out, both[:, 0]
+
+
+def decoder_for(config: CacheConfig):
+    """The step loop of a cache mode: speculative for specache with k > 0, plain otherwise."""
+    return speculative_steps if config.mode == "specache" and config.k > 0 else plain_steps
+
+
+@torch.inference_mode()
+def teacher_forced(model, prompt: list[int], forced: list[int], cache_config: CacheConfig,
+                   ) -> Iterator[torch.Tensor]:
+    """Feed `forced` as the output tokens (e.g. the full cache's own output) through the mode's real
+    step loop; yield the next-token logits [V] that preceded each forced token."""
+    param = next(model.parameters())
+    cache = make_cache(model.config, cache_config, 1, len(prompt) + len(forced) + 2, param.dtype, param.device)
+    *_, last = prefill(model, cache, prompt, 0, cache_config.chunk_size)
+    it = iter(forced)
+    pick: Picker = lambda logits: torch.tensor([next(it)], device=logits.device)  # noqa: E731
+    for i, (_, logits) in enumerate(decoder_for(cache_config)(model, cache, last[None], pick)):
+        yield logits[0]
+        if i + 1 == len(forced):
+            return

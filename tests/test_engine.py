@@ -178,3 +178,15 @@ def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks):
             assert crossed >= 1, "the test should cross a quantization boundary during decoding"
     finally:
         tiny_model.set_attn_implementation(impl)
+
+
+def test_teacher_forced_full_and_exact_specache_agree(tiny_model, reference):
+    from engine.decode import teacher_forced
+
+    ps, refs = reference
+    full = torch.stack(list(teacher_forced(tiny_model, ps[0], refs[0], CacheConfig(mode="full"))))
+    spec = torch.stack(list(teacher_forced(tiny_model, ps[0], refs[0], CacheConfig(mode="specache", k=4096,
+                                                                                   group=32, residual=16))))
+    assert full.shape == (len(refs[0]), tiny_model.config.vocab_size)
+    assert full.argmax(-1).tolist() == refs[0]  # greedy reference: forced tokens are the argmax
+    torch.testing.assert_close(spec, full, rtol=1e-3, atol=1e-3)
