@@ -33,6 +33,16 @@ GROUPS = [32, 64]
 FP16_EPS = 2.0**-10  # fp16 rounding (2**-11 relative) of scale and zero, with margin
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread. With 2 threads on a busy 2-core machine, OpenMP waits
+    made this file 40x slower (13 s instead of 0.3 s)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
