@@ -380,9 +380,10 @@ def dequantize_values(qv: QuantizedValues, n: int | None = None) -> Tensor:
 
 
 def _chunk(total: int, bytes_per_item: int, device: torch.device) -> int:
-    """Items per chunk of expanded codes (see ``_CHUNK_BYTES``)."""
+    """Items per chunk of expanded codes (see ``_CHUNK_BYTES``), at most ~64 chunks."""
     limit = _CHUNK_BYTES if device.type == "cpu" else _CHUNK_BYTES_ACCEL
-    return max(1, min(total, limit // max(bytes_per_item, 1)))
+    step = max(limit // max(bytes_per_item, 1), -(-total // 64), 1)
+    return min(total, step) if total else 1
 
 
 def guide_scores(
