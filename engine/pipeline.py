@@ -13,7 +13,7 @@ from engine.errors import DocumentTooLong, EmptyDocument
 from engine.model import LoadedModel
 
 STRATEGIES = ("auto", "single", "map-reduce")
-PART_MAX_TOKENS = 160  # a section's partial summary or answer
+PART_MAX_TOKENS = (48, 160)  # a section's partial summary or answer: --max-tokens clamped to this range
 
 
 @dataclass
@@ -110,6 +110,12 @@ class Runner:
             yield TextDelta(text[len(shown):])
         return text.strip()
 
+    @property
+    def part_tokens(self) -> int:
+        """Most tokens of one section's partial answer: about the final answer's length."""
+        lo, hi = PART_MAX_TOKENS
+        return min(max(self.gen.max_tokens, lo), hi)
+
     def budget(self, instruction: str, max_tokens: int) -> int:
         """Document tokens that fit in one call next to the instruction and the answer."""
         return self.lm.max_context - P.overhead_tokens(self.lm.tokenizer, instruction) - max_tokens - 2
@@ -168,7 +174,7 @@ def summarize(runner: Runner, text: str, source: str) -> Iterator[Status | Stage
     notes = text
     level = 0
     while True:
-        budget = runner.budget(P.SUMMARIZE_PART, PART_MAX_TOKENS)
+        budget = runner.budget(P.SUMMARIZE_PART, runner.part_tokens)
         sections = split_sections(tok, notes, budget)
         if level == 0:
             result.sections = len(sections)
@@ -177,7 +183,7 @@ def summarize(runner: Runner, text: str, source: str) -> Iterator[Status | Stage
         for i, section in enumerate(sections):
             prompt = P.build_prompt(tok, section, P.SUMMARIZE_PART).ids
             label = f"section {i + 1}/{len(sections)}"
-            parts.append((yield from runner.complete(prompt, label, PART_MAX_TOKENS, result, stream=False)))
+            parts.append((yield from runner.complete(prompt, label, runner.part_tokens, result, stream=False)))
         notes = "\n\n".join(f"Part {i + 1}: {p}" for i, p in enumerate(parts))
         level += 1
         if count_tokens(tok, notes) <= runner.budget(P.SUMMARIZE_REDUCE, runner.gen.max_tokens) or level > 4:
@@ -200,13 +206,14 @@ def ask(runner: Runner, text: str, source: str, question: str) -> Iterator[Statu
         result.text = yield from runner.complete(prompt, "prefill", runner.gen.max_tokens, result, stream=True)
         yield result
         return
-    sections = split_sections(tok, text, runner.budget(P.ASK_PART.format(question=question), PART_MAX_TOKENS))
+    sections = split_sections(tok, text, runner.budget(P.ASK_PART.format(question=question), runner.part_tokens))
     result.sections = len(sections)
     yield Status(f"{source}: {n} tokens, over the window; asking {len(sections)} sections")
     found = []
     for i, section in enumerate(sections):
         prompt = P.build_prompt(tok, section, P.ASK_PART.format(question=question)).ids
-        answer = yield from runner.complete(prompt, f"section {i + 1}/{len(sections)}", PART_MAX_TOKENS, result, False)
+        answer = yield from runner.complete(prompt, f"section {i + 1}/{len(sections)}", runner.part_tokens, result,
+                                           False)
         if P.NOT_FOUND.lower() not in answer.lower() and answer:
             found.append(answer)
     if not found:
