@@ -117,7 +117,8 @@ REFERENCE_HELP = (f"{' or '.join(REFERENCES)}: prefill as this engine runs it (o
 
 
 def plan_cmd(
-    context: int = typer.Option(..., "--context", "-c", help="Tokens per sequence (prompt + generated)."),
+    context: Optional[int] = typer.Option(None, "--context", "-c",
+                                          help="Tokens per sequence, prompt + generated (default: the model's window)."),
     gpu: str = typer.Option("auto", "--gpu", help=GPU_HELP),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
     bits: Optional[int] = typer.Option(None, help="Guide code width, 1 or 2 (default: the model profile's)."),
@@ -135,6 +136,7 @@ def plan_cmd(
     """Plan batch size and k from first principles for full cache, KIVI and SpeCache."""
     host_bytes = None if host_ram is None else int(host_ram * GIB)
     profile = load_model_profile(model)
+    context = profile.max_context if context is None else context
     check_settings(context, profile.default_bits if bits is None else bits,
                    profile.default_group if group is None else group, residual, sinks,
                    profile.default_k if k is None else k, host_bytes, None, reference, prefill_chunk)
