@@ -1,0 +1,272 @@
+"""Shared pieces of the benches: mode labels, progress events, the JSON envelope, atomic
+writes, the default documents and small statistics helpers.
+
+Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode one of full, specache, kivi, window
+(and ``hf`` = transformers' ``generate`` with DynamicCache, speed bench only), options
+``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual window,
+``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk. Unset options keep
+engine.config.CacheConfig's defaults, so ``specache`` is the engine's default setting.
+``window`` without ``w<n>`` is sized to the device bytes of specache with the same bits / k /
+group (``window-1b`` matches ``specache-1b``); ``kivi`` never fetches (k = 0).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import re
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from engine.config import CACHE_MODES, CacheConfig
+from engine.errors import BadArgument
+
+SCHEMA_VERSION = 1
+HF_MODE = "hf"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO_ROOT / "examples"
+
+_OPTION = re.compile(r"^(?:(?P<bits>\d+)b|(?P<key>[kgrswc])(?P<val>\d+))$")
+_OPTION_FIELDS = {"k": "k", "g": "group", "r": "residual", "s": "sinks", "w": "window", "c": "chunk_size"}
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """One bench column: a label and the cache configuration it stands for (None for hf)."""
+
+    label: str
+    mode: str
+    config: CacheConfig | None
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "mode": self.mode,
+                "config": asdict(self.config) if self.config is not None else None}
+
+    @property
+    def is_default_specache(self) -> bool:
+        return self.mode == "specache" and self.config == CacheConfig(mode="specache")
+
+
+def parse_mode(label: str) -> ModeSpec:
+    """``specache-1b-k128`` -> ModeSpec (see the module docstring)."""
+    label = label.strip()
+    parts = label.split("-")
+    mode = parts[0].lower()
+    if mode == HF_MODE:
+        if len(parts) > 1:
+            raise BadArgument(f"mode {label!r}: hf takes no options")
+        return ModeSpec(label, HF_MODE, None)
+    if mode not in CACHE_MODES:
+        raise BadArgument(f"mode {label!r}: must start with one of {', '.join(CACHE_MODES + (HF_MODE,))}")
+    fields: dict[str, int] = {}
+    for opt in parts[1:]:
+        m = _OPTION.match(opt.lower())
+        if not m:
+            raise BadArgument(f"mode {label!r}: unknown option {opt!r} (use e.g. 1b, k256, g64, r64, s4, w512, c512)")
+        if m.group("bits"):
+            fields["bits"] = int(m.group("bits"))
+        else:
+            fields[_OPTION_FIELDS[m.group("key")]] = int(m.group("val"))
+    if "window" in fields and mode != "window":
+        raise BadArgument(f"mode {label!r}: w<n> only applies to window")
+    if mode == "kivi":
+        if fields.get("k"):
+            raise BadArgument(f"mode {label!r}: kivi never fetches (k = 0)")
+        fields["k"] = 0
+    return ModeSpec(label, mode, CacheConfig(mode=mode).with_overrides(**fields))
+
+
+def parse_modes(text: str | Sequence[str], allow_hf: bool = False) -> list[ModeSpec]:
+    """Comma-separated labels (or a list of them) -> unique ModeSpecs, in order."""
+    items = text.split(",") if isinstance(text, str) else [x for t in text for x in t.split(",")]
+    specs, seen = [], set()
+    for item in items:
+        if not item.strip():
+            continue
+        spec = parse_mode(item)
+        if spec.mode == HF_MODE and not allow_hf:
+            raise BadArgument("mode 'hf' (transformers generate) is only measured by `bench speed`")
+        if spec.label in seen:
+            continue
+        seen.add(spec.label)
+        specs.append(spec)
+    if not specs:
+        raise BadArgument("--modes is empty")
+    return specs
+
+
+def parse_ints(text: str, name: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BadArgument(f"{name} must be comma-separated integers, not {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise BadArgument(f"{name} must be integers >= {minimum}, not {text!r}")
+    return values
+
+
+def parse_floats(text: str, name: str, lo: float = 0.0, hi: float = 1.0) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BadArgument(f"{name} must be comma-separated numbers, not {text!r}") from None
+    if not values or any(not lo <= v <= hi for v in values):
+        raise BadArgument(f"{name} must be numbers in [{lo}, {hi}], not {text!r}")
+    return values
+
+
+# ---- events ------------------------------------------------------------------------------
+
+@dataclass
+class BenchProgress:
+    """A progress line for stderr: `done` of `total` units of work (when known)."""
+
+    message: str
+    done: int | None = None
+    total: int | None = None
+
+
+@dataclass
+class BenchResult:
+    """The final event of a bench generator: the JSON-ready result."""
+
+    data: dict
+
+
+# ---- environment and envelope ------------------------------------------------------------
+
+def environment(lm=None) -> dict:
+    """Where the numbers come from: model, library versions, machine."""
+    import torch
+    import transformers
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if lm is not None:
+        env["model"] = {"name": lm.name, "path": str(lm.path), "fingerprint": lm.fingerprint,
+                        "max_context": lm.max_context, "dtype": str(lm.dtype).removeprefix("torch."),
+                        "device": str(lm.device), "layers": lm.model.config.num_hidden_layers,
+                        "heads": lm.model.config.num_attention_heads,
+                        "kv_heads": getattr(lm.model.config, "num_key_value_heads", None)
+                        or lm.model.config.num_attention_heads}
+    return env
+
+
+def envelope(bench: str, quick: bool, settings: dict, modes: Iterable[ModeSpec], lm=None) -> dict:
+    return {"bench": bench, "schema_version": SCHEMA_VERSION,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "quick": quick, "environment": environment(lm), "settings": settings,
+            "modes": [m.to_json() for m in modes]}
+
+
+def target(name: str, goal: str, measured: Any, met: bool | None, note: str = "") -> dict:
+    """One line of a bench's 'targets' list (met None: could not be evaluated)."""
+    return {"name": name, "goal": goal, "measured": measured, "met": met, "note": note}
+
+
+# ---- files -------------------------------------------------------------------------------
+
+def write_atomic(path: Path, data: str | bytes) -> Path:
+    """Write to a temporary file in the same folder, then os.replace it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def default_doc(name: str) -> str:
+    path = EXAMPLES / name
+    if not path.is_file():
+        raise BadArgument(f"the default document {path} is missing: pass --doc FILE")
+    return str(path)
+
+
+def load_texts(paths: Sequence[str]) -> list[tuple[str, str]]:
+    """(source, text) of each document (engine.documents.load_document)."""
+    from engine.documents import load_document
+
+    out = []
+    for p in paths:
+        doc = load_document(p)
+        out.append((doc.source, doc.text))
+    return out
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---- statistics --------------------------------------------------------------------------
+
+def median(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else None
+
+
+def mean(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else None
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """Numbers for tables: None -> '-', floats to `digits` significant-ish places."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 10 ** -(digits):
+            return f"{value:.1e}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |")
+    return "\n".join(lines)
+
+
+def md_targets(targets: Sequence[dict]) -> str:
+    rows = []
+    for t in targets:
+        met = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
+        rows.append([t["name"], t["goal"], fmt(t["measured"]), met, t.get("note", "")])
+    return md_table(["target", "goal", "measured", "status", "note"], rows)
+
+
+def md_header(title: str, result: dict) -> str:
+    env = result["environment"]
+    model = env.get("model", {})
+    lines = [f"# {title}", "",
+             f"- created: {result['created']}{' (quick run)' if result.get('quick') else ''}",
+             f"- model: {model.get('name', '?')} ({model.get('dtype', '?')} on {model.get('device', '?')}, "
+             f"window {model.get('max_context', '?')} tokens, fingerprint {model.get('fingerprint', '?')})",
+             f"- machine: {env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']} "
+             f"({env['torch_threads']} threads), transformers {env['transformers']}",
+             f"- modes: {', '.join(m['label'] for m in result['modes'])}"]
+    if result.get("seconds") is not None:
+        lines.append(f"- wall time: {result['seconds']:.1f} s")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,106 @@
+"""Markdown reports of the bench results (the JSON is the source; these only render it)."""
+from __future__ import annotations
+
+from engine.bench.common import fmt, md_header, md_table, md_targets
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def needle_markdown(r: dict, png_name: str | None = None) -> str:
+    s = r["settings"]
+    lengths, depths = s["lengths"], s["depths"]
+    out = [md_header("Needle (pass key) retrieval", r),
+           f"Documents: {', '.join(s['documents'])} ({s['corpus_tokens']} tokens). "
+           f"{s['needles_per_cell']} needle(s) per cell, greedy, {s['max_tokens']} answer tokens. "
+           f"Needle: \"{s['needle']}\". Question: \"{s['question']}\"\n"]
+    if png_name:
+        out.append(f"![accuracy heatmap]({png_name})\n")
+    out.append("## Accuracy per mode\n")
+    headers = ["mode", "overall"] + [f"{n} tok" for n in lengths] + ["found where full found", "same output as full",
+                                                                   f"device MiB/row @{lengths[-1]}"]
+    rows = []
+    for m in r["modes"]:
+        e = r["per_mode"][m["label"]]
+        rows.append([m["label"], fmt(e["accuracy"], 2)] + [fmt(e["by_length"][str(n)], 2) for n in lengths]
+                    + [fmt(e.get("succeeds_where_full_does"), 2), fmt(e.get("same_output_as_full"), 2),
+                       _mib(e["device_bytes_per_row"][str(lengths[-1])])])
+    out.append(md_table(headers, rows) + "\n")
+    out.append("## Accuracy grid (rows: depth, columns: context tokens)\n")
+    for m in r["modes"]:
+        grid = r["accuracy"][m["label"]]
+        out.append(f"**{m['label']}**\n")
+        out.append(md_table(["depth"] + [str(n) for n in lengths],
+                            [[f"{d:g}"] + [fmt(grid[str(n)][f"{d:g}"], 2) for n in lengths] for d in depths]) + "\n")
+    out.append("## Targets\n")
+    out.append(md_targets(r["targets"]) + "\n")
+    return "\n".join(out)
+
+
+def fidelity_markdown(r: dict) -> str:
+    s = r["settings"]
+    docs = "; ".join(f"{d['source']} ({d['prompt_tokens']} prompt tokens{', truncated' if d['truncated'] else ''})"
+                     for d in s["documents"])
+    out = [md_header("Fidelity against the full cache", r),
+           f"Documents: {docs}. Up to {s['forced_tokens']} tokens of the full cache's greedy summary, "
+           "teacher-forced through each mode's real step loop (speculative for specache).\n",
+           "## Agreement\n"]
+    rows = []
+    for m in r["modes"]:
+        e = r["per_mode"][m["label"]]
+        rows.append([m["label"], fmt(e["top1_agreement"]), fmt(e["mean_kl"], 4), fmt(e["identical_prefix"], 1),
+                     fmt(e["equal_share"]), _mib(e["device_bytes"]), fmt(e["device_fraction_of_fp16"])])
+    out.append(md_table(["mode", "teacher-forced top-1", "mean KL", "free-run identical prefix (tokens)",
+                         "free-run equal tokens", "device MiB", "device / fp16 full"], rows) + "\n")
+    sel_modes = [m for m in r["modes"] if r["per_mode"][m["label"]].get("selection")]
+    if sel_modes:
+        out.append("## Selection quality (recall / attention-mass coverage of the guide region)\n")
+        out.append("Coverage is the next output token's exact attention mass on the chosen k positions divided by "
+                   "its mass on the whole guide region (sinks and residual window excluded); recall is the share "
+                   "of the exact top-k that was chosen. Attention in small models is diffuse: recall can be low "
+                   "while coverage is high. Speculation hits: share of steps whose speculative token was the "
+                   "next output token; region mass: share of the next token's attention on the guide region.\n")
+        names = ["oracle", "fetched", "guide_own", "guide_spec", "exact_spec", "guide_output", "exact_output"]
+        rows = []
+        for m in sel_modes:
+            e = r["per_mode"][m["label"]]
+            sel = e["selection"]
+            rows.append([m["label"], fmt(e.get("speculation_hit_rate")), fmt(e.get("region_mass"))] +
+                        [f"{fmt(sel[n]['recall'])} / {fmt(sel[n]['coverage'])}" for n in names] +
+                        [fmt(sel["fetched"]["coverage_vs_oracle"])])
+        out.append(md_table(["mode", "speculation hits", "region mass"] + names + ["fetched coverage / oracle"], rows) + "\n")
+        out.append("\n".join(f"- `{k}`: {v}" for k, v in s["selectors"].items()) + "\n")
+    out.append("## Targets\n")
+    out.append(md_targets(r["targets"]) + "\n")
+    out.append("## Texts (free-running)\n")
+    for row in r["rows"]:
+        text = row["text"].replace("\n", " ")
+        out.append(f"- **{row['mode']}** ({row['document']}): {text[:400]}")
+    ref = next((row["reference_text"] for row in r["rows"]), "")
+    out.append(f"\nReference (full cache): {ref.replace(chr(10), ' ')[:400]}\n")
+    return "\n".join(out)
+
+
+def speed_markdown(r: dict) -> str:
+    s = r["settings"]
+    out = [md_header("Speed", r),
+           f"Documents: {', '.join(s['documents'])}; {s['prompts']}. Decode: {s['warmup_steps']} warm-up steps, then "
+           f"median over {s['repeats']} segments of {s['decode_tokens']} greedy steps. "
+           f"{'Each mode ran in its own child process (peak RSS is that process).' if s['isolated'] else 'All modes ran in one process (no per-mode RSS).'}\n",
+           "## Results\n"]
+    rows = []
+    for c in r["comparison"]:
+        rows.append([c["mode"], c["length"], c["batch"], fmt(c["prefill_tokens_per_s"], 0),
+                     fmt(c["decode_ms_per_token"], 1), fmt(c["decode_tokens_per_s"], 1),
+                     fmt(c["decode_speedup_vs_full"], 2), fmt(c["decode_speedup_vs_hf"], 2),
+                     fmt(c["prefill_vs_full"], 2), _mib(c["device_bytes"]), _mib(c["peak_rss_bytes"])])
+    out.append(md_table(["mode", "context", "batch", "prefill tok/s", "decode ms/token", "decode tok/s (all rows)",
+                         "decode x full", "decode x hf", "prefill x full", "KV device MiB", "peak RSS MiB"], rows) + "\n")
+    out.append("## Peak RSS per mode\n")
+    out.append(md_table(["mode", "after model load + warm-up MiB", "peak MiB", "peak above model MiB"],
+                        [[m["label"], _mib(m["rss"]["model_bytes"]), _mib(m["rss"]["peak_bytes"]),
+                          _mib(m["rss"]["peak_above_model_bytes"])] for m in r["per_mode"]]) + "\n")
+    out.append("## Targets\n")
+    out.append(md_targets(r["targets"]) + "\n")
+    return "\n".join(out)

@@ -1,0 +1,262 @@
+"""`specache bench needle|fidelity|speed`: run a bench, write <name>.json and <name>.md (and the
+needle heatmap PNG) to --out, print a table (or, with --json, the JSON) on stdout and progress on
+stderr. The benches themselves live in engine/bench/ (docs/bench.md)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from engine.bench.common import BenchProgress, BenchResult, default_doc, fmt, parse_floats, parse_ints, parse_modes, \
+    write_atomic
+from engine.errors import BadArgument
+from specache_cli.console import err_console, guarded
+from specache_cli.render import emit_json
+
+bench_app = typer.Typer(name="bench", help="Benchmarks: needle retrieval, fidelity to the full cache, speed.",
+                        no_args_is_help=True)
+
+NEEDLE_MODES = "full,specache-2b,specache-1b,kivi-2b,kivi-1b,window"
+FIDELITY_MODES = "full,specache,specache-1b,kivi-2b,kivi-1b,window"
+FIDELITY_QUICK_MODES = "full,specache,specache-1b,kivi-1b,window"
+SPEED_MODES = "full,specache,specache-1b,kivi-1b,window,hf"
+SPEED_QUICK_MODES = "full,specache,hf"
+
+MODEL = typer.Option(None, "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
+OUT = typer.Option(Path("bench-results"), "--out", help="Folder for <bench>.json and <bench>.md.")
+QUICK = typer.Option(False, "--quick", help="A small version that runs in seconds (what the tests run).")
+JSON = typer.Option(False, "--json", help="Print the JSON result on stdout instead of the table.")
+DEVICE = typer.Option("cpu", help="cpu, cuda or auto.")
+QUIET = typer.Option(False, "--quiet", help="No progress on stderr.")
+THREADS = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice). On a shared machine 1 "
+                       "avoids threads waiting on each other.")
+DOCS_HELP = "Document(s) to build prompts from (PDF, .txt, .md); repeat for several."
+
+
+def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optional[int]):
+    import torch
+
+    from engine.model import load_model
+
+    if threads is not None:
+        if threads < 1:
+            raise BadArgument("--threads must be >= 1")
+        torch.set_num_threads(threads)
+
+    status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False))
+    lm = load_model(model, device=device, on_status=status)
+    if not quiet:
+        err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}), window {lm.max_context} tokens, "
+                          f"loaded in {lm.load_seconds:.1f} s[/]", highlight=False)
+    return lm
+
+
+def _texts(docs: list[str], default: str):
+    from engine.bench.common import load_texts
+
+    return load_texts(docs or [default_doc(default)])
+
+
+def _drive(events, quiet: bool) -> dict:
+    """Progress lines to stderr; return the final result."""
+    for event in events:
+        if isinstance(event, BenchProgress):
+            if not quiet:
+                count = f"[{event.done}/{event.total}] " if event.total else ""
+                err_console.print(f"[dim]{count}{event.message}[/]", highlight=False, soft_wrap=True)
+        elif isinstance(event, BenchResult):
+            return event.data
+    raise RuntimeError("the bench ended without a result")
+
+
+def _save(out: Path, name: str, result: dict, markdown: str, quiet: bool, extra: dict[str, bytes] | None = None) -> None:
+    paths = [write_atomic(out / f"{name}.json", json.dumps(result, indent=2, ensure_ascii=False) + "\n")]
+    for fname, data in (extra or {}).items():
+        paths.append(write_atomic(out / fname, data))
+    paths.append(write_atomic(out / f"{name}.md", markdown))
+    if not quiet:
+        err_console.print(f"[dim]wrote {', '.join(str(p) for p in paths)}[/]", highlight=False, soft_wrap=True)
+
+
+def _print(table: Table) -> None:
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:  # files and pipes: do not squeeze the table into 80 columns
+        console = Console(highlight=False, soft_wrap=True, width=200)
+    console.print(table)
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+# ---- needle ------------------------------------------------------------------------------
+
+@bench_app.command("needle")
+@guarded
+def needle_cmd(
+    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
+    quiet: bool = QUIET, threads: Optional[int] = THREADS,
+    doc: list[str] = typer.Option([], "--doc", "-d", help=DOCS_HELP + " Default: examples/long-report.pdf."),
+    modes: str = typer.Option(NEEDLE_MODES, help="Comma-separated modes (docs/bench.md: e.g. specache-1b, kivi-2b, window)."),
+    lengths: Optional[str] = typer.Option(None, help="Context lengths in tokens (default: 1/4, 1/2, 3/4 of the window; quick: two short ones)."),
+    depths: Optional[str] = typer.Option(None, help="Needle depths in [0, 1] (default 0.1,0.5,0.9; quick 0.25,0.75)."),
+    needles: Optional[int] = typer.Option(None, help="Needles per cell (default 3; quick 2)."),
+    max_tokens: int = typer.Option(12, "--max-tokens", help="Answer tokens."),
+    seed: int = typer.Option(0, help="Seed of the pass keys."),
+) -> None:
+    """Pass-key retrieval over context lengths x needle depths, per cache mode; writes a heatmap PNG."""
+    from engine.bench.heatmap import needle_heatmap
+    from engine.bench.needle import run_needle
+    from engine.bench.report import needle_markdown
+
+    specs = parse_modes(modes)
+    depth_list = parse_floats(depths, "--depths") if depths else ([0.25, 0.75] if quick else [0.1, 0.5, 0.9])
+    n_needles = needles if needles is not None else (2 if quick else 3)
+    if n_needles < 1:
+        raise BadArgument("--needles must be >= 1")
+    if max_tokens < 1:
+        raise BadArgument("--max-tokens must be >= 1")
+    texts = _texts(doc, "long-report.pdf")
+    lm = _load_model(model, device, quiet, threads)
+    if lengths:
+        length_list = parse_ints(lengths, "--lengths", minimum=64)
+    else:
+        window = min(lm.max_context, 8192) - max_tokens - 2
+        length_list = [min(512, window // 3), min(1024, 2 * window // 3)] if quick else \
+            [(window * f // 4) // 256 * 256 for f in (1, 2, 3)]
+    result = _drive(run_needle(lm, texts, specs, length_list, depth_list, n_needles, max_tokens, seed, quick), quiet)
+    png = needle_heatmap(result)
+    _save(out, "needle", result, needle_markdown(result, "needle-heatmap.png"), quiet, {"needle-heatmap.png": png})
+    if json_out:
+        emit_json(result, lines=False)
+        return
+    table = Table(title=f"pass-key accuracy ({result['settings']['needles_per_cell']} needles x "
+                        f"{len(depth_list)} depths per length)", title_justify="left")
+    table.add_column("mode")
+    table.add_column("overall", justify="right")
+    for n in length_list:
+        table.add_column(f"{n} tok", justify="right")
+    table.add_column("found where full found", justify="right")
+    table.add_column(f"device MiB @{length_list[-1]}", justify="right")
+    for spec in specs:
+        e = result["per_mode"][spec.label]
+        table.add_row(spec.label, fmt(e["accuracy"], 2), *[fmt(e["by_length"][str(n)], 2) for n in length_list],
+                      fmt(e.get("succeeds_where_full_does"), 2), _mib(e["device_bytes_per_row"][str(length_list[-1])]))
+    _print(table)
+    _print_targets(result["targets"])
+
+
+# ---- fidelity ----------------------------------------------------------------------------
+
+@bench_app.command("fidelity")
+@guarded
+def fidelity_cmd(
+    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
+    quiet: bool = QUIET, threads: Optional[int] = THREADS,
+    doc: list[str] = typer.Option([], "--doc", "-d", help=DOCS_HELP + " Default: examples/report.pdf."),
+    modes: Optional[str] = typer.Option(None, help=f"Comma-separated modes (default {FIDELITY_MODES}; quick {FIDELITY_QUICK_MODES})."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Reference tokens generated by the full cache and forced (default 64; quick 16)."),
+    context: Optional[int] = typer.Option(None, "--context", help="Most prompt tokens (default: what the window allows; quick 600)."),
+) -> None:
+    """Teacher-forced and free-running agreement with the full cache, and the guide's selection quality."""
+    from engine.bench.fidelity import run_fidelity
+    from engine.bench.report import fidelity_markdown
+
+    specs = parse_modes(modes or (FIDELITY_QUICK_MODES if quick else FIDELITY_MODES))
+    n_tokens = tokens if tokens is not None else (16 if quick else 64)
+    if n_tokens < 2:
+        raise BadArgument("--tokens must be >= 2")
+    ctx = context if context is not None else (600 if quick else None)
+    if ctx is not None and ctx < 64:
+        raise BadArgument("--context must be >= 64")
+    texts = _texts(doc, "report.pdf")
+    lm = _load_model(model, device, quiet, threads)
+    result = _drive(run_fidelity(lm, texts, specs, n_tokens, ctx, quick), quiet)
+    _save(out, "fidelity", result, fidelity_markdown(result), quiet)
+    if json_out:
+        emit_json(result, lines=False)
+        return
+    table = Table(title="fidelity against the full cache", title_justify="left")
+    for col in ("mode", "top-1", "mean KL", "identical prefix", "equal tokens", "fetched recall / coverage",
+                "oracle coverage", "coverage / oracle", "device MiB"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for spec in specs:
+        e = result["per_mode"][spec.label]
+        sel = e.get("selection")
+        table.add_row(spec.label, fmt(e["top1_agreement"]), fmt(e["mean_kl"], 4), fmt(e["identical_prefix"], 1),
+                      fmt(e["equal_share"]),
+                      f"{fmt(sel['fetched']['recall'])} / {fmt(sel['fetched']['coverage'])}" if sel else "-",
+                      fmt(sel["oracle"]["coverage"]) if sel else "-",
+                      fmt(sel["fetched"]["coverage_vs_oracle"]) if sel else "-", _mib(e["device_bytes"]))
+    _print(table)
+    _print_targets(result["targets"])
+
+
+# ---- speed -------------------------------------------------------------------------------
+
+@bench_app.command("speed")
+@guarded
+def speed_cmd(
+    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
+    quiet: bool = QUIET, threads: Optional[int] = THREADS,
+    doc: list[str] = typer.Option([], "--doc", "-d", help=DOCS_HELP + " Default: examples/long-report.pdf."),
+    modes: Optional[str] = typer.Option(None, help=f"Comma-separated modes, hf = transformers generate (default {SPEED_MODES}; quick {SPEED_QUICK_MODES})."),
+    lengths: Optional[str] = typer.Option(None, help="Context lengths (default 7000 or what the window allows; quick 256)."),
+    batches: Optional[str] = typer.Option(None, help="Batch sizes (default 1,4; quick 1,2)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Decode steps per repeat (default 16; quick 4)."),
+    repeats: Optional[int] = typer.Option(None, help="Repeated decode segments; the median is reported (default 3; quick 2)."),
+    warmup: Optional[int] = typer.Option(None, help="Decode steps not counted (default 2; quick 1)."),
+    isolate: bool = typer.Option(True, "--isolate/--in-process", help="Run each mode in a child process (honest peak RSS)."),
+) -> None:
+    """Prefill tokens/s, decode ms/token and peak RSS per mode, next to transformers' generate."""
+    from engine.bench.report import speed_markdown
+    from engine.bench.speed import run_speed
+
+    specs = parse_modes(modes or (SPEED_QUICK_MODES if quick else SPEED_MODES), allow_hf=True)
+    batch_list = parse_ints(batches, "--batches") if batches else ([1, 2] if quick else [1, 4])
+    n_tokens = tokens if tokens is not None else (4 if quick else 16)
+    n_repeats = repeats if repeats is not None else (2 if quick else 3)
+    n_warmup = warmup if warmup is not None else (1 if quick else 2)
+    if n_tokens < 1 or n_repeats < 1 or n_warmup < 0:
+        raise BadArgument("--tokens and --repeats must be >= 1, --warmup >= 0")
+    texts = _texts(doc, "long-report.pdf")
+    lm = _load_model(model, device, quiet, threads)
+    steps = n_warmup + n_tokens * n_repeats
+    if lengths:
+        length_list = parse_ints(lengths, "--lengths", minimum=16)
+    else:
+        length_list = [min(256 if quick else 7000, lm.max_context - steps - 4)]
+    result = _drive(run_speed(lm, model, texts, specs, length_list, batch_list, n_tokens, n_repeats, n_warmup,
+                              isolate, quick, device, threads=threads), quiet)
+    _save(out, "speed", result, speed_markdown(result), quiet)
+    if json_out:
+        emit_json(result, lines=False)
+        return
+    table = Table(title="speed (decode: median ms per step; a step gives every row one token)", title_justify="left")
+    for col in ("mode", "context", "batch", "prefill tok/s", "decode ms/token", "x full", "x hf", "KV device MiB",
+                "peak RSS MiB"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for c in result["comparison"]:
+        table.add_row(c["mode"], str(c["length"]), str(c["batch"]), fmt(c["prefill_tokens_per_s"], 0),
+                      fmt(c["decode_ms_per_token"], 1), fmt(c["decode_speedup_vs_full"], 2),
+                      fmt(c["decode_speedup_vs_hf"], 2), _mib(c["device_bytes"]), _mib(c["peak_rss_bytes"]))
+    _print(table)
+    _print_targets(result["targets"])
+
+
+def _print_targets(targets: list[dict]) -> None:
+    table = Table(title="targets", title_justify="left")
+    for col in ("target", "goal", "measured", "status"):
+        table.add_column(col)
+    for t in targets:
+        status = {True: "[green]met[/]", False: "[red]not met[/]", None: "n/a"}[t["met"]]
+        table.add_row(t["name"], t["goal"], fmt(t["measured"]), status)
+    _print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

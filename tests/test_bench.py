@@ -1,0 +1,232 @@
+"""`specache bench needle|fidelity|speed --quick` through the CLI on a tiny random model with the
+real tokenizer: the JSON and Markdown structure, the files written, and the values that must hold
+exactly (full against itself, specache with k >= context against full)."""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from engine.bench.common import parse_mode, parse_modes, write_atomic
+from engine.bench.fidelity import compare_distributions, compare_tokens
+from engine.bench.heatmap import heatmap_png
+from engine.bench.needle import build_needle_prompt, found, passkey
+from engine.config import CacheConfig
+from engine.errors import BadArgument
+from specache_cli.app import app
+
+EXACT = "specache-k4096"  # k >= every context here: every position exact, output equals full
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors on a shared 2-core machine: OpenMP waits make 2 threads far slower than 1."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_model_dir, tmp_path_factory):
+    runner = CliRunner()
+    out = tmp_path_factory.mktemp("bench-results")
+
+    def invoke(name: str, *args: str):
+        r = runner.invoke(app, ["bench", name, "--quick", "--model", str(tiny_model_dir), "--out", str(out),
+                                "--threads", "1", "--json", *args], catch_exceptions=False)
+        assert r.exit_code == 0, r.stderr
+        result = json.loads(r.stdout)
+        assert json.loads((out / f"{name}.json").read_text()) == result  # the file holds the same JSON
+        markdown = (out / f"{name}.md").read_text()
+        return result, markdown, r
+
+    invoke.out = out
+    return invoke
+
+
+def check_envelope(result: dict, bench: str, labels: list[str]) -> None:
+    assert result["bench"] == bench and result["schema_version"] == 1 and result["quick"] is True
+    assert result["environment"]["model"]["max_context"] == 1024
+    assert [m["label"] for m in result["modes"]] == labels
+    assert result["seconds"] > 0
+    for t in result["targets"]:
+        assert {"name", "goal", "measured", "met"} <= set(t)
+
+
+# ---- needle ------------------------------------------------------------------------------
+
+def test_needle_quick(bench):
+    labels = ["full", EXACT, "specache-1b", "kivi-1b", "window"]
+    result, md, r = bench("needle", "--modes", ",".join(labels))
+    check_envelope(result, "needle", labels)
+    s = result["settings"]
+    assert len(s["lengths"]) == 2 and s["depths"] == [0.25, 0.75] and s["needles_per_cell"] == 2
+    assert len(result["cells"]) == len(labels) * 4
+    for cell in result["cells"]:
+        assert len(cell["trials"]) == 2 and 0.0 <= cell["accuracy"] <= 1.0
+        for trial in cell["trials"]:
+            assert abs(trial["prompt_tokens"] - cell["length"]) <= 16
+            assert trial["found"] == found(trial["key"], trial["output"])
+    for lab in labels:
+        grid = result["accuracy"][lab]
+        assert set(grid) == {str(n) for n in s["lengths"]}
+        assert all(set(row) == {"0.25", "0.75"} for row in grid.values())
+    per = result["per_mode"]
+    assert per["full"]["same_output_as_full"] == 1.0
+    assert per[EXACT]["same_output_as_full"] == 1.0  # every position exact: the same answers
+    n = str(s["lengths"][-1])
+    assert per["kivi-1b"]["device_bytes_per_row"][n] < per["specache-1b"]["device_bytes_per_row"][n] \
+        < per["full"]["device_bytes_per_row"][n]
+    png = (bench.out / "needle-heatmap.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert "## Accuracy per mode" in md and "needle-heatmap.png" in md and "## Targets" in md
+    assert all(f"**{lab}**" in md for lab in labels)
+
+
+def test_needle_prompt_plants_the_key_at_the_depth(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    corpus = tok("The committee met in the spring. " * 200, add_special_tokens=False)["input_ids"]
+    key = passkey(0, 600, 0.5, 0)
+    assert len(key) == 5 and key == passkey(0, 600, 0.5, 0) != passkey(0, 600, 0.5, 1)
+    p = build_needle_prompt(tok, corpus, 600, 0.5, key)
+    text = tok.decode(p["ids"])
+    assert f"The pass key is {key}." in text and "What is the pass key?" in text
+    assert abs(len(p["ids"]) - 600) <= 16
+    assert 0.3 < p["needle_token"] / len(p["ids"]) < 0.7
+    assert found(key, f"The pass key is {key[:2]} {key[2:]}.") and not found(key, "12345" if key != "12345" else "1")
+
+
+# ---- fidelity ----------------------------------------------------------------------------
+
+def test_fidelity_quick(bench):
+    labels = ["full", "specache", EXACT, "kivi-1b", "window"]
+    result, md, _ = bench("fidelity", "--modes", ",".join(labels))
+    check_envelope(result, "fidelity", labels)
+    doc = result["settings"]["documents"][0]
+    assert doc["source"].endswith("report.pdf") and doc["truncated"] and doc["prompt_tokens"] <= 600
+    per, rows = result["per_mode"], {r["mode"]: r for r in result["rows"]}
+    n = rows["full"]["teacher_forced"]["steps"]
+    assert n == 16 == rows["full"]["free_running"]["reference_tokens"]
+
+    # full against itself: the same distributions, the same text
+    assert per["full"]["top1_agreement"] == 1.0 and per["full"]["mean_kl"] == 0.0
+    assert rows["full"]["free_running"]["identical_prefix"] == n and per["full"]["equal_share"] == 1.0
+    # k >= context: exact at every position
+    assert per[EXACT]["top1_agreement"] == 1.0 and per[EXACT]["mean_kl"] < 1e-4
+    assert rows[EXACT]["free_running"]["identical_prefix"] == n
+    sel = per[EXACT]["selection"]
+    for name in ("oracle", "fetched", "guide_own", "guide_spec", "exact_spec", "guide_output", "exact_output"):
+        assert sel[name]["recall"] == pytest.approx(1.0) and sel[name]["coverage"] == pytest.approx(1.0)
+    # a real setting: coverage of any k-set is at most the oracle's, recall within [0, 1]
+    sel = per["specache"]["selection"]
+    oracle = sel["oracle"]["coverage"]
+    assert 0 < oracle <= 1.0 + 1e-9 and sel["oracle"]["recall"] == pytest.approx(1.0)
+    for name, v in sel.items():
+        assert 0.0 <= v["recall"] <= 1.0 + 1e-9 and 0.0 <= v["coverage"] <= oracle + 1e-6, name
+    raw = rows["specache"]["selection"]
+    assert raw["samples"] > 0 and 0.0 <= raw["speculation_hit_rate"] <= 1.0 and 0 < raw["region_mass"] <= 1.0
+    assert len(raw["per_layer"]) == 2
+    assert per["kivi-1b"].get("selection") is None and rows["window"]["selection"] is None
+    assert per["kivi-1b"]["device_bytes"] < per["specache"]["device_bytes"] < per["full"]["device_bytes"]
+    assert {t["name"].split(" ")[0] for t in result["targets"]} == {"specache"}
+    assert "## Agreement" in md and "## Selection quality" in md and "## Targets" in md
+
+
+def test_compare_helpers():
+    lp = torch.log_softmax(torch.randn(5, 11, generator=torch.Generator().manual_seed(0)), -1)
+    same = compare_distributions(lp, lp)
+    assert same["top1_agreement"] == 1.0 and same["mean_kl"] == 0.0 and same["first_disagreement"] is None
+    other = compare_distributions(lp, lp.flip(-1))
+    assert other["mean_kl"] > 0
+    assert compare_tokens([1, 2, 3, 4], [1, 2, 9, 4]) == {"identical_prefix": 2, "reference_tokens": 4, "tokens": 4,
+                                                          "equal_share": 0.75}
+    assert compare_tokens([1, 2], [1, 2, 3, 4])["equal_share"] == 0.5
+
+
+# ---- speed -------------------------------------------------------------------------------
+
+def test_speed_quick_child_processes(bench):
+    result, md, _ = bench("speed")
+    labels = ["full", "specache", "hf"]
+    check_envelope(result, "speed", labels)
+    s = result["settings"]
+    assert s["lengths"] == [256] and s["batches"] == [1, 2] and s["isolated"] is True
+    for m in result["per_mode"]:
+        assert [(c["length"], c["batch"]) for c in m["configs"]] == [(256, 1), (256, 2)]
+        for c in m["configs"]:
+            assert len(c["decode_ms_segments"]) == s["repeats"] == 2
+            assert c["decode_ms_per_token"] > 0 and c["prefill_tokens_per_s"] > 0
+            assert c["decode_tokens_per_s"] == pytest.approx(c["batch"] * 1e3 / c["decode_ms_per_token"])
+        rss = m["rss"]
+        assert rss["isolated"] and rss["peak_bytes"] >= rss["model_bytes"] > 10 * 2**20
+    rows = {(c["mode"], c["batch"]): c for c in result["comparison"]}
+    assert len(rows) == 6
+    assert rows[("full", 1)]["decode_speedup_vs_full"] == 1.0 and rows[("hf", 2)]["decode_speedup_vs_hf"] == 1.0
+    spec = rows[("specache", 1)]
+    assert spec["decode_speedup_vs_full"] == pytest.approx(
+        rows[("full", 1)]["decode_ms_per_token"] / spec["decode_ms_per_token"])
+    assert len(result["targets"]) == 4  # vs full and vs hf, batch 1 and 2
+    assert "## Results" in md and "## Peak RSS per mode" in md
+
+
+def test_speed_in_process(bench):
+    result, _, _ = bench("speed", "--in-process", "--modes", "kivi-1b,window", "--batches", "1", "--lengths", "128")
+    assert result["settings"]["isolated"] is False
+    assert all(m["rss"]["peak_bytes"] is None for m in result["per_mode"])
+    assert [c["mode"] for c in result["comparison"]] == ["kivi-1b", "window"]
+    assert result["comparison"][0]["decode_speedup_vs_full"] is None  # no full in this run
+    assert result["targets"][0]["met"] is None
+
+
+# ---- flags and helpers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [
+    ["needle", "--modes", "full,bogus"],
+    ["needle", "--modes", "hf"],
+    ["fidelity", "--modes", "kivi-k64"],
+    ["speed", "--batches", "0"],
+    ["needle", "--depths", "1.5"],
+    ["needle", "--lengths", "2000"],  # beyond the tiny model's 1024-token window
+])
+def test_bad_flags_exit_2(tiny_model_dir, tmp_path, args):
+    r = CliRunner().invoke(app, ["bench", *args, "--quick", "--quiet", "--model", str(tiny_model_dir),
+                                 "--out", str(tmp_path)])
+    assert r.exit_code == 2, r.output
+    assert "error:" in r.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_mode_labels():
+    assert parse_mode("specache").config == CacheConfig(mode="specache")
+    s = parse_mode("specache-1b-k128-g32-r32-s2")
+    assert (s.config.bits, s.config.k, s.config.group, s.config.residual, s.config.sinks) == (1, 128, 32, 32, 2)
+    assert parse_mode("kivi-2b").config.k == 0 and parse_mode("window-w300").config.window == 300
+    assert parse_mode("hf").config is None and parse_mode("specache").is_default_specache
+    assert not parse_mode("specache-1b").is_default_specache
+    assert [m.label for m in parse_modes("full,specache,full", allow_hf=True)] == ["full", "specache"]
+    for bad in ("fast", "specache-3b", "specache-x1", "full-w10", "hf-1b"):
+        with pytest.raises(BadArgument):
+            parse_mode(bad)
+
+
+def test_write_atomic_and_png(tmp_path):
+    path = write_atomic(tmp_path / "sub" / "a.json", "{}")
+    write_atomic(path, b"[]")
+    assert path.read_text() == "[]" and [p.name for p in path.parent.iterdir()] == ["a.json"]
+    png = heatmap_png([("a", [[0.0, 0.5], [1.0, None]])], ["r0", "r1"], ["c0", "c1"])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 2 * 36 and height > 2 * 36
+    from engine.bench.heatmap import png_bytes
+
+    raw = png_bytes([bytearray(b"\x01\x02\x03" * 2)] * 3, 2, 3)
+    idat = raw[raw.index(b"IDAT") + 4: raw.index(b"IEND") - 8]
+    assert zlib.decompress(idat) == (b"\x00" + b"\x01\x02\x03" * 2) * 3
