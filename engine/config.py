@@ -24,6 +24,7 @@ class CacheConfig:
     sinks: int = 4  # first S tokens kept exact on the device
     window: int | None = None  # window mode: exact recent tokens (None: same device bytes as specache)
     chunk_size: int = 512  # prefill chunk, tokens
+    measure_hits: bool = False  # specache: measure the prefetch hit rate (costs a full attention per step)
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:

@@ -66,6 +66,7 @@ class GuidedLayer:
         self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device) if self.use_guide else None
         self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
+        self.hits = self.hit_total = 0  # prefetch hit counts (config.measure_hits)
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
@@ -178,9 +179,31 @@ class GuidedLayer:
             if kf:
                 guide_p.scatter_(-1, fidx, 0.0)  # invalid entries hit the trash column
             out = out + self.guide.weighted_values(guide_p[..., :nq], rows, nq)
+        if self.config.measure_hits and kf and step.select != 0:
+            self.count_hits(qg, rscores, idx, step, nq, scaling)
         if step.select is not None and self.topk:
             self.select_and_prefetch(probs, step, nq, n_res, qend, rpos)
         return ungroup_output(out.to(q.dtype), self.shape.heads, t)
+
+    def count_hits(self, qg, rscores, idx, step: Step, nq: int, scaling: float) -> None:
+        """Prefetch hit rate: the share of the output token's exact top-k guide positions (by exact
+        attention, summed over the query heads of each KV head) that had been fetched. Costs a full
+        attention over the exact store, so only when asked for."""
+        b, h, g, t = qg.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
+        rows = step.rows
+        k_exact = self.store.k[rows, :, :nq].to(qg.device)  # [b, H_kv, nq, D]
+        q0 = qg.view(b, h, g, t, -1)[:, :, :, 0]  # the output token's queries [b, H_kv, G, D]
+        exact = (q0 @ k_exact.transpose(-1, -2)).float() * scaling  # [b, H_kv, G, nq]
+        res0 = rscores.view(b, h, g, t, -1)[:, :, :, 0]
+        p = torch.softmax(torch.cat([exact, res0], dim=-1), dim=-1)[..., :nq].sum(dim=2)  # [b, H_kv, nq]
+        pos = torch.arange(nq, device=p.device)
+        p = p.masked_fill((pos[None, :] >= self.qend[rows][:, None])[:, None] | (pos < self.sinks), -1.0)
+        fetched = torch.zeros(b, h, nq + 1, dtype=torch.bool, device=p.device)
+        fetched.scatter_(-1, idx, True)
+        top_p, top = p.topk(min(self.topk, nq), dim=-1)
+        real = top_p >= 0
+        self.hits += int((fetched[..., :nq].gather(-1, top) & real).sum())
+        self.hit_total += int(real.sum())
 
     def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
         """Top-k positions of the selecting token (summed over its KV head's query heads), among those
@@ -222,6 +245,17 @@ class GuidedLayer:
 
     def host_bytes(self, lengths: torch.Tensor) -> int:
         return self.store.host_bytes(int(lengths.sum())) if self.store is not None else 0
+
+    @staticmethod
+    def run_stats(layers: list["GuidedLayer"]) -> dict:
+        """Settings and measured statistics for --json."""
+        first = layers[0]
+        stats = {"bits": first.config.bits, "group": first.group, "k": first.topk, "residual": first.residual,
+                 "sinks": first.sinks}
+        if first.config.measure_hits:
+            hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
+            stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
+        return stats
 
 
 def make_guided_layers(shape: ModelShape, config: CacheConfig, batch: int, max_len: int,

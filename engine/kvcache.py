@@ -178,6 +178,7 @@ class KVCache(Cache):
         """Cache statistics for --json: bytes per tier plus whatever the layers measured."""
         stats = {"mode": self.config.mode, "device_bytes": self.device_bytes(),
                  "host_bytes": self.host_bytes(), "full_fp16_bytes": self.full_fp16_bytes()}
+        stats["device_vs_full_fp16"] = round(stats["device_bytes"] / max(stats["full_fp16_bytes"], 1), 4)
         extra = getattr(self.layers[0], "run_stats", None)
         if extra is not None:
             stats.update(extra(self.layers))

@@ -17,13 +17,14 @@ DEFAULT_CACHE = "full"
 
 
 def _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens, temperature,
-            top_p, seed, strategy, quiet):
+            top_p, seed, strategy, quiet, hit_rate=False):
     """Validate the flags now; return a function that loads the model on first call (so bad flags and
     unreadable documents are reported before any model load)."""
     if strategy not in STRATEGIES:
         raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
     cache_cfg = CacheConfig(mode=cache).with_overrides(bits=bits, group=group, k=k, residual=residual,
-                                                       sinks=sinks, chunk_size=chunk_size)
+                                                       sinks=sinks, chunk_size=chunk_size,
+                                                       measure_hits=hit_rate or None)
     gen = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     loaded: list[Runner] = []
 
@@ -71,6 +72,7 @@ STRATEGY = typer.Option("auto", help="auto, single or map-reduce (for documents 
 JSON = typer.Option(False, "--json", help="Print one JSON object per result on stdout.")
 JSONL = typer.Option(False, "--jsonl", help="Print one JSON object per line (for batch jobs).")
 PASSWORD = typer.Option(None, help="Password of encrypted PDFs.")
+HIT_RATE = typer.Option(False, "--hit-rate", help="specache: measure the prefetch hit rate (costs a full attention per step).")
 QUIET = typer.Option(False, "--quiet", help="No progress or timings on stderr.")
 
 
@@ -81,11 +83,11 @@ def summarize_cmd(
     residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
     max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED,
     strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL, password: Optional[str] = PASSWORD,
-    quiet: bool = QUIET,
+    quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
 ) -> None:
     """Summarize each document."""
     get_runner = _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                         temperature, top_p, seed, strategy, quiet)
+                         temperature, top_p, seed, strategy, quiet, hit_rate)
     structured = json_out or jsonl
     failures = 0
     for source in files:
@@ -120,7 +122,7 @@ def ask_cmd(
     residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
     max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED,
     strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL, password: Optional[str] = PASSWORD,
-    quiet: bool = QUIET,
+    quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
 ) -> None:
     """Answer questions about a document or a corpus of documents."""
     asked = ([question] if question else []) + list(questions)
@@ -129,7 +131,7 @@ def ask_cmd(
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
     get_runner = _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                         temperature, top_p, seed, strategy, quiet)
+                         temperature, top_p, seed, strategy, quiet, hit_rate)
     docs = [_load(source, password, quiet) for source in doc]
     runner = get_runner()
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)

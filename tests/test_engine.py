@@ -190,3 +190,15 @@ def test_teacher_forced_full_and_exact_specache_agree(tiny_model, reference):
     assert full.shape == (len(refs[0]), tiny_model.config.vocab_size)
     assert full.argmax(-1).tolist() == refs[0]  # greedy reference: forced tokens are the argmax
     torch.testing.assert_close(spec, full, rtol=1e-3, atol=1e-3)
+
+
+def test_prefetch_hit_rate(tiny_model):
+    (p,) = prompts_of((400,))
+    gen = GenerationConfig(max_tokens=12)
+    everything = run(tiny_model, [p], CacheConfig(mode="specache", k=4096, group=32, residual=16,
+                                                  measure_hits=True), gen).cache_stats
+    assert everything["prefetch_hit_rate"] == 1.0
+    few = run(tiny_model, [p], CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16,
+                                           measure_hits=True), gen).cache_stats
+    assert 0.0 <= few["prefetch_hit_rate"] < 1.0
+    assert "prefetch_hit_rate" not in run(tiny_model, [p], CacheConfig(mode="specache", k=8, group=32), gen).cache_stats
