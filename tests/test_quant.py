@@ -1,13 +1,15 @@
-"""engine.quant: packing, KIVI 1/2-bit quantizers, packed-code kernels, storage accounting."""
+"""engine.quant: packing, KIVI 1/2-bit quantizers, packed-code kernels (native and torch),
+storage accounting."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
 import torch
 
-from engine import quant
+from engine import native, quant
 from engine.quant import (
     VALUE_BLOCK,
     dequantize_keys,
@@ -70,16 +72,40 @@ def test_pack_unpack_round_trip(bits, shape):
     assert torch.equal(unpack_codes(packed, bits, shape[-1] - 3), codes[..., :-3])
 
 
-def test_pack_layout_is_bit_sliced():
-    # 1 bit, N = 32 -> R = 4 bytes; code t = i*R + r sits in byte r, bit i
+def test_pack_layout_is_little_endian_bit_planes():
+    # 1 bit, N = 32 -> R = 4 bytes; code t = 8r + i sits in byte r, bit i
     codes = torch.zeros(32, dtype=torch.uint8)
-    codes[2 * 4 + 1] = 1  # i = 2, r = 1
+    codes[8 * 1 + 2] = 1  # r = 1, i = 2
     assert pack_codes(codes, 1).tolist() == [0, 1 << 2, 0, 0]
     # 2 bit: low plane bytes first, then high plane bytes
     codes = torch.zeros(16, dtype=torch.uint8)  # R = 2
-    codes[3 * 2 + 0] = 2  # i = 3, r = 0, high bit only
-    codes[5 * 2 + 1] = 3  # i = 5, r = 1, both bits
+    codes[8 * 0 + 3] = 2  # r = 0, i = 3, high bit only
+    codes[8 * 1 + 5] = 3  # r = 1, i = 5, both bits
     assert pack_codes(codes, 2).tolist() == [0, 1 << 5, 1 << 3, 1 << 5]
+    # a 64-bit little-endian word of a plane is 64 consecutive codes, code t in bit t
+    codes = torch.zeros(64, dtype=torch.uint8)
+    codes[[0, 9, 63]] = 1
+    word = int.from_bytes(bytes(pack_codes(codes, 1).tolist()), "little")
+    assert word == (1 << 0) | (1 << 9) | (1 << 63)
+
+
+def test_guide_layouts():
+    """Keys: a D-bit row per token and plane; values: a 64-token word per channel and plane."""
+    b, h, d = 1, 1, 64
+    k = torch.zeros(b, h, 64, d)
+    k[0, 0, 5, 17] = 1.0  # token 5, channel 17 is the group max: code 3 (2 bit)
+    qk = quantize_keys(k, 2, 64)
+    assert qk.codes.shape == (1, 1, 1, 2, 64, d // 8)
+    rows = qk.codes[0, 0, 0]  # [bits, g, D/8]
+    assert rows.count_nonzero() == 2
+    assert rows[0, 5, 17 // 8] == rows[1, 5, 17 // 8] == 1 << (17 % 8)
+    v = torch.zeros(b, h, 70, d)
+    v[0, 0, 66, 9] = 1.0  # token 66 (block 1, token 2 of the block), channel 9: code 3
+    qv = quantize_values(v, 2, 64)
+    assert qv.codes.shape == (1, 1, 2, 2, d, 8)
+    word = qv.codes[0, 0, 1]  # [bits, D, 8]
+    assert word.count_nonzero() == 2
+    assert word[0, 9, 0] == word[1, 9, 0] == 1 << 2
 
 
 def test_pack_rejects_bad_input():
@@ -114,7 +140,7 @@ def _check_error(x, xr, lo, hi, bits):
 def test_keys_error_bound(bits, group):
     k = kv_like(2, 3, 4 * group, 64, seed=bits + group)
     qk = quantize_keys(k, bits, group)
-    assert qk.codes.shape == (2, 3, 4, bits, group // 8, 64)
+    assert qk.codes.shape == (2, 3, 4, bits, group, 64 // 8)
     assert qk.scale.shape == qk.zero.shape == (2, 3, 4, 64)
     assert qk.scale.dtype == qk.zero.dtype == torch.float16
     kr = dequantize_keys(qk)
@@ -153,9 +179,9 @@ def test_one_bit_levels_and_clamp_at_max():
     x = torch.linspace(0.0, 8.0, 32).view(1, 1, 32, 1).repeat(1, 1, 1, 8)
     qk = quantize_keys(x, 1, 32)
     assert torch.all(qk.zero.float() == 2.0) and torch.all(qk.scale.float() == 4.0)
-    codes = unpack_codes(qk.codes.view(1, 1, 1, 4, 8).permute(0, 1, 2, 4, 3).reshape(1, 1, 8, 4), 1)
-    assert codes[..., -1].eq(1).all()  # x = max: raw code 1.5 is clamped to 1
-    assert codes[..., 0].eq(0).all()  # x = min: raw code -0.5 is clamped to 0
+    codes = unpack_codes(qk.codes.view(1, 1, 32, 1), 1)  # [1, 1, token, channel]
+    assert codes[..., -1, :].eq(1).all()  # x = max: raw code 1.5 is clamped to 1
+    assert codes[..., 0, :].eq(0).all()  # x = min: raw code -0.5 is clamped to 0
     xr = dequantize_keys(qk)
     assert torch.all(xr[:, :, -1] == 6.0)  # min + 3 * range / 4
     assert torch.all(xr[:, :, 0] == 2.0)  # min + range / 4
@@ -219,9 +245,25 @@ def _close(a, b, rel=1e-5):
     torch.testing.assert_close(a, b, rtol=rel, atol=rel * b.abs().max().item() + 1e-6)
 
 
+needs_native = pytest.mark.skipif(
+    not native.native_available(),
+    reason=f"native guide kernels unavailable ({native.native_error() or 'disabled by SPECACHE_NATIVE'})")
+
+
+@pytest.fixture(params=["native", "torch"])
+def backend(request, monkeypatch):
+    """Run a kernel test through the native kernels (skipped when unavailable) or the torch path."""
+    if request.param == "native":
+        if not native.native_available():
+            pytest.skip(f"native guide kernels unavailable ({native.native_error() or 'disabled'})")
+    else:
+        monkeypatch.setenv(native.ENV_DISABLE, "0")
+    return request.param
+
+
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group", GROUPS)
-def test_guide_scores_match_reference(bits, group):
+def test_guide_scores_match_reference(bits, group, backend):
     b, h, nq, d = 2, 3, 5, 64
     k = kv_like(b, h, 4 * group, d, seed=20 + bits + group)
     qk = empty_keys(b, h, 6 * group, d, bits, group)  # capacity beyond the filled part
@@ -243,7 +285,7 @@ def test_guide_scores_match_reference(bits, group):
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group", GROUPS)
-def test_guide_weighted_values_match_reference(bits, group):
+def test_guide_weighted_values_match_reference(bits, group, backend):
     b, h, nq, d = 2, 3, 5, 64
     cap = 3 * VALUE_BLOCK + 10
     v = kv_like(b, h, cap, d, seed=30 + bits + group)
@@ -261,7 +303,7 @@ def test_guide_weighted_values_match_reference(bits, group):
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_kernels_on_row_views_and_small_chunks(bits, monkeypatch):
+def test_kernels_on_row_views_and_small_chunks(bits, monkeypatch, backend):
     """Batch-row views (as the engine slices them) and many chunks give the same results."""
     b, h, nq, d, g = 3, 2, 6, 64, 32
     k = kv_like(b, h, 8 * g, d, seed=40)
@@ -279,6 +321,117 @@ def test_kernels_on_row_views_and_small_chunks(bits, monkeypatch):
     monkeypatch.setattr(quant, "_CHUNK_BYTES", 20_000)  # a few groups / blocks per chunk
     _close(guide_scores(q, qk_r, 7 * g), s_ref)
     _close(guide_weighted_values(p, qv_r, v.shape[2]), v_ref)
+
+
+@needs_native
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("batch,nq", [(1, 3), (3, 6), (2, 11)])
+def test_native_matches_torch(bits, group, batch, nq, monkeypatch):
+    """Native kernels == torch reference within 1e-4 relative, for several lengths; Q > 8 takes
+    two query blocks; values lengths not a multiple of 64 end in a partial block."""
+    h, d = 3, 64
+    cap = 6 * VALUE_BLOCK
+    k = kv_like(batch, h, cap, d, seed=70 + bits + group)
+    v = kv_like(batch, h, cap, d, seed=71 + bits + group)
+    qk = empty_keys(batch, h, cap, d, bits, group)
+    quantize_keys_into(qk, k, 0)
+    qv = empty_values(batch, h, cap, d, bits, group)
+    quantize_values_into(qv, v, 0)
+    q = torch.randn(batch, h, nq, d, generator=gen(72))
+    for n in (group, 3 * group, cap - group, cap):
+        s = guide_scores(q, qk, n)
+        assert s.shape == (batch, h, nq, n) and s.dtype == torch.float32
+        _close(s, guide_scores_reference(q, qk, n), rel=1e-4)
+        monkeypatch.setenv(native.ENV_DISABLE, "0")
+        _close(s, guide_scores(q, qk, n), rel=1e-4)  # the torch kernel
+        monkeypatch.delenv(native.ENV_DISABLE)
+    for n in (1, 5, 63, 64, 65, 127, 200, cap - 1, cap):
+        p = torch.softmax(torch.randn(batch, h, nq, n, generator=gen(n)), -1)
+        o = guide_weighted_values(p, qv, n)
+        assert o.shape == (batch, h, nq, d) and o.dtype == torch.float32
+        _close(o, guide_weighted_values_reference(p, qv, n), rel=1e-4)
+        monkeypatch.setenv(native.ENV_DISABLE, "0")
+        _close(o, guide_weighted_values(p, qv, n), rel=1e-4)
+        monkeypatch.delenv(native.ENV_DISABLE)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_threads_and_strided_inputs(threads, monkeypatch):
+    """Thread counts split the work differently (groups / blocks per item): same results; the
+    engine's inputs are views (a [..., :n] slice of a wider probability row, a batch-row slice
+    of the guide, a non-contiguous query)."""
+    monkeypatch.setenv(native.ENV_THREADS, str(threads))
+    b, h, nq, d, g = 3, 2, 6, 128, 32
+    k = kv_like(b, h, 9 * g, d, seed=80)
+    v = kv_like(b, h, 9 * g - 5, d, seed=81)
+    qk, qv = quantize_keys(k, 2, g), quantize_values(v, 1, g)
+    rows = slice(1, 3)
+    qk_r = replace(qk, codes=qk.codes[rows], scale=qk.scale[rows], zero=qk.zero[rows])
+    qv_r = replace(qv, codes=qv.codes[rows], scale=qv.scale[rows], zero=qv.zero[rows])
+    q = torch.randn(2, nq, h, d, generator=gen(82)).transpose(1, 2)  # [2, H, Q, D], strided
+    n = v.shape[2]
+    p_wide = torch.softmax(torch.randn(2, h, nq, n + 1, generator=gen(83)), -1)
+    p = p_wide[..., :n]  # row stride n + 1, as the engine slices its probabilities
+    _close(guide_scores(q, qk_r, 8 * g), guide_scores_reference(q, qk_r, 8 * g), rel=1e-4)
+    _close(guide_weighted_values(p, qv_r, n), guide_weighted_values_reference(p, qv_r, n), rel=1e-4)
+    q16 = q.to(torch.bfloat16)  # other input dtypes are converted
+    _close(guide_scores(q16, qk_r, 8 * g), guide_scores_reference(q16.float(), qk_r, 8 * g), rel=1e-4)
+
+
+@needs_native
+def test_native_ignores_garbage_past_n():
+    """Value tokens past n (same block, never written, or NaN scales) do not leak into the result."""
+    b, h, nq, d = 1, 2, 6, 64
+    v = kv_like(b, h, 100, d, seed=90)
+    qv = quantize_values(v, 2, 64)
+    qv.codes[:, :, 1].fill_(255)  # block 1: tokens 64..99 all code 3
+    qv.scale[:, :, 70:] = float("nan")
+    qv.zero[:, :, 70:] = float("inf")
+    p = torch.softmax(torch.randn(b, h, nq, 70, generator=gen(91)), -1)
+    out = guide_weighted_values(p, qv, 70)
+    assert torch.isfinite(out).all()
+    _close(out, guide_weighted_values_reference(p, qv, 70), rel=1e-4)
+
+
+def test_native_disabled_by_env(monkeypatch):
+    monkeypatch.setenv(native.ENV_DISABLE, "0")
+    assert not native.native_available()
+    assert native.lib() is None
+
+
+def test_fallback_when_native_unavailable(monkeypatch, tmp_path, caplog):
+    """A failed build (here: no compiler) silently falls back to torch, logged once at debug level."""
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.DEBUG, logger=native.__name__):
+        assert not native.native_available()
+        assert not native.native_available()  # tried once, not again
+    assert native.native_error()
+    assert len([r for r in caplog.records if r.name == native.__name__]) == 1
+    k = kv_like(2, 3, 128, 64, seed=95)
+    v = kv_like(2, 3, 100, 64, seed=96)
+    qk, qv = quantize_keys(k, 2, 64), quantize_values(v, 2, 64)
+    q = torch.randn(2, 3, 6, 64, generator=gen(97))
+    p = torch.softmax(torch.randn(2, 3, 6, 100, generator=gen(98)), -1)
+    _close(guide_scores(q, qk, 128), guide_scores_reference(q, qk, 128))
+    _close(guide_weighted_values(p, qv, 100), guide_weighted_values_reference(p, qv, 100))
+
+
+@needs_native
+def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
+    """build() compiles into the cache dir once; the name depends on the source, compiler and machine."""
+    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path))
+    path = native.build()
+    assert path.parent == tmp_path / "native" and path.name.startswith("guide-") and path.suffix == ".so"
+    mtime = path.stat().st_mtime_ns
+    assert native.build() == path and path.stat().st_mtime_ns == mtime  # cached
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left
+    native._load(path)
 
 
 # ---------------------------------------------------------------------- incremental fill

@@ -1,0 +1,195 @@
+"""Native CPU guide kernels (``guide_kernels.c``), compiled once per machine and loaded with ctypes.
+
+The C source is compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``)
+into ``cache_root()/native/guide-<hash>.so``, the hash covering the source, the compiler
+and its flags and the machine (``-march=native``), written atomically (temporary file,
+then ``os.replace``), so concurrent first uses are safe. It is built lazily on the first
+call of ``native_available()`` / ``lib()`` (``python -m engine.native`` builds it ahead
+of time). No torch headers and no ninja are involved.
+
+``SPECACHE_NATIVE=0`` disables the native path; ``SPECACHE_NATIVE_THREADS=N`` sets its
+thread count (default 1, see ``threads()``). Any build or load failure makes
+``native_available()`` return False, so engine.quant falls back to its torch kernels; the
+reason is logged once at debug level and kept in ``native_error()``.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("guide_kernels.c")
+ABI_VERSION = 1
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden")
+ENV_DISABLE = "SPECACHE_NATIVE"
+ENV_THREADS = "SPECACHE_NATIVE_THREADS"
+DEFAULT_THREADS = 1
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_error: str | None = None
+
+_I64 = ctypes.c_int64
+_P = ctypes.c_void_p
+# (ptr, sb, sh, sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, out, B, H, Q, D, n, g, bits, threads)
+_KERNEL_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P] + [_I64] * 8
+
+
+def disabled() -> bool:
+    """True when $SPECACHE_NATIVE is 0/false/no/off."""
+    return os.environ.get(ENV_DISABLE, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def threads() -> int:
+    """Threads for one kernel call: $SPECACHE_NATIVE_THREADS, else 1.
+
+    On the 2-core machines this was tuned on, a second thread gained little and lost a lot
+    whenever another process used the other core (scripts/bench_quant.py --threads)."""
+    raw = os.environ.get(ENV_THREADS, "").strip()
+    if raw:
+        try:
+            return max(1, int(raw))
+        except ValueError:
+            pass
+    return DEFAULT_THREADS
+
+
+def compiler() -> str | None:
+    """The C compiler to use: $CC, else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC"):
+        return os.environ["CC"]
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _compiler_id(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else cc
+
+
+def _machine_id() -> str:
+    """CPU identity for -march=native: architecture, model and feature flags."""
+    parts = [platform.system(), platform.machine()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            seen = set()
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU implementer", "CPU part") and key not in seen:
+                    seen.add(key)
+                    parts.append(line.strip())
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
+
+
+def library_path(cc: str | None = None) -> Path:
+    """Where the shared library for this source, compiler, flags and machine lives."""
+    from engine.model import cache_root
+
+    cc = cc or compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC or install cc/gcc/clang)")
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), cc.encode(), _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
+                 _machine_id().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return cache_root() / "native" / f"guide-{h.hexdigest()[:20]}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernels (unless already cached) and return the library's path. Raises on failure.
+
+    Tries the flags with OpenMP first, then without (a compiler without OpenMP support
+    still gives a single-threaded library)."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC or install cc/gcc/clang)")
+    path = library_path(cc)
+    if path.exists() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+        os.close(fd)
+        try:
+            res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            if res.returncode == 0:
+                os.replace(tmp, path)
+                return path
+            errors.append(f"{cc} {' '.join(flags)}: exit {res.returncode}: {res.stderr.strip()[-2000:]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("compiling the native guide kernels failed:\n" + "\n".join(errors))
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.specache_guide_abi_version.restype = ctypes.c_int
+    if lib.specache_guide_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI version {lib.specache_guide_abi_version()}, expected {ABI_VERSION}")
+    lib.specache_guide_openmp.restype = ctypes.c_int
+    for name in ("specache_guide_scores", "specache_guide_weighted_values"):
+        fn = getattr(lib, name)
+        fn.argtypes = _KERNEL_ARGS
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded library (building it on first use), or None if disabled or unavailable."""
+    global _lib, _tried, _error
+    if disabled():
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                import torch  # noqa: F401  (load torch's OpenMP runtime first: the kernels then share it)
+
+                _lib = _load(build())
+            except Exception as exc:  # any failure: fall back to the torch kernels
+                _lib, _error = None, f"{type(exc).__name__}: {exc}"
+                log.debug("native guide kernels unavailable, using torch: %s", _error)
+            _tried = True
+    return _lib
+
+
+def native_available() -> bool:
+    """True when the native kernels are enabled and loaded (builds them on first call)."""
+    return lib() is not None
+
+
+def native_error() -> str | None:
+    """Why the library could not be built or loaded (None if it was, or was not tried)."""
+    return _error
+
+
+def openmp() -> bool:
+    """True when the loaded library was built with OpenMP (multi-threaded kernels possible)."""
+    lb = lib()
+    return bool(lb is not None and lb.specache_guide_openmp())
+
+
+def _reset_for_tests() -> None:
+    """Forget the loaded library so that the next call tries again (tests only)."""
+    global _lib, _tried, _error
+    with _lock:
+        _lib, _tried, _error = None, False, None
