@@ -73,8 +73,11 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
 
 
 def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: GenerationConfig,
-             ) -> Iterator[Progress | Tokens | Finished]:
-    """Prefill every prompt into one batch cache, then decode all rows together."""
+             shared_prefix: int = 0) -> Iterator[Progress | Tokens | Finished]:
+    """Prefill every prompt into one batch cache, then decode all rows together.
+
+    shared_prefix: the prompts' first tokens are identical (one document, several questions):
+    prefill them once into row 0 and copy that row's cache, then prefill each row's rest."""
     param = next(model.parameters())
     batch = len(prompts)
     max_len = max(len(p) for p in prompts) + gen.max_tokens + 2
@@ -82,14 +85,25 @@ def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: Ge
     generator = torch.Generator(device=param.device).manual_seed(gen.seed)
 
     t0 = time.perf_counter()
-    total, done, last = sum(len(p) for p in prompts), 0, []
+    shared = shared_prefix if batch > 1 and shared_prefix else 0
+    if shared and (any(p[:shared] != prompts[0][:shared] for p in prompts) or shared >= min(map(len, prompts))):
+        raise ValueError("shared_prefix must be a common prefix shorter than every prompt")
+    total = sum(len(p) for p in prompts) - shared * (batch - 1)
+    done, last = 0, []
+    if shared:
+        for item in prefill(model, cache, prompts[0][:shared], 0, cache_config.chunk_size):
+            if isinstance(item, int):
+                yield Progress(item, total)
+        for row in range(1, batch):
+            cache.copy_row(0, row)
+        done = shared
     for row, prompt in enumerate(prompts):
-        for item in prefill(model, cache, prompt, row, cache_config.chunk_size):
+        for item in prefill(model, cache, prompt[shared:], row, cache_config.chunk_size):
             if isinstance(item, int):
                 yield Progress(done + item, total)
             else:
                 last.append(item)
-        done += len(prompt)
+        done += len(prompt) - shared
     if param.device.type == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()

@@ -31,6 +31,12 @@ class Guide:
         quant.quantize_keys_into(keys, k.to(keys.codes.device), start)
         quant.quantize_values_into(values, v.to(values.codes.device), start)
 
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst's guide becomes a copy of row src's."""
+        for q in (self.keys, self.values):
+            for t in (q.codes, q.scale, q.zero):
+                t[dst] = t[src]
+
     def scores(self, q: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
         """q [b, H_kv, Q, D] against the first n quantized keys of rows -> [b, H_kv, Q, n] (unscaled)."""
         return quant.guide_scores(q, _rows(self.keys, rows), n)

@@ -101,6 +101,16 @@ class GuidedLayer:
             self.res_v[row, :, :keep] = self.res_v[row, :, shift:].clone()
             self.qend[row] = new
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Make row dst a copy of row src's state (its first `length` tokens)."""
+        for t in (self.sink_k, self.sink_v, self.res_k, self.res_v, self.qend, self.fidx, self.fvalid):
+            t[dst] = t[src]
+        if self.store is not None:
+            self.store.k[dst, :, :length] = self.store.k[src, :, :length]
+            self.store.v[dst, :, :length] = self.store.v[src, :, :length]
+        if self.guide is not None:
+            self.guide.copy_row(src, dst)
+
     # ---- attention -----------------------------------------------------------------------
     def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
         """q [b, H, T, D] -> [b, T, H, D]. See the module docstring."""

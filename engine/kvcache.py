@@ -104,6 +104,11 @@ class FullLayer:
         out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
         return ungroup_output(out, self.shape.heads, step.n_new)
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Make row dst hold row src's first `length` tokens (a shared document prefix)."""
+        self.k[dst, :, :length] = self.k[src, :, :length]
+        self.v[dst, :, :length] = self.v[src, :, :length]
+
     def device_bytes(self, lengths: torch.Tensor) -> int:
         return int(lengths.sum()) * 2 * self.shape.kv_heads * self.shape.head_dim * self.k.element_size()
 
@@ -160,6 +165,13 @@ class KVCache(Cache):
             if hasattr(layer, "after_step"):
                 layer.after_step(step, self.lengths)
         self.step = None
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst starts as a copy of row src (prefill a shared prefix once, then copy it)."""
+        length = int(self.lengths[src])
+        for layer in self.layers:
+            layer.copy_row(src, dst, length)
+        self.lengths[dst] = length
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.layers[layer_idx].update(key_states, value_states, self.step)

@@ -202,3 +202,16 @@ def test_prefetch_hit_rate(tiny_model):
                                            measure_hits=True), gen).cache_stats
     assert 0.0 <= few["prefetch_hit_rate"] < 1.0
     assert "prefetch_hit_rate" not in run(tiny_model, [p], CacheConfig(mode="specache", k=8, group=32), gen).cache_stats
+
+
+@pytest.mark.parametrize("mode", ["full", "specache", "kivi"])
+def test_shared_prefix_batch_equals_separate_runs(tiny_model, mode):
+    (doc,) = prompts_of((260,), seed=5)
+    questions = prompts_of((7, 12, 9), seed=6)
+    prompts = [doc + q for q in questions]
+    config = CacheConfig(mode=mode, k=16, group=32, residual=16, chunk_size=64)
+    gen = GenerationConfig(max_tokens=16)
+    shared = next(e for e in generate(tiny_model, prompts, config, gen, shared_prefix=len(doc))
+                  if isinstance(e, Finished))
+    separate = [run(tiny_model, [p], config, gen).tokens[0] for p in prompts]
+    assert shared.tokens == separate
