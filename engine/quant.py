@@ -454,6 +454,8 @@ def _torch_scores(q: Tensor, qk: QuantizedKeys, n: int, dtype: torch.dtype) -> T
 
 def _inner_contiguous(t: Tensor, dim: int) -> bool:
     """True when dims [dim:] of t are laid out contiguously (strides of size-1 dims do not matter)."""
+    if t.is_contiguous():  # the usual case: a batch-row slice of a guide buffer
+        return True
     expected = 1
     for size, stride in reversed(list(zip(t.shape[dim:], t.stride()[dim:]))):
         if size != 1 and stride != expected:
@@ -472,10 +474,10 @@ def _native_scores(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor | None:
     codes, scale, zero = qk.codes, qk.scale, qk.zero
     if (d % 64 or codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
             or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != (bits, g, d // 8)
-            or not _inner_contiguous(codes, 2) or scale.shape[3] != d or not _inner_contiguous(scale, 2)
-            or zero.stride() != scale.stride() or zero.shape != scale.shape):
+            or scale.shape[3] != d or zero.shape != scale.shape or zero.stride() != scale.stride()
+            or not _inner_contiguous(codes, 2) or not _inner_contiguous(scale, 2)):
         return None
-    qf = q.to(torch.float32)
+    qf = q if q.dtype == torch.float32 else q.float()
     if qf.stride(-1) != 1:
         qf = qf.contiguous()
     out = torch.empty(b, h, nq, n, dtype=torch.float32)
@@ -503,16 +505,17 @@ def guide_weighted_values(
     """
     b, h, nq, _ = p.shape
     d = qv.head_dim
-    qv = qv.prefix(n)
+    if not 0 <= n <= qv.capacity:
+        raise ValueError(f"n={n} outside [0, {qv.capacity}]")
     if p.shape[-1] != n:
         raise ValueError(f"p has {p.shape[-1]} columns, expected n={n}")
     if n == 0:
         return p.new_zeros(b, h, nq, d, dtype=torch.float32)
     if p.device.type == "cpu":
-        out = _native_weighted_values(p, qv, n)
+        out = _native_weighted_values(p, qv, n)  # reads the first n tokens of the full buffers
         if out is not None:
             return out
-    return _torch_weighted_values(p, qv, n, dtype)
+    return _torch_weighted_values(p, qv.prefix(n), n, dtype)
 
 
 def _torch_weighted_values(p: Tensor, qv: QuantizedValues, n: int, dtype: torch.dtype) -> Tensor:
@@ -563,10 +566,10 @@ def _native_weighted_values(p: Tensor, qv: QuantizedValues, n: int) -> Tensor | 
     codes, scale, zero = qv.codes, qv.scale, qv.zero
     if (codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
             or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != (bits, d, _VR)
-            or not _inner_contiguous(codes, 2) or scale.shape[3] != d // g or not _inner_contiguous(scale, 2)
-            or zero.stride() != scale.stride() or zero.shape != scale.shape):
+            or scale.shape[3] != d // g or zero.shape != scale.shape or zero.stride() != scale.stride()
+            or not _inner_contiguous(codes, 2) or not _inner_contiguous(scale, 2)):
         return None
-    pf = p.to(torch.float32)
+    pf = p if p.dtype == torch.float32 else p.float()
     if pf.stride(-1) != 1:
         pf = pf.contiguous()
     out = torch.empty(b, h, nq, d, dtype=torch.float32)

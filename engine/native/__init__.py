@@ -47,7 +47,8 @@ _KERNEL_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P] + 
 
 def disabled() -> bool:
     """True when $SPECACHE_NATIVE is 0/false/no/off."""
-    return os.environ.get(ENV_DISABLE, "").strip().lower() in ("0", "false", "no", "off")
+    raw = os.environ.get(ENV_DISABLE)
+    return raw is not None and raw.strip().lower() in ("0", "false", "no", "off")
 
 
 def threads() -> int:
@@ -55,7 +56,7 @@ def threads() -> int:
 
     On the 2-core machines this was tuned on, a second thread gained little and lost a lot
     whenever another process used the other core (scripts/bench_quant.py --threads)."""
-    raw = os.environ.get(ENV_THREADS, "").strip()
+    raw = os.environ.get(ENV_THREADS)
     if raw:
         try:
             return max(1, int(raw))
