@@ -58,13 +58,19 @@ class Result:
     def decode_tokens_per_second(self) -> float:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
-    def add(self, fin: Finished) -> None:
-        self.prompt_tokens += sum(fin.prompt_tokens)
-        self.generated_tokens += fin.generated_tokens
+    batch: int = 1  # rows decoded together in this result's (last) model call
+
+    def add(self, fin: Finished, row: int = 0) -> None:
+        """Account one model call (row `row` of its batch; times are the batch's)."""
+        self.prompt_tokens += fin.prompt_tokens[row]
+        self.generated_tokens += len(fin.tokens[row])
         self.prefill_seconds += fin.prefill_seconds
         self.decode_seconds += fin.decode_seconds
         self.calls += 1
+        self.batch = len(fin.tokens)
         self.cache = fin.cache_stats
+
+    plan: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -84,31 +90,64 @@ class Runner:
     cache: CacheConfig
     gen: GenerationConfig
     strategy: str = "auto"
+    batch: int | None = None  # rows decoded together; None: ask the memory planner
+    plan: dict = field(default_factory=dict)  # what the planner chose, for --json
+
+    def batch_size(self, rows: int, context: int) -> int:
+        """How many of `rows` sequences of `context` tokens to decode together."""
+        if self.batch is not None:
+            self.plan = {"batch": min(self.batch, rows), "chosen_by": "flag"}
+            if self.cache.mode == "specache":
+                self.plan["k"] = self.cache.k
+            return min(self.batch, rows)
+        from engine.planner import plan_for_run
+
+        mode = {"window": "kivi"}.get(self.cache.mode, self.cache.mode)
+        params = sum(p.numel() for p in self.lm.model.parameters())
+        mp = plan_for_run(self.lm.model.config, context, mode, bits=self.cache.bits, group=self.cache.group,
+                          k=self.cache.k if mode == "specache" else None, residual=self.cache.residual,
+                          sinks=self.cache.sinks, prefill_chunk=self.cache.chunk_size, batch_limit=rows,
+                          parameters=params, weights_resident=True)
+        self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
+                     "max_batch_for_context": mp.max_batch, "context": context}
+        if self.cache.mode == "specache":
+            self.plan["k"] = self.cache.k
+        return self.plan["batch"]
 
     def complete(self, prompt: list[int], label: str, max_tokens: int, result: Result,
                  stream: bool) -> Iterator[Status | Stage | TextDelta]:
         """One model call; yields progress (and text deltas if stream); returns the answer text."""
+        texts = yield from self.complete_batch([prompt], label, max_tokens, [result], stream=stream)
+        return texts[0]
+
+    def complete_batch(self, prompts: list[list[int]], label: str, max_tokens: int, results: list[Result],
+                       shared_prefix: int = 0, stream: bool = False) -> Iterator[Stage | TextDelta]:
+        """One batched model call; yields progress (and, for a single prompt, text deltas if stream);
+        returns the answer texts."""
         gen = GenerationConfig(max_tokens, self.gen.temperature, self.gen.top_p, self.gen.seed,
                                P.stop_ids(self.lm.tokenizer))
-        ids: list[int] = []
+        ids: list[list[int]] = [[] for _ in prompts]
         shown = ""
-        for event in generate(self.lm.model, [prompt], self.cache, gen):
+        stream = stream and len(prompts) == 1
+        for event in generate(self.lm.model, prompts, self.cache, gen, shared_prefix=shared_prefix):
             if isinstance(event, Progress):
                 yield Stage(label, event.done, event.total)
             elif isinstance(event, Tokens):
-                if event.ids[0] is not None:
-                    ids.append(event.ids[0])
-                    if stream:
-                        text = self.lm.tokenizer.decode(ids, skip_special_tokens=True)
-                        if len(text) > len(shown) and not text.endswith("\ufffd"):
-                            yield TextDelta(text[len(shown):])
-                            shown = text
+                for row, token in enumerate(event.ids):
+                    if token is not None:
+                        ids[row].append(token)
+                if stream and event.ids[0] is not None:
+                    text = self.lm.tokenizer.decode(ids[0], skip_special_tokens=True)
+                    if len(text) > len(shown) and not text.endswith("\ufffd"):
+                        yield TextDelta(text[len(shown):])
+                        shown = text
             elif isinstance(event, Finished):
-                result.add(event)
-        text = self.lm.tokenizer.decode(ids, skip_special_tokens=True)
-        if stream and len(text) > len(shown):
-            yield TextDelta(text[len(shown):])
-        return text.strip()
+                for row, result in enumerate(results):
+                    result.add(event, row)
+        texts = [self.lm.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+        if stream and len(texts[0]) > len(shown):
+            yield TextDelta(texts[0][len(shown):])
+        return [t.strip() for t in texts]
 
     @property
     def part_tokens(self) -> int:
@@ -227,3 +266,63 @@ def ask(runner: Runner, text: str, source: str, question: str) -> Iterator[Statu
         prompt = P.build_prompt(tok, notes, P.ASK_REDUCE.format(question=question)).ids
         result.text = yield from runner.complete(prompt, "combine", runner.gen.max_tokens, result, stream=True)
     yield result
+
+
+def summarize_many(runner: Runner, docs: list[tuple[str, str]], stream: bool = False,
+                   ) -> Iterator[Status | Stage | TextDelta | Result]:
+    """Summarize (text, source) documents, in order; documents that fit the window are decoded
+    together in batches of the planner's (or --batch) size, longer ones go through map-reduce.
+    stream: yield text deltas when a batch holds a single document."""
+    tok = runner.lm.tokenizer
+    pending: list[tuple[list[int], Result]] = []
+
+    def flush() -> Iterator[Status | Stage | TextDelta | Result]:
+        while pending:
+            context = max(len(p) for p, _ in pending) + runner.gen.max_tokens
+            size = runner.batch_size(len(pending), context)
+            group, pending[:] = pending[:size], pending[size:]
+            results = [r for _, r in group]
+            label = f"batch of {len(group)}" if len(group) > 1 else "prefill"
+            texts = yield from runner.complete_batch([p for p, _ in group], label, runner.gen.max_tokens, results,
+                                                     stream=stream)
+            for text, result in zip(texts, results):
+                result.text, result.plan = text, dict(runner.plan)
+                yield result
+
+    for text, source in docs:
+        if not text.strip():
+            raise EmptyDocument(f"{source}: the document is empty")
+        if choose_strategy(runner, count_tokens(tok, text), P.SUMMARIZE) == "single":
+            pending.append((P.build_prompt(tok, text, P.SUMMARIZE).ids, Result("", source, runner.lm.name, "single")))
+            continue
+        yield from flush()
+        yield from summarize(runner, text, source)
+    yield from flush()
+
+
+def ask_many(runner: Runner, text: str, source: str, questions: list[str], stream: bool = False,
+             ) -> Iterator[Status | Stage | TextDelta | Result]:
+    """Answer several questions about one document: when it fits the window, as decode batches that
+    prefill the document once and share it; otherwise one question at a time (map-reduce)."""
+    if not text.strip():
+        raise EmptyDocument(f"{source}: the document is empty")
+    tok = runner.lm.tokenizer
+    instructions = [P.ASK.format(question=q) for q in questions]
+    n = count_tokens(tok, text)
+    if any(choose_strategy(runner, n, i) != "single" for i in instructions):
+        for q in questions:
+            yield from ask(runner, text, source, q)
+        return
+    prompts = [P.build_prompt(tok, text, i) for i in instructions]
+    shared = min(len(p.prefix) for p in prompts)
+    todo = list(zip(questions, prompts))
+    while todo:
+        size = runner.batch_size(len(todo), max(len(p.ids) for _, p in todo) + runner.gen.max_tokens)
+        group, todo = todo[:size], todo[size:]
+        results = [Result("", source, runner.lm.name, "single", question=q) for q, _ in group]
+        label = f"{len(group)} questions" if len(group) > 1 else "prefill"
+        texts = yield from runner.complete_batch([p.ids for _, p in group], label, runner.gen.max_tokens, results,
+                                                 shared_prefix=shared, stream=stream)
+        for answer, result in zip(texts, results):
+            result.text, result.plan = answer, dict(runner.plan)
+            yield result

@@ -21,15 +21,14 @@ def progress_bar(quiet: bool) -> Iterator[Progress]:
         yield bar
 
 
-def render_job(events, quiet: bool, stream_text: bool) -> Result:
-    """Drive a pipeline generator: progress to stderr, streamed text to stdout; return its Result."""
-    result = None
+def render_jobs(events, quiet: bool, stream_text: bool) -> Iterator[Result]:
+    """Drive a pipeline generator: progress to stderr, streamed text to stdout; yield each Result."""
     tasks: dict[str, int] = {}
     with progress_bar(quiet) as bar:
         for event in events:
             if isinstance(event, Stage):
                 if event.label not in tasks:
-                    tasks[event.label] = bar.add_task(f"{event.label}", total=event.total)
+                    tasks[event.label] = bar.add_task(event.label, total=event.total)
                 bar.update(tasks[event.label], completed=event.done)
             elif isinstance(event, Status):
                 if not quiet:
@@ -39,11 +38,13 @@ def render_job(events, quiet: bool, stream_text: bool) -> Result:
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
             elif isinstance(event, Result):
-                result = event
-    if stream_text:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    return result
+                if stream_text:
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                for task in tasks.values():
+                    bar.remove_task(task)
+                tasks.clear()
+                yield event
 
 
 def print_timings(result: Result) -> None:

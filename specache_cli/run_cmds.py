@@ -9,61 +9,100 @@ import typer
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import BadArgument, BatchFailures, SpecacheError
-from engine.pipeline import STRATEGIES, Runner, ask, summarize
+from engine.pipeline import STRATEGIES, Runner, ask_many, summarize_many
 from specache_cli.console import err_console, guarded
-from specache_cli.render import emit_json, print_timings, progress_bar, render_job
+from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
 
 DEFAULT_CACHE = "full"
 
 
-def _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens, temperature,
-            top_p, seed, strategy, quiet, hit_rate=False):
-    """Validate the flags now; return a function that loads the model on first call (so bad flags and
-    unreadable documents are reported before any model load)."""
-    if strategy not in STRATEGIES:
-        raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
-    cache_cfg = CacheConfig(mode=cache).with_overrides(bits=bits, group=group, k=k, residual=residual,
-                                                       sinks=sinks, chunk_size=chunk_size,
-                                                       measure_hits=hit_rate or None)
-    gen = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    loaded: list[Runner] = []
+def parse_batch(batch: str) -> int | None:
+    """--batch: 'auto' (None: the planner decides) or a positive integer."""
+    if batch == "auto":
+        return None
+    if not batch.isdigit() or int(batch) < 1:
+        raise BadArgument(f"--batch must be 'auto' or a positive integer, not {batch!r}")
+    return int(batch)
 
-    def get() -> Runner:
-        if not loaded:
+
+def model_defaults(lm) -> dict:
+    """bits, group and k for this model: its profile if there is one, else by size (engine.profiles)."""
+    from engine.model import EMBEDDED_NAME
+    from engine.profiles import load_model_profile, model_profile_from_config
+
+    if lm.name == EMBEDDED_NAME:
+        profile = load_model_profile("smollm2-135m")
+    else:
+        profile = model_profile_from_config(lm.model.config, name=lm.name,
+                                            parameters=sum(p.numel() for p in lm.model.parameters()))
+    return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.default_k}
+
+
+class Session:
+    """Flags validated up front; the model loaded on first use (so bad flags and unreadable
+    documents are reported before any model load)."""
+
+    def __init__(self, model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
+                 temperature, top_p, seed, strategy, batch, quiet, hit_rate):
+        if strategy not in STRATEGIES:
+            raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+        self.overrides = dict(bits=bits, group=group, k=k, residual=residual, sinks=sinks, chunk_size=chunk_size,
+                              measure_hits=hit_rate or None)
+        CacheConfig(mode=cache).with_overrides(**self.overrides)  # validate now
+        self.mode, self.model, self.device, self.dtype = cache, model, device, dtype
+        self.gen = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        self.strategy, self.batch, self.quiet = strategy, parse_batch(batch), quiet
+        self._runner: Runner | None = None
+
+    def status(self, message: str) -> None:
+        if not self.quiet:
+            err_console.print(f"[dim]{message}[/]", highlight=False)
+
+    @property
+    def runner(self) -> Runner:
+        if self._runner is None:
             from engine.model import load_model
 
-            status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False))
-            lm = load_model(model, device=device, dtype=dtype, on_status=status)
-            if not quiet:
-                err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}) loaded in "
-                                  f"{lm.load_seconds:.1f} s[/]", highlight=False)
-            loaded.append(Runner(lm, cache_cfg, gen, strategy))
-        return loaded[0]
-
-    return get
+            lm = load_model(self.model, device=self.device, dtype=self.dtype, on_status=self.status)
+            self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
+            cache = CacheConfig(mode=self.mode, **model_defaults(lm)).with_overrides(**self.overrides)
+            self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch)
+        return self._runner
 
 
-def _load(source: str, password: Optional[str], quiet: bool):
+def read_document(source: str, password: Optional[str], quiet: bool):
     """Read one document, with a page progress bar for PDFs."""
     from engine.documents import load_document
 
     with progress_bar(quiet) as bar:
         task = bar.add_task(f"reading {Path(source).name}", total=None)
-        doc = load_document(source, password=password, on_page=lambda i, n: bar.update(task, completed=i + 1, total=n),
-                            stdin=sys.stdin)
-    return doc
+        return load_document(source, password=password, stdin=sys.stdin,
+                             on_page=lambda i, n: bar.update(task, completed=i + 1, total=n))
+
+
+def output(results, structured: bool, jsonl: bool, quiet: bool, header: bool) -> None:
+    """Print each finished result: JSON on stdout, timings on stderr (text was streamed or is printed)."""
+    for result in results:
+        if structured:
+            emit_json(result.to_json(), jsonl)
+        elif header:
+            label = f"Q: {result.question}" if result.question else f"# {result.source}"
+            sys.stdout.write(f"{label}\n{result.text}\n\n")
+        if not quiet:
+            print_timings(result)
 
 
 MODEL = typer.Option(None, "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
 DEVICE = typer.Option("auto", help="auto, cpu or cuda.")
 DTYPE = typer.Option("auto", help="auto (fp32 on CPU, fp16 on GPU), float32, float16 or bfloat16.")
 CACHE = typer.Option(DEFAULT_CACHE, "--cache", help="KV cache mode: full, specache, kivi or window.")
-BITS = typer.Option(None, help="Guide code width, 1 or 2.")
-GROUP = typer.Option(None, help="Quantization group size, 32 or 64.")
-K = typer.Option(None, "--k", help="Exact positions fetched per layer and KV head each step.")
-RESIDUAL = typer.Option(None, help="Newest tokens kept exact on the device.")
-SINKS = typer.Option(None, help="First tokens kept exact on the device.")
-CHUNK = typer.Option(None, "--chunk-size", help="Prefill chunk size in tokens.")
+BITS = typer.Option(None, help="Guide code width, 1 or 2 (default: the model profile's).")
+GROUP = typer.Option(None, help="Quantization group size, 32 or 64 (default: the model profile's).")
+K = typer.Option(None, "--k", help="Exact positions fetched per layer and KV head each step (default: the model profile's).")
+RESIDUAL = typer.Option(None, help="Newest tokens kept exact on the device (default 64).")
+SINKS = typer.Option(None, help="First tokens kept exact on the device (default 4).")
+CHUNK = typer.Option(None, "--chunk-size", help="Prefill chunk size in tokens (default 512).")
+BATCH = typer.Option("auto", "--batch", help="Sequences decoded together: auto (memory planner) or a number.")
 MAX_TOKENS = typer.Option(256, "--max-tokens", help="Most tokens to generate per answer.")
 TEMPERATURE = typer.Option(0.0, help="0 is greedy.")
 TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass.")
@@ -81,36 +120,42 @@ def summarize_cmd(
     model: Optional[str] = MODEL, device: str = DEVICE, dtype: str = DTYPE, cache: str = CACHE,
     bits: Optional[int] = BITS, group: Optional[int] = GROUP, k: Optional[int] = K,
     residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
-    max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED,
-    strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL, password: Optional[str] = PASSWORD,
-    quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
+    batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
+    seed: int = SEED, strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL,
+    password: Optional[str] = PASSWORD, quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
 ) -> None:
-    """Summarize each document."""
-    get_runner = _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                         temperature, top_p, seed, strategy, quiet, hit_rate)
+    """Summarize each document (several documents are decoded together in batches)."""
+    session = Session(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
+                      temperature, top_p, seed, strategy, batch, quiet, hit_rate)
     structured = json_out or jsonl
-    failures = 0
-    for source in files:
+    docs, errors = [], {}
+    for i, source in enumerate(files):
         try:
-            doc = _load(source, password, quiet)
-            if len(files) > 1 and not structured:
-                sys.stdout.write(f"# {source}\n")
-            result = render_job(summarize(get_runner(), doc.text, source), quiet, stream_text=not structured)
+            doc = read_document(source, password, quiet)
+            if not doc.text.strip():
+                from engine.errors import EmptyDocument
+
+                raise EmptyDocument(f"{source}: the document is empty")
+            docs.append((i, doc))
         except SpecacheError as exc:
             if len(files) == 1:
                 raise
-            failures += 1
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            errors[i] = exc
+    single = len(files) == 1
+    stream = single and not structured
+    good = iter(render_jobs(summarize_many(session.runner, [(d.text, d.source) for _, d in docs], stream=stream),
+                            quiet, stream)) if docs else iter(())
+    for i, source in enumerate(files):
+        if i in errors:
+            exc = errors[i]
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             if structured:
                 emit_json({"source": source, "error": {"code": exc.code, "exit_code": exc.exit_code,
                                                        "message": str(exc)}}, jsonl)
             continue
-        if structured:
-            emit_json(result.to_json(), jsonl)
-        if not quiet:
-            print_timings(result)
-    if failures:
-        raise BatchFailures(f"{failures} of {len(files)} documents failed")
+        output([next(good)], structured, jsonl, quiet, header=not stream)
+    if errors:
+        raise BatchFailures(f"{len(errors)} of {len(files)} documents failed")
 
 
 def ask_cmd(
@@ -120,31 +165,25 @@ def ask_cmd(
     model: Optional[str] = MODEL, device: str = DEVICE, dtype: str = DTYPE, cache: str = CACHE,
     bits: Optional[int] = BITS, group: Optional[int] = GROUP, k: Optional[int] = K,
     residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
-    max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P, seed: int = SEED,
-    strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL, password: Optional[str] = PASSWORD,
-    quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
+    batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
+    seed: int = SEED, strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL,
+    password: Optional[str] = PASSWORD, quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
 ) -> None:
-    """Answer questions about a document or a corpus of documents."""
+    """Answer questions about a document or a corpus of documents (several questions share one prefill)."""
     asked = ([question] if question else []) + list(questions)
     if not asked:
         raise BadArgument("ask needs a question: specache ask --doc FILE \"question\"")
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
-    get_runner = _runner(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                         temperature, top_p, seed, strategy, quiet, hit_rate)
-    docs = [_load(source, password, quiet) for source in doc]
-    runner = get_runner()
+    session = Session(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
+                      temperature, top_p, seed, strategy, batch, quiet, hit_rate)
+    docs = [read_document(source, password, quiet) for source in doc]
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)
     source = ", ".join(d.source for d in docs)
     structured = json_out or jsonl
-    for q in asked:
-        if len(asked) > 1 and not structured:
-            sys.stdout.write(f"Q: {q}\n")
-        result = render_job(ask(runner, text, source, q), quiet, stream_text=not structured)
-        if structured:
-            emit_json(result.to_json(), jsonl)
-        if not quiet:
-            print_timings(result)
+    stream = len(asked) == 1 and not structured
+    results = render_jobs(ask_many(session.runner, text, source, asked, stream=stream), quiet, stream)
+    output(results, structured, jsonl, quiet, header=not stream)
 
 
 def register(app: typer.Typer) -> None:

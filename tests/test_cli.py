@@ -125,3 +125,31 @@ def test_missing_model_folder(tmp_path):
     r = CliRunner().invoke(app, ["summarize", str(DATA / "sample.txt"), "--model", str(tmp_path / "no")])
     assert r.exit_code == 10
     assert "model folder not found" in r.stderr
+
+
+def test_planner_picks_batch_and_reports_it(cli):
+    r = cli("summarize", str(DATA / "sample.txt"), str(DATA / "short.md"), "--max-tokens", "4", "--jsonl",
+            "--cache", "specache")
+    assert r.exit_code == 0, r.stderr
+    objs = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert [o["source"] for o in objs] == [str(DATA / "sample.txt"), str(DATA / "short.md")]
+    for o in objs:
+        assert o["plan"]["chosen_by"] == "planner" and o["plan"]["batch"] == 2 and o["batch"] == 2
+        assert o["plan"]["k"] == o["cache"]["k"]
+
+
+def test_batch_flag_and_questions_share_one_decode_batch(cli):
+    r = cli("ask", "--doc", str(DATA / "sample.txt"), "One?", "-q", "Two?", "-q", "Three?", "--max-tokens", "3",
+            "--jsonl", "--batch", "2")
+    assert r.exit_code == 0, r.stderr
+    objs = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert [o["batch"] for o in objs] == [2, 2, 1]
+    assert all(o["plan"]["chosen_by"] == "flag" for o in objs)
+    assert cli("ask", "--doc", str(DATA / "sample.txt"), "x", "--batch", "0").exit_code == 2
+
+
+def test_batched_answers_equal_one_by_one(cli):
+    args = ("ask", "--doc", str(DATA / "sample.txt"), "--max-tokens", "6", "--jsonl", "--cache", "specache")
+    together = [json.loads(x)["text"] for x in cli(*args, "A?", "-q", "B?").stdout.strip().splitlines()]
+    alone = [json.loads(cli(*args, q).stdout)["text"] for q in ("A?", "B?")]
+    assert together == alone
