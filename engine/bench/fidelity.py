@@ -276,6 +276,7 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
         t0 = time.perf_counter()
         with probing(model) as probe:
             ref_tokens, ref_logps, cache = free_run(model, prompt, full_cfg, tokens, stops)
+        ref_stats = cache.stats()
         n_layers = len(cache.layers)
         length = int(cache.lengths[0])
         ref_keys = [cache.layers[i].k[0, :, :length].float().clone() for i in range(n_layers)]
@@ -291,9 +292,12 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
         for spec in modes:
             t0 = time.perf_counter()
             cfg = spec.config
-            tokens_m, _, cache = free_run(model, prompt, cfg, tokens, stops)
-            stats = cache.stats()
-            del cache
+            if cfg == full_cfg:  # the reference run is this mode's free run (greedy decoding is deterministic)
+                tokens_m, stats = list(ref_tokens), ref_stats
+            else:
+                tokens_m, _, cache = free_run(model, prompt, cfg, tokens, stops)
+                stats = cache.stats()
+                del cache
             selection = None
             if ref_tokens:
                 if cfg.mode == "specache" and cfg.k > 0:
