@@ -125,12 +125,14 @@ def test_fidelity_quick(bench):
     sel = per[EXACT]["selection"]
     for name in ("oracle", "fetched", "guide_own", "guide_spec", "exact_spec", "guide_output", "exact_output"):
         assert sel[name]["recall"] == pytest.approx(1.0) and sel[name]["coverage"] == pytest.approx(1.0)
+        assert sel[name]["coverage_total"] == pytest.approx(1.0)
     # a real setting: coverage of any k-set is at most the oracle's, recall within [0, 1]
     sel = per["specache"]["selection"]
     oracle = sel["oracle"]["coverage"]
     assert 0 < oracle <= 1.0 + 1e-9 and sel["oracle"]["recall"] == pytest.approx(1.0)
     for name, v in sel.items():
         assert 0.0 <= v["recall"] <= 1.0 + 1e-9 and 0.0 <= v["coverage"] <= oracle + 1e-6, name
+        assert v["coverage"] - 1e-6 <= v["coverage_total"] <= sel["oracle"]["coverage_total"] + 1e-6, name
     raw = rows["specache"]["selection"]
     assert raw["samples"] > 0 and 0.0 <= raw["speculation_hit_rate"] <= 1.0 and 0 < raw["region_mass"] <= 1.0
     assert len(raw["per_layer"]) == 2

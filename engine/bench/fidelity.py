@@ -219,6 +219,8 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
                 rec_ = ((mask & oracle).sum(-1).double() / kk).tolist()
                 sums[f"{name}.coverage"] += cov
                 sums[f"{name}.recall"] += rec_
+                # share of ALL the token's attention served exactly: sinks + residual + chosen set
+                sums[f"{name}.coverage_total"] += ((total - region + (target * mask).sum(-1)) / total).tolist()
                 layer_cov[name] += cov
             sums["region_mass"] += (region / total).tolist()
         per_layer.append({"layer": layer, "oracle_coverage": mean(layer_cov["oracle"]),
@@ -233,6 +235,7 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
         cov = mean(sums.get(f"{name}.coverage", []))
         out["selectors"][name] = {
             "recall": mean(sums.get(f"{name}.recall", [])), "coverage": cov,
+            "coverage_total": mean(sums.get(f"{name}.coverage_total", [])),
             "coverage_vs_oracle": (cov / oracle_cov) if cov is not None and oracle_cov else None}
     out["per_layer"] = per_layer
     return out
@@ -350,7 +353,7 @@ def summarize(rows: list[dict], modes: Sequence[ModeSpec]) -> dict:
         sels = [r["selection"] for r in mine if r["selection"]]
         if sels:
             entry["selection"] = {name: {key: mean([s["selectors"][name][key] for s in sels])
-                                         for key in ("recall", "coverage", "coverage_vs_oracle")}
+                                         for key in ("recall", "coverage", "coverage_total", "coverage_vs_oracle")}
                                   for name in ("oracle",) + SELECTORS}
             entry["region_mass"] = mean([s["region_mass"] for s in sels])
             entry["speculation_hit_rate"] = mean([s["speculation_hit_rate"] for s in sels])

@@ -71,6 +71,12 @@ def fidelity_markdown(r: dict) -> str:
                         [fmt(sel["fetched"]["coverage_vs_oracle"])])
         out.append(md_table(["mode", "speculation hits", "region mass"] + names + ["fetched coverage / oracle"], rows) + "\n")
         out.append("\n".join(f"- `{k}`: {v}" for k, v in s["selectors"].items()) + "\n")
+        if all("coverage_total" in r["per_mode"][m["label"]]["selection"]["oracle"] for m in sel_modes):
+            out.append("Share of all the next token's attention served exactly (sinks + residual window + chosen "
+                       "set), the measure some write-ups call coverage:\n")
+            rows = [[m["label"]] + [fmt(r["per_mode"][m["label"]]["selection"][n]["coverage_total"]) for n in names]
+                    for m in sel_modes]
+            out.append(md_table(["mode"] + names, rows) + "\n")
     out.append("## Targets\n")
     out.append(md_targets(r["targets"]) + "\n")
     out.append("## Texts (free-running)\n")
