@@ -2,6 +2,7 @@
 embedded SmolLM2 (slow tests only)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -9,6 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.model import prepare_model
+
+# SPECACHE_TEST_DEVICE=cuda runs the tiny-model engine tests on a GPU (scripts/gpu_check.py does)
+TEST_DEVICE = os.environ.get("SPECACHE_TEST_DEVICE", "cpu")
 
 
 def tiny_config(vocab: int = 320, max_pos: int = 2048, layers: int = 3) -> LlamaConfig:
@@ -31,7 +35,7 @@ def make_tiny_model(seed: int = 0, **kwargs) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaForCausalLM:
-    return make_tiny_model()
+    return make_tiny_model().to(TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

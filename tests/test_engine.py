@@ -28,7 +28,8 @@ def dynamic_cache_greedy(model, prompt, n=NEW):
     impl = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     finally:
         model.set_attn_implementation(impl)
     return out[0, len(prompt):].tolist()
@@ -84,7 +85,7 @@ def test_chunk_size_does_not_change_prefill(tiny_model):
         outs = []
         for chunk in (16, 100, 512):
             config = CacheConfig(mode=mode, chunk_size=chunk, group=32, residual=16)
-            cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, torch.device("cpu"))
+            cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
             *_, logits = prefill(tiny_model, cache, p, 0, chunk)
             outs.append(logits)
         for other in outs[1:]:
@@ -149,26 +150,28 @@ def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks):
     (p,) = prompts_of((230,))
     group, residual, steps = 32, 16, 40
     config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64)
-    cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, torch.device("cpu"))
+    cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
     *_, logits = prefill(tiny_model, cache, p, 0, 64)
 
+    dev = tiny_model.device
     ref = KiviReference(bits, group, residual, sinks)
     AttentionInterface.register("kivi_reference", ref.attention)
     impl = tiny_model.config._attn_implementation
     tiny_model.set_attn_implementation("kivi_reference")
     try:
         with torch.inference_mode():
-            ids = torch.tensor([p])
-            ref_logits = tiny_model(ids, position_ids=torch.arange(len(p))[None], use_cache=False).logits[0, -1]
+            ids = torch.tensor([p], device=dev)
+            positions = torch.arange(len(p), device=dev)[None]
+            ref_logits = tiny_model(ids, position_ids=positions, use_cache=False).logits[0, -1]
             ref.length = len(p)
             torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
             token = int(ref_logits.argmax())
             crossed = 0
             for step in range(steps):
-                pos = torch.tensor([[ref.length]])
-                ref_logits = tiny_model(torch.tensor([[token]]), position_ids=pos, use_cache=False).logits[0, -1]
+                pos = torch.tensor([[ref.length]], device=dev)
+                ref_logits = tiny_model(torch.tensor([[token]], device=dev), position_ids=pos, use_cache=False).logits[0, -1]
                 tiny_model.set_attn_implementation(impl)
-                ours = forward(tiny_model, cache, torch.tensor([[token]]), slice(0, 1))[0, -1]
+                ours = forward(tiny_model, cache, torch.tensor([[token]], device=dev), slice(0, 1))[0, -1]
                 tiny_model.set_attn_implementation("kivi_reference")
                 torch.testing.assert_close(ours, ref_logits, rtol=1e-3, atol=1e-3)
                 crossed += int(quant_boundary(torch.tensor(ref.length + 1), residual, group)) != \
