@@ -472,7 +472,7 @@ def _native_scores(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor | None:
     b, h, nq, d = q.shape
     g, bits = qk.group, qk.bits
     codes, scale, zero = qk.codes, qk.scale, qk.zero
-    if (d % 64 or codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
+    if (d % 8 or codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
             or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != (bits, g, d // 8)
             or scale.shape[3] != d or zero.shape != scale.shape or zero.stride() != scale.stride()
             or not _inner_contiguous(codes, 2) or not _inner_contiguous(scale, 2)):

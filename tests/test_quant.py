@@ -250,12 +250,22 @@ needs_native = pytest.mark.skipif(
     reason=f"native guide kernels unavailable ({native.native_error() or 'disabled by SPECACHE_NATIVE'})")
 
 
+@pytest.fixture
+def native_only(monkeypatch):
+    """Fail instead of silently taking the torch path (the native kernels must handle the case)."""
+    def boom(*args, **kwargs):
+        raise AssertionError("the torch kernel ran instead of the native one")
+    monkeypatch.setattr(quant, "_torch_scores", boom)
+    monkeypatch.setattr(quant, "_torch_weighted_values", boom)
+
+
 @pytest.fixture(params=["native", "torch"])
 def backend(request, monkeypatch):
     """Run a kernel test through the native kernels (skipped when unavailable) or the torch path."""
     if request.param == "native":
         if not native.native_available():
             pytest.skip(f"native guide kernels unavailable ({native.native_error() or 'disabled'})")
+        request.getfixturevalue("native_only")
     else:
         monkeypatch.setenv(native.ENV_DISABLE, "0")
     return request.param
@@ -343,6 +353,7 @@ def test_native_matches_torch(bits, group, batch, nq, monkeypatch):
         s = guide_scores(q, qk, n)
         assert s.shape == (batch, h, nq, n) and s.dtype == torch.float32
         _close(s, guide_scores_reference(q, qk, n), rel=1e-4)
+        assert torch.equal(s, quant._native_scores(q, qk, n))  # it was the native kernel
         monkeypatch.setenv(native.ENV_DISABLE, "0")
         _close(s, guide_scores(q, qk, n), rel=1e-4)  # the torch kernel
         monkeypatch.delenv(native.ENV_DISABLE)
@@ -351,14 +362,30 @@ def test_native_matches_torch(bits, group, batch, nq, monkeypatch):
         o = guide_weighted_values(p, qv, n)
         assert o.shape == (batch, h, nq, d) and o.dtype == torch.float32
         _close(o, guide_weighted_values_reference(p, qv, n), rel=1e-4)
+        assert torch.equal(o, quant._native_weighted_values(p, qv, n))
         monkeypatch.setenv(native.ENV_DISABLE, "0")
         _close(o, guide_weighted_values(p, qv, n), rel=1e-4)
         monkeypatch.delenv(native.ENV_DISABLE)
 
 
 @needs_native
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_native_other_head_dims(bits, head_dim, native_only):
+    """Rows of several 64-bit words and a partial last word (head_dim % 64 != 0)."""
+    b, h, nq, g = 2, 2, 6, 32
+    k = kv_like(b, h, 4 * g, head_dim, seed=head_dim)
+    v = kv_like(b, h, 3 * g + 3, head_dim, seed=head_dim + 1)
+    qk, qv = quantize_keys(k, bits, g), quantize_values(v, bits, g)
+    q = torch.randn(b, h, nq, head_dim, generator=gen(75))
+    p = torch.softmax(torch.randn(b, h, nq, v.shape[2], generator=gen(76)), -1)
+    _close(guide_scores(q, qk, 4 * g), guide_scores_reference(q, qk, 4 * g), rel=1e-4)
+    _close(guide_weighted_values(p, qv, v.shape[2]), guide_weighted_values_reference(p, qv, v.shape[2]), rel=1e-4)
+
+
+@needs_native
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_native_threads_and_strided_inputs(threads, monkeypatch):
+def test_native_threads_and_strided_inputs(threads, monkeypatch, native_only):
     """Thread counts split the work differently (groups / blocks per item): same results; the
     engine's inputs are views (a [..., :n] slice of a wider probability row, a batch-row slice
     of the guide, a non-contiguous query)."""
@@ -381,7 +408,7 @@ def test_native_threads_and_strided_inputs(threads, monkeypatch):
 
 
 @needs_native
-def test_native_ignores_garbage_past_n():
+def test_native_ignores_garbage_past_n(native_only):
     """Value tokens past n (same block, never written, or NaN scales) do not leak into the result."""
     b, h, nq, d = 1, 2, 6, 64
     v = kv_like(b, h, 100, d, seed=90)

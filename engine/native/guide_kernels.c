@@ -151,8 +151,26 @@ INLINE v8sf lookup64(const float *T, uint64_t w) {
     return (a0 + a1) + (a2 + a3);
 }
 
-/* Transpose an 8 x 8 block: rows r[i] (8 lanes) -> columns stored at dst + l * ld. Only the
- * first `nl` columns (lanes) are written, `nt` values each. */
+/* Like lookup64 for the first `nib` (< 16) nibbles of w only (a row's last, partial word). */
+static v8sf lookup_tail(const float *T, uint64_t w, int nib) {
+    v8sf a0 = vsplat(0.0f), a1 = a0;
+    for (int c = 0; c + 1 < nib; c += 2) {
+        a0 += vload(T + ((size_t)c * 16 + ((w >> (4 * c)) & 15)) * LANES);
+        a1 += vload(T + ((size_t)(c + 1) * 16 + ((w >> (4 * c + 4)) & 15)) * LANES);
+    }
+    if (nib & 1) a0 += vload(T + ((size_t)(nib - 1) * 16 + ((w >> (4 * nib - 4)) & 15)) * LANES);
+    return a0 + a1;
+}
+
+/* The first `bytes` (< 8) bytes at p as a little-endian word, zero above. */
+static uint64_t load_tail(const uint8_t *p, int bytes) {
+    uint64_t w = 0;
+    for (int i = 0; i < bytes; i++) w |= (uint64_t)p[i] << (8 * i);
+    return w;
+}
+
+/* dst[l * ld + i] = tile[i][l] for i < rows, l < nl: 8 x 8 block transposes (rows % 8 == 0
+ * takes the vector path only). */
 static void store_transposed(const float *tile /* [rows][8] */, int rows, float *dst, int64_t ld, int nl) {
     int i = 0;
 #ifdef __AVX__
@@ -227,7 +245,7 @@ static void *scratch_alloc(size_t floats) {
 static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
                       const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
                       int bits, float *scratch) {
-    const int nw = D / 64, nchunk = D / 4;
+    const int nw = D / 64, nchunk = D / 4, tail = (D % 64) / 8; /* full words, bytes of a last partial one */
     float *T = scratch;                        /* nchunk * 16 * 8 */
     float *qT = T + (size_t)nchunk * 16 * LANES; /* D * 8 */
     float *tile = qT + (size_t)D * LANES;      /* g * 8 */
@@ -254,7 +272,8 @@ static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes
         }
         const v8sf zq = (z0 + z1) + (z2 + z3);
         const uint8_t *cj = codes + (size_t)j * gbytes;
-        for (int t = 0; t < g; t += 2) {
+        for (int t = 0; t < g && nw == 0; t++) vstore(tile + (size_t)t * LANES, zq);
+        for (int t = 0; t < g && nw > 0; t += 2) { /* two tokens at a time: independent chains */
             const uint8_t *r0 = cj + (size_t)t * row;
             v8sf acc = lookup64(T, load_u64(r0)), acc2 = lookup64(T, load_u64(r0 + row));
             for (int w = 1; w < nw; w++) {
@@ -274,6 +293,18 @@ static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes
             vstore(tile + (size_t)t * LANES, acc + zq);
             vstore(tile + (size_t)(t + 1) * LANES, acc2 + zq);
         }
+        if (tail) { /* head_dim % 64 != 0: the channels of the last, partial word */
+            const float *Tt = T + (size_t)nw * 16 * 16 * LANES;
+            for (int t = 0; t < g; t++) {
+                const uint8_t *r0 = cj + (size_t)t * row + 8 * (size_t)nw;
+                v8sf a = lookup_tail(Tt, load_tail(r0, tail), 2 * tail);
+                if (bits == 2) {
+                    const v8sf hi = lookup_tail(Tt, load_tail(r0 + plane, tail), 2 * tail);
+                    a += hi + hi;
+                }
+                vstore(tile + (size_t)t * LANES, vload(tile + (size_t)t * LANES) + a);
+            }
+        }
         store_transposed(tile, g, out + j * g, n, nl);
     }
 }
@@ -288,7 +319,7 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
                                  int64_t s_sb, int64_t s_sh, float *out, int64_t B, int64_t H, int64_t Q,
                                  int64_t D, int64_t n, int64_t g, int64_t bits, int64_t nthreads) {
     if (B <= 0 || H <= 0 || Q <= 0 || n <= 0) return 0;
-    if (D <= 0 || D % 64 || g <= 0 || g % 8 || n % g || (bits != 1 && bits != 2)) return -1;
+    if (D <= 0 || D % 8 || g <= 0 || g % 8 || n % g || (bits != 1 && bits != 2)) return -1;
     const int64_t J = n / g, nqb = (Q + LANES - 1) / LANES, base = B * H * nqb;
     int64_t split = 1;
     if (nthreads > 1) split = (4 * nthreads + base - 1) / base; /* ~4 items per thread */
