@@ -38,10 +38,11 @@ The kernels ``guide_scores`` (q @ K^T) and ``guide_weighted_values`` (p @ V) nev
 dequantized copy of the guide: per group, K = s * c + z, so q @ K^T = (q * s) @ c^T +
 q @ z^T, with c the codes (exact small integers) and s folded into the query (keys) or
 the probabilities (values). On a CPU they run the native kernels of ``engine.native``
-(C, 4-bit lookup tables over the packed bits, see engine/native/guide_kernels.c) when
-those can be built; otherwise, and on accelerators, torch code expands the codes in
-cache-sized chunks and multiplies. The ``*_reference`` functions dequantize then matmul,
-for tests.
+(C, 4-bit lookup tables over the packed bits with the queries in SIMD lanes, see
+engine/native/guide_kernels.c; fp32 throughout) when those can be built and
+``$SPECACHE_NATIVE`` is not 0; one thread unless ``$SPECACHE_NATIVE_THREADS`` says
+otherwise. Otherwise, and on accelerators, torch code expands the codes in cache-sized
+chunks and multiplies. The ``*_reference`` functions dequantize then matmul, for tests.
 """
 
 from __future__ import annotations

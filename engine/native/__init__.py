@@ -115,8 +115,10 @@ def library_path(cc: str | None = None) -> Path:
 def build(force: bool = False) -> Path:
     """Compile the kernels (unless already cached) and return the library's path. Raises on failure.
 
-    Tries the flags with OpenMP first, then without (a compiler without OpenMP support
-    still gives a single-threaded library)."""
+    Tries the flags as they are first, then without OpenMP (a compiler without OpenMP
+    support still gives a single-threaded library), then also without -march=native (a
+    compiler that does not know this CPU). The library's name does not depend on which
+    variant built, so a failing variant is not retried by every process."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install cc/gcc/clang)")
@@ -125,7 +127,9 @@ def build(force: bool = False) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):
+    variants = (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp"),
+                tuple(f for f in FLAGS if f not in ("-fopenmp", "-march=native")))
+    for flags in variants:
         fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
         os.close(fd)
         try:
