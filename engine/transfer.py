@@ -1,10 +1,20 @@
 """All host<->device transfer code: the exact host store and the prefetch of fetched rows.
 
-On a CUDA device the store lives in pinned host memory; the gather of the predicted top-k
-rows goes into a reusable pinned staging buffer and crosses to the device on a side stream,
-with an event the next attention waits on. On the CPU the same calls are plain copies.
+On the CPU the store and the "device" are the same memory and every call is a plain copy.
+
+On a CUDA device the store lives in pinned host memory. A prefetch must not stall the GPU:
+the selected indices are copied to pinned host memory asynchronously (an event marks when
+they are there); a worker thread waits for that event, gathers the rows on the CPU into a
+pinned staging buffer, and issues the host-to-device copy on a side stream, recording a
+`ready` event. The next step's attention makes the compute stream wait for `ready`, so the
+copy overlaps everything the GPU does in between (the rest of this step, and the layers
+before this one in the next). `overlap_share()` reports how often the copy had finished
+before the attention needed it.
 """
 from __future__ import annotations
+
+import queue
+import threading
 
 import torch
 
@@ -13,7 +23,7 @@ class HostStore:
     """Exact K/V of every token of every row of one layer: [B, H_kv, L, D] each, preallocated."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, k_max: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, worker: "PrefetchWorker | None" = None):
         self.device = device
         self.cuda = device.type == "cuda"
         shape = (batch, kv_heads, max_len, head_dim)
@@ -23,12 +33,16 @@ class HostStore:
         # the fetched set on the device: exact K/V of the selected positions, [B, H_kv, k, D]
         self.fk = torch.zeros(fshape, dtype=dtype, device=device)
         self.fv = torch.zeros(fshape, dtype=dtype, device=device)
+        self.waits = self.ready_in_time = 0  # CUDA: fetches needed / already complete when needed
         if self.cuda:
             self.stage_k = torch.zeros(fshape, dtype=dtype, pin_memory=True)
             self.stage_v = torch.zeros(fshape, dtype=dtype, pin_memory=True)
+            self.idx_host = torch.zeros(fshape[:3], dtype=torch.long, pin_memory=True)
             self.stream = torch.cuda.Stream(device=device)
+            self.idx_ready = torch.cuda.Event()
             self.ready = torch.cuda.Event()
-            self.started = torch.cuda.Event()
+            self.issued = threading.Event()  # set by the worker once `ready` is recorded
+            self.worker = worker or PrefetchWorker()
         self.pending = False
 
     def write(self, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -49,24 +63,42 @@ class HostStore:
     def prefetch(self, rows: slice, idx: torch.Tensor) -> None:
         """Start fetching the exact K/V at idx [b, H_kv, k] (positions) into the device fetched set."""
         n = idx.shape[-1]
-        gidx = idx[..., None].expand(-1, -1, -1, self.k.shape[-1])  # [b, H_kv, k, D]
         if not self.cuda:
+            gidx = idx[..., None].expand(-1, -1, -1, self.k.shape[-1])  # [b, H_kv, k, D]
             torch.gather(self.k[rows], 2, gidx, out=self.fk[rows, :, :n])
             torch.gather(self.v[rows], 2, gidx, out=self.fv[rows, :, :n])
             return
-        self.started.record()
-        gidx_host = gidx.to("cpu")
-        torch.gather(self.k[rows], 2, gidx_host, out=self.stage_k[rows, :, :n])
-        torch.gather(self.v[rows], 2, gidx_host, out=self.stage_v[rows, :, :n])
-        with torch.cuda.stream(self.stream):
-            self.fk[rows, :, :n].copy_(self.stage_k[rows, :, :n], non_blocking=True)
-            self.fv[rows, :, :n].copy_(self.stage_v[rows, :, :n], non_blocking=True)
-            self.ready.record(self.stream)
+        self.wait_issued()  # the previous prefetch of this layer is issued (its buffers are ours again)
+        self.idx_host[rows, :, :n].copy_(idx, non_blocking=True)
+        self.idx_ready.record()
+        self.issued.clear()
         self.pending = True
+        self.worker.submit(lambda: self._gather_and_copy(rows, n))
+
+    def _gather_and_copy(self, rows: slice, n: int) -> None:
+        """Worker thread: gather the selected rows on the CPU, copy them to the device on the side stream."""
+        try:
+            self.idx_ready.synchronize()
+            gidx = self.idx_host[rows, :, :n, None].expand(-1, -1, -1, self.k.shape[-1])
+            torch.gather(self.k[rows], 2, gidx, out=self.stage_k[rows, :, :n])
+            torch.gather(self.v[rows], 2, gidx, out=self.stage_v[rows, :, :n])
+            with torch.cuda.stream(self.stream):
+                self.fk[rows, :, :n].copy_(self.stage_k[rows, :, :n], non_blocking=True)
+                self.fv[rows, :, :n].copy_(self.stage_v[rows, :, :n], non_blocking=True)
+                self.ready.record(self.stream)
+        finally:
+            self.issued.set()
+
+    def wait_issued(self) -> None:
+        if self.cuda and self.pending:
+            self.issued.wait()
 
     def fetched(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """The fetched set for rows, after making the compute stream wait for the prefetch."""
         if self.pending:
+            self.wait_issued()
+            self.waits += 1
+            self.ready_in_time += int(self.ready.query())
             torch.cuda.current_stream(self.device).wait_event(self.ready)
             self.pending = False
         return self.fk[rows], self.fv[rows]
@@ -74,3 +106,25 @@ class HostStore:
     def host_bytes(self, tokens: int) -> int:
         """Bytes of exact K and V held for `tokens` tokens of this layer."""
         return 2 * tokens * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+
+
+class PrefetchWorker:
+    """One daemon thread running prefetch jobs in order (CUDA only; torch ops release the GIL)."""
+
+    def __init__(self):
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="specache-prefetch", daemon=True)
+        self.thread.start()
+
+    def submit(self, job) -> None:
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            self.jobs.get()()
+
+
+def overlap_share(stores: list[HostStore]) -> float | None:
+    """Share of fetches whose copy had completed before the attention needed it (CUDA only)."""
+    waits = sum(s.waits for s in stores)
+    return sum(s.ready_in_time for s in stores) / waits if waits else None
