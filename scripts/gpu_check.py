@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""One-call GPU check for specache: correctness on CUDA, then the paper's throughput setting.
+
+Run on a machine with one CUDA GPU, from the repository root, in the project's venv:
+
+    python scripts/gpu_check.py --out "$OUT"          # full run, aims at < 8 min on one H200
+    python scripts/gpu_check.py --quick --out "$OUT"  # a minute: small context and batches
+
+1. The engine's limit tests (tests/test_engine.py) on CUDA (SPECACHE_TEST_DEVICE=cuda).
+2. A randomly initialised model of Llama-3-8B shape (fp16; weights need not be real for
+   timing) at --context tokens under a device-memory budget of --budget-gb (48 GB mirrors
+   the paper's RTX A6000): the largest batch the planner allows for the full cache and for
+   1-bit SpeCache (capped by host RAM for the exact store), a real chunked prefill of random
+   tokens at that batch, then timed decode steps: tokens/s of each, their ratio (paper:
+   4.6x), the share of prefetches complete before the attention needed them (paper: 96.8%),
+   and the per-step transfer bytes.
+Prints a short table last and writes gpu_check.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def limit_tests() -> dict:
+    """tests/test_engine.py on CUDA; returns pytest's summary line and exit code."""
+    env = dict(os.environ, SPECACHE_TEST_DEVICE="cuda")
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_engine.py", "-p", "no:cacheprovider"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    if proc.returncode:
+        print(proc.stdout[-4000:], proc.stderr[-2000:], file=sys.stderr)
+    return {"exit_code": proc.returncode, "summary": lines[-1] if lines else "", "seconds": time.perf_counter() - t}
+
+
+def llama3_8b_shape(context: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=max(context + 1024, 8192), rope_theta=500000.0,
+                       bos_token_id=1, eos_token_id=2)
+
+
+def random_model(config, device):
+    """Random fp16 weights (std 0.02, norms 1) without materialising them on the CPU."""
+    from transformers import LlamaForCausalLM
+
+    from engine.model import prepare_model
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    model.half()
+    with torch.device(device):  # the rotary buffers were not initialised by to_empty; keep them fp32
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    return prepare_model(model)
+
+
+def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
+    """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps."""
+    from engine.config import CacheConfig
+    from engine.decode import decoder_for, prefill
+    from engine.kvcache import make_cache
+    from engine.transfer import overlap_share
+
+    config = CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
+    cache = make_cache(model.config, config, batch, context + steps + 4, torch.float16, torch.device("cuda"))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    t0 = time.perf_counter()
+    last = []
+    for row in range(batch):
+        ids = torch.randint(10, model.config.vocab_size, (context,), generator=gen).tolist()
+        *_, logits = prefill(model, cache, ids, row, chunk)
+        last.append(logits)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    steps_it = decoder_for(config)(model, cache, torch.stack(last), lambda logits: logits.argmax(-1))
+    for _ in range(3):  # T1, pre-decoding and one steady step: warm-up
+        next(steps_it)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        next(steps_it)
+    end.record()
+    torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end) / steps
+    stores = [layer.store for layer in cache.layers if getattr(layer, "store", None) is not None]
+    per_step = 0
+    if mode == "specache":
+        shape = cache.shape
+        per_step = batch * shape.layers * shape.kv_heads * k * shape.head_dim * 2 * 2  # K and V, fp16
+    return {"mode": mode, "batch": batch, "context": context, "prefill_seconds": round(prefill_s, 2),
+            "step_ms": round(step_ms, 2), "tokens_per_second": round(batch * 1000 / step_ms, 2),
+            "overlap_share": overlap_share(stores), "transfer_bytes_per_step": per_step,
+            "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes()}
+
+
+def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
+    """The planner's largest batches for full and specache under the budget (host RAM checked)."""
+    from dataclasses import replace
+
+    from engine.planner import detect_hardware, machine_ram_bytes, plan
+    from engine.profiles import load_model_profile
+
+    hw = detect_hardware(measure=True)
+    budget = int(budget_gb * 1e9)
+    hw = replace(hw, device_memory_bytes=budget, free_memory_bytes=budget)
+    total_ram, available = machine_ram_bytes()
+    p = plan(hw, load_model_profile("llama-3-8b"), context, bits=bits, group=64, host_ram_bytes=int(available * 0.8),
+             prefill_chunk=chunk, element_bytes=2)
+    return {m: p.mode(m).max_batch for m in ("full", "specache")} | {"k": p.mode("specache").k,
+                                                                      "hardware": hw.display_name}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-results"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--budget-gb", type=float, default=48.0)
+    ap.add_argument("--bits", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to do", file=sys.stderr)
+        return 2
+    context = args.context or (4096 if args.quick else 32768)
+    steps = args.steps or (8 if args.quick else 16)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": context,
+              "budget_gb": args.budget_gb, "bits": args.bits}
+    if not args.skip_tests:
+        report["limit_tests"] = limit_tests()
+        print("limit tests:", report["limit_tests"]["summary"], file=sys.stderr)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 1e9 / total))
+    batches = plan_batches(context, args.budget_gb, args.bits, args.chunk)
+    if args.quick:
+        batches |= {"full": min(batches["full"], 2), "specache": min(batches["specache"], 4)}
+    report["planned"] = batches
+    print("planned batches:", batches, file=sys.stderr)
+    model = random_model(llama3_8b_shape(context), torch.device("cuda"))
+    runs = []
+    for mode in ("full", "specache"):
+        try:
+            runs.append(timed_decode(model, mode, batches[mode], context, steps, args.chunk, args.bits, batches["k"]))
+        except torch.cuda.OutOfMemoryError as exc:
+            runs.append({"mode": mode, "batch": batches[mode], "error": f"out of memory: {str(exc)[:200]}"})
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        print(runs[-1], file=sys.stderr)
+    report["runs"] = runs
+    ok = [r for r in runs if "error" not in r]
+    if len(ok) == 2:
+        report["speedup_specache_vs_full"] = round(ok[1]["tokens_per_second"] / ok[0]["tokens_per_second"], 2)
+    tmp = out / "gpu_check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, out / "gpu_check.json")
+    print(f"\n{'mode':<10}{'batch':>7}{'step ms':>10}{'tok/s':>10}{'overlap':>9}{'MiB/step':>10}{'peak GiB':>10}")
+    for r in runs:
+        if "error" in r:
+            print(f"{r['mode']:<10}{r['batch']:>7}  {r['error'][:60]}")
+            continue
+        ov = "-" if r["overlap_share"] is None else f"{r['overlap_share']:.3f}"
+        print(f"{r['mode']:<10}{r['batch']:>7}{r['step_ms']:>10.1f}{r['tokens_per_second']:>10.1f}{ov:>9}"
+              f"{r['transfer_bytes_per_step'] / 2**20:>10.1f}{r['peak_device_gib']:>10.1f}")
+    if "speedup_specache_vs_full" in report:
+        print(f"specache / full decode throughput: {report['speedup_specache_vs_full']}x (paper: 4.6x)")
+    tests_ok = report.get("limit_tests", {}).get("exit_code", 0) == 0
+    return 0 if tests_ok and len(ok) == 2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
