@@ -12,36 +12,41 @@ Quantization (KIVI layout, /work/shared/design/specache-algorithm.md):
   the codes are chosen, so the codes are optimal for the stored parameters. A constant
   group (s == 0 after rounding) divides by 1 instead and reconstructs to z.
 
-Bit packing (``pack_codes``): little-endian bit planes. N codes (N % 8 == 0) become N/8
-bytes per bit plane; bit ``i`` of byte ``r`` of plane ``k`` is bit ``k`` of code ``8r + i``.
-Plane 0 (low bits) comes first, then plane 1 (2 bit only). A 64-bit load of a plane is
-thus 64 consecutive codes' bits, in order. Expanding a plane in torch is a single
-broadcast AND, ``bytes[..., None] & (1 << arange(8))``, which gives the codes in order
-times 2**(index % 8) (no per-element shifts or table lookups, which measured 3-10x
-slower); the kernels undo the 2**i weights on the small side (the query for keys, the
-probabilities for values).
+Bit packing, "bit-sliced" (``pack_codes``): N codes (N % 8 == 0) become R = N/8 bytes per
+bit plane; byte ``r`` of plane ``k`` holds, in bit ``i``, bit ``k`` of code ``i*R + r``.
+Plane 0 (low bits) comes first, then plane 1 (2 bit only). Expanding one bit ``i`` for
+all R bytes is a single ``bytes & (1 << i)``, which gives R consecutive codes; so the
+torch kernels expand a whole block with one broadcast AND over contiguous memory (no
+per-element shifts, no table lookups, which measured 3-10x slower) and undo the 2**i
+weights on the small side (score columns for keys, probabilities for values). A native
+kernel can do the same per 64-byte row (one byte row, all channels), e.g. a
+test-bits-to-mask per token.
 
-Storage layouts (token capacity Lc). Each layout packs the bits along the axis that the
-kernel that reads them sums over, so a 64-bit word is 64 terms of one reduction:
+Storage layouts (token capacity Lc):
 
-- keys: ``codes`` uint8 ``[B, H, Lc/g, bits, g, D/8]``: per token group, per plane, per
-  token one D-bit row over the channels (scores sum over channels). ``scale``/``zero``
-  fp16 ``[B, H, Lc/g, D]``. Keys are quantized in whole groups, so the number of
-  quantized key tokens ``n`` is always a multiple of g (the engine keeps the tail in its
-  exact residual window).
-- values: ``codes`` uint8 ``[B, H, Lc/64, bits, D, 8]``: per block of 64 tokens, per plane,
-  per channel one 64-bit word over the block's tokens (p @ V sums over tokens).
-  ``scale``/``zero`` fp16 ``[B, H, Lc, D/g]``. Any ``n`` is allowed; tokens are written
-  one at a time or in runs (read-modify-write of the shared bytes).
+- keys: ``codes`` uint8 ``[B, H, Lc/g, bits, g/8, D]``: per token group, per plane, the
+  group's g tokens bit-sliced (byte row r, bit i -> token j*g + i*g/8 + r), channels
+  innermost. Expanded, a group's plane is a contiguous ``[g, D]`` matrix: K of the group.
+  ``scale``/``zero`` fp16 ``[B, H, Lc/g, D]``. Keys are quantized in whole groups, so the
+  number of quantized key tokens ``n`` is always a multiple of g (the engine keeps the
+  tail in its exact residual window).
+- values: ``codes`` uint8 ``[B, H, Lc/64, bits, 8, D]``: blocks of 64 tokens bit-sliced
+  the same way (byte row r, bit i -> token blk*64 + i*8 + r), so expanded blocks are a
+  contiguous ``[64 * blocks, D]`` V. ``scale``/``zero`` fp16 ``[B, H, Lc, D/g]``. Any
+  ``n`` is allowed; tokens are written one at a time or in runs (read-modify-write of
+  the shared bytes).
 
 The kernels ``guide_scores`` (q @ K^T) and ``guide_weighted_values`` (p @ V) never build a
 dequantized copy of the guide: per group, K = s * c + z, so q @ K^T = (q * s) @ c^T +
-q @ z^T, with c the codes (exact small integers) and s folded into the query (keys) or
-the probabilities (values). On a CPU they run the native kernels of ``engine.native``
-(C, 4-bit lookup tables over the packed bits with the queries in SIMD lanes, see
-engine/native/guide_kernels.c; fp32 throughout) when those can be built and
-``$SPECACHE_NATIVE`` is not 0; one thread unless ``$SPECACHE_NATIVE_THREADS`` says
-otherwise. Otherwise, and on accelerators, torch code expands the codes in cache-sized
+q @ z^T, with c the expanded codes (exact small integers) and s folded into the query
+(keys) or the probabilities (values).
+
+On a CPU the kernels run the native code of ``engine.native`` (C, engine/native/
+guide_kernels.c: 4-bit lookup tables with the queries in SIMD lanes, fp32 throughout)
+when it can be built and ``$SPECACHE_NATIVE`` is not 0; one thread unless
+``$SPECACHE_NATIVE_THREADS`` says otherwise. It reads this same layout (it gathers a
+token's channel bits, or a channel's token bits, with a few SIMD instructions).
+Otherwise, and on accelerators, the torch code below expands the codes in cache-sized
 chunks and multiplies. The ``*_reference`` functions dequantize then matmul, for tests.
 """
 
@@ -77,8 +82,8 @@ __all__ = [
     "tensor_bytes",
 ]
 
-VALUE_BLOCK = 64  # tokens per block of the value codes (one 64-bit word per channel and plane)
-_VR = VALUE_BLOCK // 8  # bytes per value word
+VALUE_BLOCK = 64  # tokens per bit-sliced block of the value codes
+_VR = VALUE_BLOCK // 8  # byte rows per value block
 # Codes are expanded in chunks of about this many bytes: on a CPU so that they are still
 # in cache when the matmul reads them; on an accelerator only to bound the scratch memory.
 _CHUNK_BYTES = 2 << 20
@@ -96,19 +101,19 @@ def _check_bits(bits: int) -> None:
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Pack codes (uint8 [..., N], values < 2**bits, N % 8 == 0) into uint8 [..., N*bits/8].
 
-    Little-endian bit planes, R = N/8: out[..., k*R + r] bit i = bit k of code 8r + i.
+    Bit-sliced, R = N/8: out[..., k*R + r] bit i = bit k of code i*R + r (module docstring).
     """
     _check_bits(bits)
     n = codes.shape[-1]
     if n % 8:
         raise ValueError(f"the packed axis must be a multiple of 8, got {n}")
-    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // 8, 8)  # [..., R, 8 (bit i)]
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], 8, n // 8)  # [..., 8 (bit i), R]
     planes = []
     for k in range(bits):
         ck = (c >> k) & 1 if bits > 1 else c
-        out = ck[..., 0].clone(memory_format=torch.contiguous_format)  # [..., R], a copy
+        out = ck[..., 0, :].clone(memory_format=torch.contiguous_format)  # [..., R], a copy
         for i in range(1, 8):
-            out |= ck[..., i] << i
+            out |= ck[..., i, :] << i
         planes.append(out)
     return torch.cat(planes, dim=-1)  # [..., bits*R]
 
@@ -121,29 +126,25 @@ def unpack_codes(packed: Tensor, bits: int, n: int | None = None) -> Tensor:
     n = total if n is None else n
     if not 0 <= n <= total or m % bits:
         raise ValueError(f"cannot unpack {n} codes from {m} bytes at {bits} bit")
-    p = packed.reshape(*packed.shape[:-1], bits, m // bits, 1)  # [..., bits, R, 1]
-    c = (p >> _bit_shifts(packed.device)) & 1  # [..., bits, R, 8]
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)[:, None]  # [8, 1]
+    p = packed.reshape(*packed.shape[:-1], bits, 1, m // bits)  # [..., bits, 1, R]
+    c = (p >> shifts) & 1  # [..., bits, 8, R]
     if bits == 2:
         c = c[..., 0, :, :] | (c[..., 1, :, :] << 1)
     return c.reshape(*packed.shape[:-1], total)[..., :n]
 
 
 @functools.lru_cache(maxsize=8)
-def _bit_shifts(device: torch.device) -> Tensor:
-    """Read-only constant: uint8 [8] = i."""
-    return torch.arange(8, dtype=torch.uint8, device=device)
-
-
-@functools.lru_cache(maxsize=8)
 def _bit_masks(device: torch.device) -> Tensor:
-    """Read-only constant: uint8 [8] = 1 << i."""
-    return (1 << torch.arange(8, dtype=torch.int32, device=device)).to(torch.uint8)
+    """Read-only constant: uint8 [8, 1, 1] = 1 << i."""
+    return (1 << torch.arange(8, dtype=torch.int32, device=device)).to(torch.uint8).view(8, 1, 1)
 
 
 @functools.lru_cache(maxsize=32)
-def _bit_weights(count: int, device: torch.device) -> Tensor:
-    """Read-only constant: fp32 [count] = 2**-(i % 8) (undoes the 1 << i of an expanded bit)."""
-    return torch.pow(2.0, -(torch.arange(count, device=device) % 8).float())
+def _slice_weights(rows: int, device: torch.device) -> Tensor:
+    """Read-only constant: fp32 [8 * rows] = 2**-i for the code at i*rows + r (undoes 1 << i)."""
+    w = torch.pow(2.0, -torch.arange(8, dtype=torch.float32, device=device))
+    return w.repeat_interleave(rows)
 
 
 # ------------------------------------------------------------------------ quantization
@@ -171,7 +172,7 @@ def _codes(x: Tensor, s16: Tensor, z16: Tensor, bits: int) -> Tensor:
 class QuantizedKeys:
     """Per-channel quantized keys (groups of ``group`` tokens); layout in the module docstring."""
 
-    codes: Tensor  # uint8 [B, H, Lc/g, bits, g, D/8]
+    codes: Tensor  # uint8 [B, H, Lc/g, bits, g/8, D]
     scale: Tensor  # fp16 [B, H, Lc/g, D]
     zero: Tensor  # fp16 [B, H, Lc/g, D]
     bits: int
@@ -198,7 +199,7 @@ class QuantizedKeys:
 class QuantizedValues:
     """Per-token quantized values (groups of ``group`` channels); layout in the module docstring."""
 
-    codes: Tensor  # uint8 [B, H, ceil(Lc/64), bits, D, 8]
+    codes: Tensor  # uint8 [B, H, ceil(Lc/64), bits, 8, D]
     scale: Tensor  # fp16 [B, H, Lc, D/g]
     zero: Tensor  # fp16 [B, H, Lc, D/g]
     bits: int
@@ -211,7 +212,7 @@ class QuantizedValues:
 
     @property
     def head_dim(self) -> int:
-        return self.codes.shape[-2]
+        return self.codes.shape[-1]
 
     def prefix(self, n: int) -> "QuantizedValues":
         """View of the first ``n`` tokens."""
@@ -237,11 +238,9 @@ def empty_keys(
     _check_bits(bits)
     if group % 8 or group <= 0:
         raise ValueError(f"key group must be a positive multiple of 8, got {group}")
-    if head_dim % 8:
-        raise ValueError(f"head_dim must be a multiple of 8, got {head_dim}")
     j = -(-capacity // group)
     return QuantizedKeys(
-        codes=torch.zeros(batch, heads, j, bits, group, head_dim // 8, dtype=torch.uint8, device=device),
+        codes=torch.zeros(batch, heads, j, bits, group // 8, head_dim, dtype=torch.uint8, device=device),
         scale=torch.zeros(batch, heads, j, head_dim, dtype=torch.float16, device=device),
         zero=torch.zeros(batch, heads, j, head_dim, dtype=torch.float16, device=device),
         bits=bits,
@@ -259,7 +258,7 @@ def empty_values(
         raise ValueError(f"head_dim {head_dim} must be a multiple of the group {group}")
     nb = -(-capacity // VALUE_BLOCK)
     return QuantizedValues(
-        codes=torch.zeros(batch, heads, nb, bits, head_dim, _VR, dtype=torch.uint8, device=device),
+        codes=torch.zeros(batch, heads, nb, bits, _VR, head_dim, dtype=torch.uint8, device=device),
         scale=torch.zeros(batch, heads, capacity, head_dim // group, dtype=torch.float16, device=device),
         zero=torch.zeros(batch, heads, capacity, head_dim // group, dtype=torch.float16, device=device),
         bits=bits,
@@ -268,17 +267,16 @@ def empty_values(
 
 
 def _quantize_keys_parts(k: Tensor, bits: int, group: int) -> tuple[Tensor, Tensor, Tensor]:
-    """k [B, H, T, D] (T % g == 0) -> codes [B, H, T/g, bits, g, D/8], scale, zero [B, H, T/g, D]."""
+    """k [B, H, T, D] (T % g == 0) -> codes [B, H, T/g, bits, g/8, D], scale, zero [B, H, T/g, D]."""
     b, h, t, d = k.shape
     if t % group:
         raise ValueError(f"key token count {t} is not a multiple of the group {group}")
-    if d % 8:
-        raise ValueError(f"head_dim must be a multiple of 8, got {d}")
     x = k.float().reshape(b, h, t // group, group, d)  # [B, H, J, g, D]
     s16, z16 = _params(x.amin(3), x.amax(3), bits)  # [B, H, J, D]
     codes = _codes(x, s16[:, :, :, None], z16[:, :, :, None], bits)  # [B, H, J, g, D]
-    packed = pack_codes(codes, bits).view(b, h, t // group, group, bits, d // 8)  # channels packed
-    return packed.transpose(3, 4).contiguous(), s16, z16
+    packed = pack_codes(codes.transpose(-1, -2), bits)  # [B, H, J, D, bits*g/8]
+    packed = packed.view(b, h, t // group, d, bits, group // 8).permute(0, 1, 2, 4, 5, 3)
+    return packed.contiguous(), s16, z16
 
 
 def _quantize_values_parts(v: Tensor, bits: int, group: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -293,11 +291,11 @@ def _quantize_values_parts(v: Tensor, bits: int, group: int) -> tuple[Tensor, Te
 
 
 def _pack_value_blocks(codes: Tensor, bits: int) -> Tensor:
-    """codes uint8 [B, H, 64*nb, D] -> packed [B, H, nb, bits, D, 8]."""
+    """codes uint8 [B, H, 64*nb, D] -> packed [B, H, nb, bits, 8, D]."""
     b, h, t, d = codes.shape
     c = codes.view(b, h, t // VALUE_BLOCK, VALUE_BLOCK, d).transpose(-1, -2)  # [B, H, nb, D, 64]
-    packed = pack_codes(c, bits).view(b, h, t // VALUE_BLOCK, d, bits, _VR)  # tokens packed
-    return packed.transpose(3, 4).contiguous()
+    packed = pack_codes(c, bits).view(b, h, t // VALUE_BLOCK, d, bits, _VR)
+    return packed.permute(0, 1, 2, 4, 5, 3).contiguous()
 
 
 def quantize_keys(k: Tensor, bits: int, group: int) -> QuantizedKeys:
@@ -349,39 +347,37 @@ def quantize_values_into(dst: QuantizedValues, v: Tensor, start: int) -> None:
                                                       codes.shape[3])], dim=2)
         dst.codes[:, :, b0:b1] = _pack_value_blocks(codes, dst.bits)
         return
-    # Partial blocks: the new tokens share bytes with their neighbours. Token t is bit
-    # t % 8 of byte (t % 64) // 8 of its block's words; for each bit i, the tokens with
-    # that bit have distinct (block, byte) pairs: clear and set bit i.
-    cv = dst.codes.transpose(-1, -2)  # view [B, H, nb, bits, 8 (byte r), D]
+    # Partial blocks: the new tokens share bytes with their neighbours. For each bit i,
+    # the tokens with that bit have distinct (block, row) bytes: clear and set bit i.
     for i in range(8):  # positions are plain ints: no device sync
-        sel = [t - start for t in range(start, end) if t % 8 == i]
+        sel = [t - start for t in range(start, end) if (t % VALUE_BLOCK) // _VR == i]
         if not sel:
             continue
         bi = torch.tensor([(start + t) // VALUE_BLOCK for t in sel], device=v.device)
-        ri = torch.tensor([((start + t) % VALUE_BLOCK) // 8 for t in sel], device=v.device)
+        ri = torch.tensor([(start + t) % _VR for t in sel], device=v.device)
         ci = codes[:, :, torch.tensor(sel, device=v.device)]  # [B, H, t_i, D]
         for k in range(dst.bits):
-            cur = cv[:, :, bi, k, ri]  # [B, H, t_i, D]
+            cur = dst.codes[:, :, bi, k, ri]  # [B, H, t_i, D]
             bit = ((ci >> k) & 1) << i
-            cv[:, :, bi, k, ri] = (cur & (255 - (1 << i))) | bit
+            dst.codes[:, :, bi, k, ri] = (cur & (255 - (1 << i))) | bit
 
 
 def dequantize_keys(qk: QuantizedKeys, n: int | None = None) -> Tensor:
     """QuantizedKeys -> fp32 [B, H, n, D] (n defaults to the capacity; n % g == 0)."""
     qk = qk.prefix(qk.capacity if n is None else n)
-    b, h, j, bits, g, r = qk.codes.shape
-    packed = qk.codes.transpose(3, 4).reshape(b, h, j, g, bits * r)
-    c = unpack_codes(packed, bits).float()  # [B, H, J, g, D]
-    x = c * qk.scale.float()[:, :, :, None] + qk.zero.float()[:, :, :, None]
-    return x.reshape(b, h, j * g, 8 * r)
+    b, h, j, bits, r, d = qk.codes.shape
+    packed = qk.codes.permute(0, 1, 2, 5, 3, 4).reshape(b, h, j, d, bits * r)
+    c = unpack_codes(packed, bits).float()  # [B, H, J, D, g]
+    x = c * qk.scale.float()[..., None] + qk.zero.float()[..., None]
+    return x.transpose(-1, -2).reshape(b, h, j * qk.group, d)
 
 
 def dequantize_values(qv: QuantizedValues, n: int | None = None) -> Tensor:
     """QuantizedValues -> fp32 [B, H, n, D] (n defaults to the capacity)."""
     n = qv.capacity if n is None else n
     qv = qv.prefix(n)
-    b, h, nb, bits, d, r = qv.codes.shape
-    packed = qv.codes.transpose(3, 4).reshape(b, h, nb, d, bits * r)
+    b, h, nb, bits, r, d = qv.codes.shape
+    packed = qv.codes.permute(0, 1, 2, 5, 3, 4).reshape(b, h, nb, d, bits * r)
     c = unpack_codes(packed, bits).transpose(-1, -2).reshape(b, h, nb * VALUE_BLOCK, d)[:, :, :n]
     g = qv.group
     c = c.float().reshape(b, h, n, d // g, g)
@@ -405,16 +401,15 @@ def guide_scores(
     """q [B, Hkv, Q, D] @ dequant(K)[:, :, :n]^T -> fp32 [B, Hkv, Q, n] (no 1/sqrt(D)).
 
     ``n`` must be a multiple of the key group. Within group j, K[l, d] = s[j,d] c[l,d] +
-    z[j,d], so scores = (q * s[j]) @ c^T + q @ z[j]^T. On a CPU with the native kernels
-    (``engine.native``) those compute everything in fp32 and ``dtype`` is ignored. In the
-    torch path ``dtype`` is the type of the expanded codes and of the matmul: float32
-    matches the reference to float rounding; bfloat16 (bf16 products and bf16-rounded
-    partial sums) errs by up to ~1% of the largest |score|, still well below the guide's
-    own quantization error; on a CPU it was only 0-20% faster.
+    z[j,d], so scores = (q * s[j]) @ c^T + q @ z[j]^T. The native kernels compute in fp32
+    and ignore ``dtype``. In the torch path ``dtype`` is the type of the
+    expanded codes and of the matmul: float32 matches the reference to float rounding;
+    bfloat16 (bf16 products and bf16-rounded partial sums) errs by up to ~1% of the largest
+    |score|, still well below the guide's own quantization error; on this CPU it was only
+    0-20% faster.
     """
     b, h, nq, d = q.shape
-    g, bits = qk.group, qk.bits
-    j = _key_groups(n, g, qk.capacity)
+    j = _key_groups(n, qk.group, qk.capacity)
     if j == 0:
         return q.new_zeros(b, h, nq, 0, dtype=torch.float32)
     if q.device.type == "cpu":
@@ -425,31 +420,32 @@ def guide_scores(
 
 
 def _torch_scores(q: Tensor, qk: QuantizedKeys, n: int, dtype: torch.dtype) -> Tensor:
-    """The torch path of ``guide_scores`` (any device)."""
+    """The torch path of ``guide_scores`` (any device; n > 0, a multiple of the group)."""
     b, h, nq, d = q.shape
     g, bits = qk.group, qk.bits
     j = n // g
     qf = q.float()
     ng = b * h * j
-    s = qk.scale[:, :, :j].float() * _bit_weights(d, q.device)  # [B, H, J, D], undoes 1 << (d % 8)
+    s = qk.scale[:, :, :j].float()  # [B, H, J, D]
     qs = (qf[:, :, None] * s[:, :, :, None]).to(dtype).reshape(ng, nq, d)  # [G=BHJ, Q, D]
     zq = torch.matmul(qk.zero[:, :, :j].float(), qf.transpose(-1, -2))  # [B, H, J, Q]
-    codes = qk.codes[:, :, :j].reshape(ng, bits, g, d // 8, 1)  # [G, bits, g, D/8, 1]
+    codes = qk.codes[:, :, :j].reshape(ng, bits, 1, g // 8, d)  # [G, bits, 1, g/8, D]
     masks = _bit_masks(q.device)
     sc = torch.empty(ng, nq, bits * g, dtype=dtype, device=q.device)  # [G, Q, bits*g]
     step = _chunk(ng, bits * g * d * (1 + torch.finfo(dtype).bits // 8), q.device)
-    su8 = torch.empty(step, bits, g, d // 8, 8, dtype=torch.uint8, device=q.device)
-    sfl = torch.empty(step, bits, g, d // 8, 8, dtype=dtype, device=q.device)
+    su8 = torch.empty(step, bits, 8, g // 8, d, dtype=torch.uint8, device=q.device)
+    sfl = torch.empty(step, bits, 8, g // 8, d, dtype=dtype, device=q.device)
     for c0 in range(0, ng, step):
         c1 = min(ng, c0 + step)
         m = c1 - c0
-        torch.bitwise_and(codes[c0:c1], masks, out=su8[:m])  # bit i of byte r -> channel 8r + i
+        torch.bitwise_and(codes[c0:c1], masks, out=su8[:m])  # bit i of row r -> token i*g/8 + r
         e = sfl[:m].copy_(su8[:m]).view(m, bits * g, d)  # [G', (plane, token), D], {0, 2**i}
         torch.bmm(qs[c0:c1], e.transpose(1, 2), out=sc[c0:c1])  # [G', Q, bits*g]
     if bits == 2:  # low plane + 2 * high plane
         sc = torch.add(sc[..., :g], sc[..., g:], alpha=2)  # [G, Q, g]
     out = torch.empty(b, h, nq, j, g, dtype=torch.float32, device=q.device)
-    torch.add(zq.transpose(-1, -2)[..., None], sc.view(b, h, j, nq, g).transpose(2, 3), out=out)
+    w = _slice_weights(g // 8, q.device)  # [g]
+    torch.addcmul(zq.transpose(-1, -2)[..., None], sc.view(b, h, j, nq, g).transpose(2, 3), w, out=out)
     return out.view(b, h, nq, n)
 
 
@@ -473,8 +469,8 @@ def _native_scores(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor | None:
     b, h, nq, d = q.shape
     g, bits = qk.group, qk.bits
     codes, scale, zero = qk.codes, qk.scale, qk.zero
-    if (d % 8 or codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
-            or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != (bits, g, d // 8)
+    if (d % 8 or d > 1024 or codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
+            or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != (bits, g // 8, d)
             or scale.shape[3] != d or zero.shape != scale.shape or zero.stride() != scale.stride()
             or not _inner_contiguous(codes, 2) or not _inner_contiguous(scale, 2)):
         return None
@@ -501,8 +497,7 @@ def guide_weighted_values(
 
     Per token l and channel group j: V[l, d] = s[l,j] c[l,d] + z[l,j], so
     p @ V[:, group j] = (p * s[:, j]) @ c[:, group j] + (p @ z[:, j]) broadcast over the
-    group's channels. Partial sums are accumulated in fp32; ``dtype`` as in ``guide_scores``
-    (ignored by the native kernels).
+    group's channels. Partial sums are accumulated in fp32; ``dtype`` as in ``guide_scores``.
     """
     b, h, nq, _ = p.shape
     d = qv.head_dim
@@ -516,45 +511,46 @@ def guide_weighted_values(
         out = _native_weighted_values(p, qv, n)  # reads the first n tokens of the full buffers
         if out is not None:
             return out
-    return _torch_weighted_values(p, qv.prefix(n), n, dtype)
+    return _torch_weighted_values(p, qv, n, dtype)
 
 
 def _torch_weighted_values(p: Tensor, qv: QuantizedValues, n: int, dtype: torch.dtype) -> Tensor:
-    """The torch path of ``guide_weighted_values`` (any device); ``qv`` holds n tokens."""
+    """The torch path of ``guide_weighted_values`` (any device; 0 < n <= capacity)."""
     b, h, nq, _ = p.shape
     d, g, bits = qv.head_dim, qv.group, qv.bits
     jv = d // g
+    qv = qv.prefix(n)
     pf = p.float()
     bh, nb = b * h, qv.codes.shape[2]
     zt = torch.matmul(qv.zero.float().transpose(-1, -2).contiguous(), pf.transpose(-1, -2))  # [B, H, D/g, Q]
-    w = _bit_weights(n, p.device)  # [n] = 2**-(l % 8), undoes 1 << (l % 8)
+    w = _slice_weights(_VR, p.device).expand(nb, VALUE_BLOCK).reshape(-1)[:n]  # [n] = 2**-i(token)
     sw = torch.empty(b, h, jv, n, dtype=torch.float32, device=p.device)
     torch.mul(qv.scale.float().transpose(-1, -2), w, out=sw)  # [B, H, D/g, n]
-    # one row per (channel group, query): ps[(j, q), l] = p[q, l] * s[l, j] * 2**-(l % 8)
+    # one row per (channel group, query): ps[(j, q), l] = p[q, l] * s[l, j] * 2**-i(l)
     ps = (sw[:, :, :, None] * pf[:, :, None]).to(dtype).reshape(bh, jv * nq, n)  # [BH, (D/g)Q, n]
-    codes = qv.codes.reshape(bh, nb, bits, d, _VR, 1)  # [BH, nb, bits, D, 8, 1]
+    codes = qv.codes.reshape(bh, nb, bits, 1, _VR, d)  # [BH, nb, bits, 1, 8, D]
     masks = _bit_masks(p.device)
-    acc = torch.zeros(bh, d, jv * nq, dtype=torch.float32, device=p.device)  # [BH, D, (D/g)Q]
+    acc = torch.zeros(bh, jv * nq, d, dtype=torch.float32, device=p.device)  # [BH, (D/g)Q, D]
     step = _chunk(nb, bh * bits * VALUE_BLOCK * d * (1 + torch.finfo(dtype).bits // 8), p.device)
-    su8 = torch.empty(bh, bits, d, step, _VR, 8, dtype=torch.uint8, device=p.device)
-    sfl = torch.empty(bh, bits, d, step, _VR, 8, dtype=dtype, device=p.device)
+    su8 = torch.empty(bh, bits, step, 8, _VR, d, dtype=torch.uint8, device=p.device)
+    sfl = torch.empty(bh, bits, step, 8, _VR, d, dtype=dtype, device=p.device)
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
         m = b1 - b0
-        # planes and channels before blocks: each (plane, channel) has its tokens contiguous
-        torch.bitwise_and(codes[:, b0:b1], masks, out=su8[:, :, :, :m].permute(0, 3, 1, 2, 4, 5))
-        e = sfl[:, :, :, :m].copy_(su8[:, :, :, :m]).view(bh, bits, d, m * VALUE_BLOCK)
+        # planes before blocks, so that each plane's tokens are one [m*64, D] matrix per row
+        torch.bitwise_and(codes[:, b0:b1], masks, out=su8[:, :, :m].transpose(1, 2))
+        e = sfl[:, :, :m].copy_(su8[:, :, :m]).view(bh, bits, m * VALUE_BLOCK, d)
         t0, t1 = b0 * VALUE_BLOCK, min(n, b1 * VALUE_BLOCK)  # the last block may be partial
-        a = ps[:, :, t0:t1].transpose(1, 2)  # [BH, t1-t0, (D/g)Q]
+        a = ps[:, :, t0:t1]  # [BH, (D/g)Q, t1-t0]
         for k in range(bits):
-            c = e[:, k, :, : t1 - t0]  # [BH, D, t1-t0]
+            c = e[:, k, : t1 - t0]  # [BH, t1-t0, D]
             if dtype == torch.float32:
-                acc.baddbmm_(c, a, alpha=1 << k)
+                acc.baddbmm_(a, c, alpha=1 << k)
             else:
-                acc.add_(torch.bmm(c, a), alpha=1 << k)
-    # keep the diagonal blocks: columns of group j times rows of group j
-    acc = torch.diagonal(acc.view(b, h, jv, g, jv, nq), dim1=2, dim2=4)  # [B, H, g, Q, D/g]
-    return (acc.permute(0, 1, 3, 4, 2) + zt.transpose(-1, -2)[..., None]).reshape(b, h, nq, d)
+                acc.add_(torch.bmm(a, c), alpha=1 << k)
+    # keep the diagonal blocks: rows of group j times columns of group j
+    acc = torch.diagonal(acc.view(b, h, jv, nq, jv, g), dim1=2, dim2=4)  # [B, H, Q, g, D/g]
+    return (acc.transpose(-1, -2) + zt.transpose(-1, -2)[..., None]).reshape(b, h, nq, d)
 
 
 def _native_weighted_values(p: Tensor, qv: QuantizedValues, n: int) -> Tensor | None:
@@ -566,7 +562,7 @@ def _native_weighted_values(p: Tensor, qv: QuantizedValues, n: int) -> Tensor | 
     d, g, bits = qv.head_dim, qv.group, qv.bits
     codes, scale, zero = qv.codes, qv.scale, qv.zero
     if (codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
-            or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != (bits, d, _VR)
+            or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != (bits, _VR, d)
             or scale.shape[3] != d // g or zero.shape != scale.shape or zero.stride() != scale.stride()
             or not _inner_contiguous(codes, 2) or not _inner_contiguous(scale, 2)):
         return None

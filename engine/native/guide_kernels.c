@@ -4,12 +4,19 @@
  * Plain C ABI (ctypes), raw pointers + sizes + strides; no torch headers. Built and loaded
  * by engine/native/__init__.py (cc -O3 -march=native -fopenmp -shared -fPIC).
  *
- * Layouts (engine/quant.py module docstring), bits packed little-endian (bit i of byte r
- * is element 8r + i), so a 64-bit load is 64 consecutive elements of one bit plane:
- *   keys   codes [B, H, J, bits, g, D/8]   one D-bit row per token and plane: the channels
- *          scale/zero fp16 [B, H, J, D]
- *   values codes [B, H, nb, bits, D, 8]    one 64-bit word per channel and plane: 64 tokens
- *          scale/zero fp16 [B, H, L, D/gv]
+ * Layouts (engine/quant.py module docstring: "bit-sliced", one byte per channel, bit i of
+ * byte row r of a block of R rows is token i*R + r):
+ *   keys   codes [B, H, J, bits, g/8, D]   scale/zero fp16 [B, H, J, D]
+ *   values codes [B, H, nb, bits, 8, D]    scale/zero fp16 [B, H, L, D/gv]   (64-token blocks)
+ * The lookups read 64-bit words of 64 elements of one bit plane along the reduction axis,
+ * regrouped from that layout with a few SIMD instructions per 64 bytes:
+ *   keys: a token's channel bits = bit i of the D bytes of its row: per row of 64 bytes one
+ *         GFNI affine 8x8 bit transpose + one byte permutation (AVX-512 VBMI + GFNI), else
+ *         one vptestmb per bit (AVX-512BW) or shift + movemask (AVX2), else scalar code;
+ *         gathered one group ahead of the lookups;
+ *   values: a channel's token bits = its byte in each of the block's 8 rows (an 8 x D byte
+ *         transpose per block and plane); word bit 8r + i is token i*8 + r, which the table
+ *         build follows.
  *
  * Method: 4-bit lookup tables with the queries in SIMD lanes (8 fp32 lanes; more queries
  * are processed in blocks of 8). Every reduction is a sum over a bit plane of
@@ -46,7 +53,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 1; }
+EXPORT int specache_guide_abi_version(void) { return 2; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -162,13 +169,6 @@ static v8sf lookup_tail(const float *T, uint64_t w, int nib) {
     return a0 + a1;
 }
 
-/* The first `bytes` (< 8) bytes at p as a little-endian word, zero above. */
-static uint64_t load_tail(const uint8_t *p, int bytes) {
-    uint64_t w = 0;
-    for (int i = 0; i < bytes; i++) w |= (uint64_t)p[i] << (8 * i);
-    return w;
-}
-
 /* dst[l * ld + i] = tile[i][l] for i < rows, l < nl: 8 x 8 block transposes (rows % 8 == 0
  * takes the vector path only). */
 static void store_transposed(const float *tile /* [rows][8] */, int rows, float *dst, int64_t ld, int nl) {
@@ -239,73 +239,149 @@ static void *scratch_alloc(size_t floats) {
     return aligned_alloc(ALIGN, bytes);
 }
 
+/* ------------------------------------------------------------------- bit gathering */
+
+#define MAX_WORDS 16 /* head_dim <= 1024 */
+
+/* gather_bit_planes(src, out): out[i] = the bits i of the 64 bytes at src, i < 8, bit e of
+ * out[i] from byte chan_of_bit(e). With GFNI + AVX512-VBMI: one affine bit transpose of each
+ * 8 x 8 bit block (which leaves the bits of a byte in reverse order) and one byte
+ * permutation; otherwise one test (AVX-512BW) or shift + movemask (AVX2) per bit. */
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__GFNI__)
+#define BIT_REVERSED 1
+static const uint8_t TRANSPOSE8x8[64] = {
+    0, 8,  16, 24, 32, 40, 48, 56, 1, 9,  17, 25, 33, 41, 49, 57, 2, 10, 18, 26, 34, 42,
+    50, 58, 3, 11, 19, 27, 35, 43, 51, 59, 4, 12, 20, 28, 36, 44, 52, 60, 5, 13, 21, 29,
+    37, 45, 53, 61, 6, 14, 22, 30, 38, 46, 54, 62, 7, 15, 23, 31, 39, 47, 55, 63};
+static inline void gather_bit_planes(const uint8_t *src, uint64_t out[8]) {
+    const __m512i v = _mm512_loadu_si512((const void *)src);
+    /* byte k of qword q: bit m = bit k of src byte 8q + 7 - m */
+    const __m512i t = _mm512_gf2p8affine_epi64_epi8(_mm512_set1_epi64((long long)0x8040201008040201ULL), v, 0);
+    /* qword k byte q = byte k of qword q */
+    const __m512i idx = _mm512_loadu_si512((const void *)TRANSPOSE8x8);
+    _mm512_storeu_si512((void *)out, _mm512_permutexvar_epi8(idx, t));
+}
+#else
+#define BIT_REVERSED 0
+static inline void gather_bit_planes(const uint8_t *src, uint64_t out[8]) {
+#if defined(__AVX512BW__)
+    const __m512i v = _mm512_loadu_si512((const void *)src);
+    for (int i = 0; i < 8; i++) out[i] = (uint64_t)_mm512_test_epi8_mask(v, _mm512_set1_epi8((char)(1 << i)));
+#elif defined(__AVX2__)
+    const __m256i a = _mm256_loadu_si256((const __m256i *)src), b = _mm256_loadu_si256((const __m256i *)(src + 32));
+#define GB(i)                                                                                         \
+    out[i] = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(a, 7 - (i))) |                \
+             (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(b, 7 - (i))) << 32
+    GB(0); GB(1); GB(2); GB(3); GB(4); GB(5); GB(6); GB(7);
+#undef GB
+#else
+    for (int i = 0; i < 8; i++) out[i] = 0;
+    for (int e = 0; e < 64; e++)
+        for (int i = 0; i < 8; i++) out[i] |= (uint64_t)((src[e] >> i) & 1) << e;
+#endif
+}
+#endif
+
+/* The byte (channel within 64) whose bit lands in bit e of a gathered word. */
+static inline int chan_of_bit(int e) { return BIT_REVERSED ? (e & ~7) | (7 - (e & 7)) : e; }
+
 /* --------------------------------------------------------------------------- keys */
 
 /* Scores of query block [nl <= 8 queries] against key groups [j0, j1) of one (b, h). */
 static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
                       const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
-                      int bits, float *scratch) {
-    const int nw = D / 64, nchunk = D / 4, tail = (D % 64) / 8; /* full words, bytes of a last partial one */
-    float *T = scratch;                        /* nchunk * 16 * 8 */
+                      int bits, float *scratch, uint64_t *wbuf /* [bits][g][words] */) {
+    const int nw = D / 64, nchunk = D / 4, tail = D % 64; /* full words, channels of a last partial one */
+    const int words = nw + (tail > 0), R = g / 8;
+    float *T = scratch;                          /* nchunk * 16 * 8 */
     float *qT = T + (size_t)nchunk * 16 * LANES; /* D * 8 */
-    float *tile = qT + (size_t)D * LANES;      /* g * 8 */
-    float *sz = tile + (size_t)g * LANES;      /* 2 * D */
-    const size_t row = (size_t)D / 8, plane = (size_t)g * row, gbytes = plane * (size_t)bits;
+    float *tile = qT + (size_t)D * LANES;        /* g * 8 */
+    float *sz = tile + (size_t)g * LANES;        /* 2 * D */
+    const size_t plane = (size_t)R * D, gbytes = plane * (size_t)bits, wplane = (size_t)g * words;
+    uint8_t pad[64];
+    uint64_t bitw[8];
+    int chan[1024];
 
     memset(qT, 0, (size_t)D * LANES * sizeof(float));
     for (int l = 0; l < nl; l++)
         for (int d = 0; d < D; d++) qT[d * LANES + l] = q[l * q_sq + d];
+    for (int e = 0; e < D; e++) chan[e] = 64 * (e / 64) + chan_of_bit(e % 64);
 
-    for (int64_t j = j0; j < j1; j++) {
+    /* A group's words: word w of token i*R + r, plane k, at wb[k][r*8 + i][w] holds bit i
+     * of the row-r bytes of channels 64w .. 64w+63. They are gathered one group ahead (two
+     * buffers), so that the lookups never wait for the wide stores that wrote them. */
+    for (int64_t j = j0; j <= j1; j++) {
+        if (j < j1) {
+        const uint8_t *cj = codes + (size_t)j * gbytes;
+        uint64_t *wb = wbuf + (size_t)(j & 1) * bits * wplane;
+        for (int k = 0; k < bits; k++)
+            for (int r = 0; r < R; r++) {
+                const uint8_t *row = cj + (size_t)k * plane + (size_t)r * D;
+                uint64_t *dst = wb + k * wplane + (size_t)r * 8 * words;
+                for (int w = 0; w < words; w++) {
+                    const uint8_t *src = row + 64 * w;
+                    if (w == nw) { /* partial last word: zero padded */
+                        memset(pad, 0, sizeof pad);
+                        memcpy(pad, src, (size_t)tail);
+                        src = pad;
+                    }
+                    if (words == 1) {
+                        gather_bit_planes(src, dst);
+                    } else {
+                        gather_bit_planes(src, bitw);
+                        for (int i = 0; i < 8; i++) dst[i * words + w] = bitw[i];
+                    }
+                }
+            }
+        }
+        if (j == j0) continue;
+        j--; /* now the previous group, whose words are ready */
+        const uint64_t *wb = wbuf + (size_t)(j & 1) * bits * wplane;
         halves_to_floats(sc + j * D, sz, D);
         halves_to_floats(zr + j * D, sz + D, D);
         v8sf z0 = vsplat(0.0f), z1 = z0, z2 = z0, z3 = z0;
         for (int c = 0; c < nchunk; c++) {
-            const int d = 4 * c;
-            v8sf q0 = vload(qT + (d + 0) * LANES), q1 = vload(qT + (d + 1) * LANES);
-            v8sf q2 = vload(qT + (d + 2) * LANES), q3 = vload(qT + (d + 3) * LANES);
-            z0 += q0 * sz[D + d];
-            z1 += q1 * sz[D + d + 1];
-            z2 += q2 * sz[D + d + 2];
-            z3 += q3 * sz[D + d + 3];
-            build_table(T + (size_t)c * 16 * LANES, q0 * sz[d], q1 * sz[d + 1], q2 * sz[d + 2], q3 * sz[d + 3]);
+            const int d = 4 * c, d0 = chan[d], d1 = chan[d + 1], d2 = chan[d + 2], d3 = chan[d + 3];
+            v8sf q0 = vload(qT + d0 * LANES), q1 = vload(qT + d1 * LANES);
+            v8sf q2 = vload(qT + d2 * LANES), q3 = vload(qT + d3 * LANES);
+            z0 += q0 * sz[D + d0];
+            z1 += q1 * sz[D + d1];
+            z2 += q2 * sz[D + d2];
+            z3 += q3 * sz[D + d3];
+            build_table(T + (size_t)c * 16 * LANES, q0 * sz[d0], q1 * sz[d1], q2 * sz[d2], q3 * sz[d3]);
         }
         const v8sf zq = (z0 + z1) + (z2 + z3);
-        const uint8_t *cj = codes + (size_t)j * gbytes;
-        for (int t = 0; t < g && nw == 0; t++) vstore(tile + (size_t)t * LANES, zq);
-        for (int t = 0; t < g && nw > 0; t += 2) { /* two tokens at a time: independent chains */
-            const uint8_t *r0 = cj + (size_t)t * row;
-            v8sf acc = lookup64(T, load_u64(r0)), acc2 = lookup64(T, load_u64(r0 + row));
-            for (int w = 1; w < nw; w++) {
-                acc += lookup64(T + (size_t)w * 16 * 16 * LANES, load_u64(r0 + 8 * w));
-                acc2 += lookup64(T + (size_t)w * 16 * 16 * LANES, load_u64(r0 + row + 8 * w));
-            }
-            if (bits == 2) {
-                const uint8_t *r1 = r0 + plane;
-                v8sf hi = lookup64(T, load_u64(r1)), hi2 = lookup64(T, load_u64(r1 + row));
-                for (int w = 1; w < nw; w++) {
-                    hi += lookup64(T + (size_t)w * 16 * 16 * LANES, load_u64(r1 + 8 * w));
-                    hi2 += lookup64(T + (size_t)w * 16 * 16 * LANES, load_u64(r1 + row + 8 * w));
+        if (words == 1 && tail == 0) { /* head_dim 64: one word per token and plane */
+            for (int t = 0; t < g; t += 2) { /* two tokens at a time: independent chains */
+                v8sf acc = lookup64(T, wb[t]), acc2 = lookup64(T, wb[t + 1]);
+                if (bits == 2) {
+                    const v8sf h1 = lookup64(T, wb[wplane + t]), h2 = lookup64(T, wb[wplane + t + 1]);
+                    acc += h1 + h1;
+                    acc2 += h2 + h2;
                 }
-                acc += hi + hi;
-                acc2 += hi2 + hi2;
+                const int r = t / 8, i = t % 8; /* word t = r*8 + i is token i*R + r */
+                vstore(tile + (size_t)(i * R + r) * LANES, acc + zq);
+                vstore(tile + (size_t)((i + 1) * R + r) * LANES, acc2 + zq);
             }
-            vstore(tile + (size_t)t * LANES, acc + zq);
-            vstore(tile + (size_t)(t + 1) * LANES, acc2 + zq);
-        }
-        if (tail) { /* head_dim % 64 != 0: the channels of the last, partial word */
+        } else {
             const float *Tt = T + (size_t)nw * 16 * 16 * LANES;
             for (int t = 0; t < g; t++) {
-                const uint8_t *r0 = cj + (size_t)t * row + 8 * (size_t)nw;
-                v8sf a = lookup_tail(Tt, load_tail(r0, tail), 2 * tail);
-                if (bits == 2) {
-                    const v8sf hi = lookup_tail(Tt, load_tail(r0 + plane, tail), 2 * tail);
-                    a += hi + hi;
+                v8sf acc = zq, hi = vsplat(0.0f);
+                for (int k = 0; k < bits; k++) {
+                    const uint64_t *wt = wb + k * wplane + (size_t)t * words;
+                    v8sf a = vsplat(0.0f);
+                    for (int w = 0; w < nw; w++) a += lookup64(T + (size_t)w * 16 * 16 * LANES, wt[w]);
+                    if (tail) a += lookup_tail(Tt, wt[nw], tail / 4);
+                    if (k == 0)
+                        acc += a;
+                    else
+                        hi = a;
                 }
-                vstore(tile + (size_t)t * LANES, vload(tile + (size_t)t * LANES) + a);
+                vstore(tile + (size_t)((t % 8) * R + t / 8) * LANES, acc + (hi + hi));
             }
         }
         store_transposed(tile, g, out + j * g, n, nl);
+        j++;
     }
 }
 
@@ -319,13 +395,15 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
                                  int64_t s_sb, int64_t s_sh, float *out, int64_t B, int64_t H, int64_t Q,
                                  int64_t D, int64_t n, int64_t g, int64_t bits, int64_t nthreads) {
     if (B <= 0 || H <= 0 || Q <= 0 || n <= 0) return 0;
-    if (D <= 0 || D % 8 || g <= 0 || g % 8 || n % g || (bits != 1 && bits != 2)) return -1;
+    if (D <= 0 || D % 8 || D > 64 * MAX_WORDS || g <= 0 || g % 8 || n % g || (bits != 1 && bits != 2)) return -1;
     const int64_t J = n / g, nqb = (Q + LANES - 1) / LANES, base = B * H * nqb;
     int64_t split = 1;
     if (nthreads > 1) split = (4 * nthreads + base - 1) / base; /* ~4 items per thread */
     if (split > J) split = J;
     const int64_t items = base * split;
-    const size_t sfloats = (size_t)(D / 4) * 16 * LANES + (size_t)D * LANES + (size_t)g * LANES + 2 * (size_t)D;
+    const size_t wwords = 2 * (size_t)bits * g * ((D + 63) / 64); /* gathered bit words (2 groups), u64 */
+    const size_t sfloats = (size_t)(D / 4) * 16 * LANES + (size_t)D * LANES + (size_t)g * LANES + 2 * (size_t)D
+                           + 2 * wwords;
     int failed = 0;
 #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
     {
@@ -341,7 +419,8 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
             const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
             keys_item(q + b * q_sb + h * q_sh + q0 * q_sq, q_sq, nl, codes + b * c_sb + h * c_sh,
                       scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh,
-                      out + ((b * H + h) * Q + q0) * n, n, j0, j1, (int)D, (int)g, (int)bits, scratch);
+                      out + ((b * H + h) * Q + q0) * n, n, j0, j1, (int)D, (int)g, (int)bits, scratch,
+                      (uint64_t *)(scratch + sfloats - 2 * wwords));
         }
         free(scratch);
     }
@@ -352,17 +431,55 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
 
 #define VB 64 /* tokens per value block */
 
+/* out[d] byte r = rows[r * D + d]: the 8 x D byte matrix of a value block's plane, transposed. */
+static void transpose_rows(const uint8_t *rows, int D, uint64_t *out) {
+    int d = 0;
+#ifdef __AVX2__
+    for (; d + 32 <= D; d += 32) {
+        __m256i r[8];
+        for (int k = 0; k < 8; k++) r[k] = _mm256_loadu_si256((const __m256i *)(rows + (size_t)k * D + d));
+        /* per 128-bit lane (channels d + 16 lane + 0..15): bytes -> pairs -> quads -> words */
+        const __m256i a0 = _mm256_unpacklo_epi8(r[0], r[1]), a1 = _mm256_unpackhi_epi8(r[0], r[1]);
+        const __m256i a2 = _mm256_unpacklo_epi8(r[2], r[3]), a3 = _mm256_unpackhi_epi8(r[2], r[3]);
+        const __m256i a4 = _mm256_unpacklo_epi8(r[4], r[5]), a5 = _mm256_unpackhi_epi8(r[4], r[5]);
+        const __m256i a6 = _mm256_unpacklo_epi8(r[6], r[7]), a7 = _mm256_unpackhi_epi8(r[6], r[7]);
+        const __m256i b0 = _mm256_unpacklo_epi16(a0, a2), b1 = _mm256_unpackhi_epi16(a0, a2); /* ch 0-3, 4-7 */
+        const __m256i b2 = _mm256_unpacklo_epi16(a1, a3), b3 = _mm256_unpackhi_epi16(a1, a3); /* ch 8-11, 12-15 */
+        const __m256i c0 = _mm256_unpacklo_epi16(a4, a6), c1 = _mm256_unpackhi_epi16(a4, a6);
+        const __m256i c2 = _mm256_unpacklo_epi16(a5, a7), c3 = _mm256_unpackhi_epi16(a5, a7);
+        __m256i w[8];
+        w[0] = _mm256_unpacklo_epi32(b0, c0); /* ch 0, 1 */
+        w[1] = _mm256_unpackhi_epi32(b0, c0); /* ch 2, 3 */
+        w[2] = _mm256_unpacklo_epi32(b1, c1); /* ch 4, 5 */
+        w[3] = _mm256_unpackhi_epi32(b1, c1);
+        w[4] = _mm256_unpacklo_epi32(b2, c2); /* ch 8, 9 */
+        w[5] = _mm256_unpackhi_epi32(b2, c2);
+        w[6] = _mm256_unpacklo_epi32(b3, c3);
+        w[7] = _mm256_unpackhi_epi32(b3, c3);
+        for (int k = 0; k < 8; k++) { /* lane 0 -> channels d + 2k, +1; lane 1 -> channels d + 16 + 2k, +1 */
+            _mm_storeu_si128((__m128i *)(out + d + 2 * k), _mm256_castsi256_si128(w[k]));
+            _mm_storeu_si128((__m128i *)(out + d + 16 + 2 * k), _mm256_extracti128_si256(w[k], 1));
+        }
+    }
+#endif
+    for (; d < D; d++) {
+        uint64_t w = 0;
+        for (int r = 0; r < 8; r++) w |= (uint64_t)rows[(size_t)r * D + d] << (8 * r);
+        out[d] = w;
+    }
+}
+
 /* Partial p @ V of query block [nl <= 8] over value blocks [k0, k1) of one (b, h):
  * acc[d][lane] (codes term) and zacc[jv][lane] (zero term), both overwritten. */
 static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes, const uint16_t *sc,
                         const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv, int bits, float *acc,
-                        float *zacc, float *scratch) {
+                        float *zacc, float *scratch, uint64_t *words /* [2][D] */) {
     const int ng = D / gv;
     float *T = scratch;               /* 16 * 16 * 8 */
     float *pT = T + 16 * 16 * LANES;  /* 64 * 8 */
     float *s = pT + VB * LANES;       /* 64 * ng */
     float *z = s + (size_t)VB * ng;   /* 64 * ng */
-    const size_t plane = (size_t)D * 8, bbytes = plane * (size_t)bits;
+    const size_t plane = (size_t)8 * D, bbytes = plane * (size_t)bits;
 
     memset(acc, 0, (size_t)D * LANES * sizeof(float));
     memset(zacc, 0, (size_t)ng * LANES * sizeof(float));
@@ -377,25 +494,28 @@ static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const u
             memset(z + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
         }
         const uint8_t *ck = codes + (size_t)k * bbytes;
+        for (int pl = 0; pl < bits; pl++) /* word[d] byte r = row r, channel d: bit 8r + i is token i*8 + r */
+            transpose_rows(ck + (size_t)pl * plane, D, words + (size_t)pl * D);
         for (int jv = 0; jv < ng; jv++) {
             v8sf za = vsplat(0.0f), zb = za;
             for (int c = 0; c < 16; c++) {
-                const int i = 4 * c;
-                v8sf p0 = vload(pT + i * LANES), p1 = vload(pT + (i + 1) * LANES);
-                v8sf p2 = vload(pT + (i + 2) * LANES), p3 = vload(pT + (i + 3) * LANES);
-                za += p0 * z[i * ng + jv] + p2 * z[(i + 2) * ng + jv];
-                zb += p1 * z[(i + 1) * ng + jv] + p3 * z[(i + 3) * ng + jv];
-                build_table(T + c * 16 * LANES, p0 * s[i * ng + jv], p1 * s[(i + 1) * ng + jv],
-                            p2 * s[(i + 2) * ng + jv], p3 * s[(i + 3) * ng + jv]);
+                /* word bits 4c .. 4c+3: row r = c / 2, bits i = 4 (c % 2) .. +3: tokens i*8 + r */
+                const int r = c >> 1, i = 4 * (c & 1);
+                const int t0_ = i * 8 + r, t1_ = t0_ + 8, t2_ = t0_ + 16, t3_ = t0_ + 24;
+                v8sf p0 = vload(pT + t0_ * LANES), p1 = vload(pT + t1_ * LANES);
+                v8sf p2 = vload(pT + t2_ * LANES), p3 = vload(pT + t3_ * LANES);
+                za += p0 * z[t0_ * ng + jv] + p2 * z[t2_ * ng + jv];
+                zb += p1 * z[t1_ * ng + jv] + p3 * z[t3_ * ng + jv];
+                build_table(T + c * 16 * LANES, p0 * s[t0_ * ng + jv], p1 * s[t1_ * ng + jv],
+                            p2 * s[t2_ * ng + jv], p3 * s[t3_ * ng + jv]);
             }
             vstore(zacc + jv * LANES, vload(zacc + jv * LANES) + (za + zb));
             int d = jv * gv;
             const int dend = (jv + 1) * gv;
             for (; d + 2 <= dend; d += 2) {
-                const uint8_t *cd = ck + (size_t)d * 8;
-                v8sf a = lookup64(T, load_u64(cd)), a2 = lookup64(T, load_u64(cd + 8));
+                v8sf a = lookup64(T, words[d]), a2 = lookup64(T, words[d + 1]);
                 if (bits == 2) {
-                    v8sf hi = lookup64(T, load_u64(cd + plane)), hi2 = lookup64(T, load_u64(cd + plane + 8));
+                    v8sf hi = lookup64(T, words[D + d]), hi2 = lookup64(T, words[D + d + 1]);
                     a += hi + hi;
                     a2 += hi2 + hi2;
                 }
@@ -403,9 +523,9 @@ static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const u
                 vstore(acc + (d + 1) * LANES, vload(acc + (d + 1) * LANES) + a2);
             }
             for (; d < dend; d++) {
-                v8sf a = lookup64(T, load_u64(ck + (size_t)d * 8));
+                v8sf a = lookup64(T, words[d]);
                 if (bits == 2) {
-                    v8sf hi = lookup64(T, load_u64(ck + plane + (size_t)d * 8));
+                    v8sf hi = lookup64(T, words[D + d]);
                     a += hi + hi;
                 }
                 vstore(acc + d * LANES, vload(acc + d * LANES) + a);
@@ -438,7 +558,7 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
     const size_t part_floats = (size_t)(D + ng) * LANES;
     float *parts = scratch_alloc(part_floats * (size_t)items);
     if (!parts) return -1;
-    const size_t sfloats = 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng;
+    const size_t sfloats = 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng + 4 * (size_t)D; /* + words */
     int failed = 0;
 #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
     {
@@ -455,7 +575,7 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
             float *acc = parts + (size_t)it * part_floats;
             values_item(p + b * p_sb + h * p_sh + q0 * p_sq, p_sq, nl, n, codes + b * c_sb + h * c_sh,
                         scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh, k0, k1, (int)D, (int)gv, (int)bits,
-                        acc, acc + (size_t)D * LANES, scratch);
+                        acc, acc + (size_t)D * LANES, scratch, (uint64_t *)(scratch + sfloats - 4 * (size_t)D));
         }
         free(scratch);
     }
