@@ -37,6 +37,26 @@ class Guide:
             for t in (q.codes, q.scale, q.zero):
                 t[dst] = t[src]
 
+    def export_row(self, row: int, n: int) -> dict[str, torch.Tensor]:
+        """Row `row`'s guide of its first n quantized tokens (n % g == 0), as views."""
+        kg, vb = n // self.group, -(-n // quant.VALUE_BLOCK)
+        k, v = self.keys, self.values
+        return {"k_codes": k.codes[row, :, :kg], "k_scale": k.scale[row, :, :kg], "k_zero": k.zero[row, :, :kg],
+                "v_codes": v.codes[row, :, :vb], "v_scale": v.scale[row, :, :n], "v_zero": v.zero[row, :, :n]}
+
+    def import_row(self, row: int, n: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
+        """Make row `row`'s guide hold an export_row() of n tokens (check: only validate)."""
+        views = self.export_row(row, n)
+        if set(tensors) != set(views):
+            raise ValueError(f"guide tensors: expected {sorted(views)}, got {sorted(tensors)}")
+        for name, dst in views.items():
+            src = tensors.get(name)
+            if src is None or src.shape != dst.shape or src.dtype != dst.dtype:
+                raise ValueError(f"guide tensor {name}: expected {tuple(dst.shape)} {dst.dtype}, got "
+                                 f"{None if src is None else (tuple(src.shape), src.dtype)}")
+            if not check:
+                dst.copy_(src)
+
     def scores(self, q: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
         """q [b, H_kv, Q, D] against the first n quantized keys of rows -> [b, H_kv, Q, n] (unscaled)."""
         return quant.guide_scores(q, _rows(self.keys, rows), n)

@@ -111,6 +111,46 @@ class GuidedLayer:
         if self.guide is not None:
             self.guide.copy_row(src, dst)
 
+    def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
+        """Row `row`'s state after `length` committed tokens (views): quantized boundary, sinks,
+        residual buffer, exact host store and guide. Nothing else depends on the past tokens."""
+        qend = int(self.qend[row])
+        s = min(self.sinks, length)
+        out = {"qend": self.qend[row : row + 1], "sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],
+               "res_k": self.res_k[row, :, : length - qend], "res_v": self.res_v[row, :, : length - qend]}
+        if self.store is not None:
+            out["store_k"], out["store_v"] = self.store.k[row, :, :length], self.store.v[row, :, :length]
+        if self.guide is not None:
+            out.update({f"guide.{n}": t for n, t in self.guide.export_row(row, qend).items()})
+        return out
+
+    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
+        """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate)."""
+        from engine.kvcache import import_tensors
+
+        qend = int(quant_boundary(torch.tensor(length), self.residual, self.group))
+        got = tensors.get("qend")
+        if got is None or got.numel() != 1 or int(got) != qend:
+            raise ValueError(f"qend: expected {qend} for {length} tokens")
+        if length - qend > self.res_k.shape[2]:
+            raise ValueError("the residual window does not fit this cache")
+        if not check:
+            self.qend[row] = qend
+            self.fvalid[row] = False
+        s = min(self.sinks, length)
+        views = {"sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],
+                 "res_k": self.res_k[row, :, : length - qend], "res_v": self.res_v[row, :, : length - qend]}
+        if self.store is not None:
+            views["store_k"], views["store_v"] = self.store.k[row, :, :length], self.store.v[row, :, :length]
+        import_tensors(views, tensors, check)
+        extra = set(tensors) - set(views) - {"qend"}
+        if self.guide is not None:
+            guide = {n[len("guide."):]: t for n, t in tensors.items() if n.startswith("guide.")}
+            self.guide.import_row(row, qend, guide, check)
+            extra -= {f"guide.{n}" for n in guide}
+        if extra:
+            raise ValueError(f"unexpected tensors {sorted(extra)}")
+
     # ---- attention -----------------------------------------------------------------------
     def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
         """q [b, H, T, D] -> [b, T, H, D]. See the module docstring."""

@@ -109,6 +109,14 @@ class FullLayer:
         self.k[dst, :, :length] = self.k[src, :, :length]
         self.v[dst, :, :length] = self.v[src, :, :length]
 
+    def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
+        """Row `row`'s state after `length` tokens (views), for the document store."""
+        return {"k": self.k[row, :, :length], "v": self.v[row, :, :length]}
+
+    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
+        """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
+        import_tensors(self.export_row(row, length), tensors, check, strict=True)
+
     def device_bytes(self, lengths: torch.Tensor) -> int:
         return int(lengths.sum()) * 2 * self.shape.kv_heads * self.shape.head_dim * self.k.element_size()
 
@@ -128,6 +136,21 @@ def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: tor
     pos = step.positions()  # [b, T]
     dst_k[rows, :, pos] = k.transpose(1, 2)  # advanced dims first: [b, T, H_kv, D]
     dst_v[rows, :, pos] = v.transpose(1, 2)
+
+
+def import_tensors(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], check: bool,
+                   strict: bool = False) -> None:
+    """Copy src[name] into each view dst[name] after checking shape and dtype (check: only validate;
+    strict: src must hold nothing else)."""
+    if strict and set(src) != set(dst):
+        raise ValueError(f"expected tensors {sorted(dst)}, got {sorted(src)}")
+    for name, view in dst.items():
+        t = src.get(name)
+        if t is None or t.shape != view.shape or t.dtype != view.dtype:
+            raise ValueError(f"{name}: expected {tuple(view.shape)} {view.dtype}, got "
+                             f"{None if t is None else (tuple(t.shape), t.dtype)}")
+        if not check:
+            view.copy_(t)
 
 
 def kv_bytes_per_token(shape: ModelShape, element_size: int) -> int:
@@ -172,6 +195,35 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.copy_row(src, dst, length)
         self.lengths[dst] = length
+
+    def export_row(self, row: int) -> dict[str, torch.Tensor]:
+        """Row `row`'s whole state (its length and every layer's tensors, views into the cache):
+        what import_row needs to reproduce it exactly in a fresh cache with the same settings."""
+        length = int(self.lengths[row])
+        out = {"length": self.lengths[row : row + 1]}
+        for i, layer in enumerate(self.layers):
+            out.update({f"layers.{i}.{name}": t for name, t in layer.export_row(row, length).items()})
+        return out
+
+    def import_row(self, row: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Set row `row` (of a fresh cache) to an export_row() state. Raises ValueError, before
+        changing anything, when the tensors do not fit this cache (other model or settings)."""
+        if "length" not in tensors or tensors["length"].numel() != 1:
+            raise ValueError("no length")
+        length = int(tensors["length"])
+        if not 0 < length < self.max_len:
+            raise ValueError(f"length {length} does not fit a cache of {self.max_len} tokens")
+        names = {n for n in tensors if n.startswith("layers.")}
+        per_layer = []
+        for i in range(len(self.layers)):
+            prefix = f"layers.{i}."
+            per_layer.append({n[len(prefix):]: tensors[n] for n in names if n.startswith(prefix)})
+        if sum(map(len, per_layer)) != len(names):
+            raise ValueError("tensors of layers this model does not have")
+        for check in (True, False):
+            for layer, own in zip(self.layers, per_layer):
+                layer.import_row(row, length, own, check=check)
+        self.lengths[row] = length
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.layers[layer_idx].update(key_states, value_states, self.step)

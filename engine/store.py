@@ -1,0 +1,444 @@
+"""The persistent document KV store: a prefilled prefix's exact cache state on disk, so that a
+later `ask` or `summarize` on the same document and model loads it instead of prefilling.
+
+This module knows nothing about models or caches: it stores named tensors under a key, with
+the token ids they were computed from, and keeps the folder healthy.
+
+Layout (in `engine.model.cache_root() / "kv"`):
+
+    <key>.safetensors      one entry; immutable once it has its name
+    .part-<key>-<pid>-<r>  a write in progress (renamed to <key>.safetensors when complete)
+    .lock                  the store lock (filelock), held to publish, evict and delete entries
+
+Key: sha256 of the model fingerprint, the settings that change the KV (dtype, cache mode, bits,
+group, residual window, sinks, ...) and the sha256 of the token ids; see `make_key`.
+
+An entry is a standard safetensors file. Its tensors are `ids` (int64, the prefix's token ids)
+plus whatever the caller exports; the header's metadata holds the key's settings, the length,
+a label (the document) and one CRC-32 per tensor. A load checks the header, the file size,
+every CRC and the token ids; an entry failing any check is reported, deleted and treated as a
+miss. Writes go to a .part file (fsynced) that is renamed into place under the lock, so a
+reader never sees half an entry, whatever happens to the writer (Ctrl-C, kill, crash).
+Least-recently-used eviction keeps the folder under a size cap; a hit refreshes the entry's
+mtime, which is what "recently used" means here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+from filelock import FileLock
+
+FORMAT = "specache-kv-1"
+SUFFIX = ".safetensors"
+PART_PREFIX = ".part-"
+STALE_PART_SECONDS = 3600  # a .part file this old whose writer is gone is debris from a killed write
+DEFAULT_MAX_GB = 20.0
+ENV_MAX_GB = "SPECACHE_CACHE_MAX_GB"
+
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+_FROM_CODE = {v: k for k, v in _DTYPES.items()}
+
+
+class EntryError(Exception):
+    """An entry that must not be used (truncated, corrupt, or not what the key promises)."""
+
+
+def store_dir() -> Path:
+    """The store folder under the user cache ($SPECACHE_CACHE_DIR respected)."""
+    from engine.model import cache_root  # a path helper only; keeps model code out of this module
+
+    return cache_root() / "kv"
+
+
+def max_bytes_from(max_gb: float | None) -> int | None:
+    """The size cap in bytes: the flag, else $SPECACHE_CACHE_MAX_GB, else DEFAULT_MAX_GB."""
+    if max_gb is None:
+        env = os.environ.get(ENV_MAX_GB, "").strip()
+        if env:
+            try:
+                max_gb = float(env)
+            except ValueError:
+                raise ValueError(f"{ENV_MAX_GB} must be a number of GB, not {env!r}") from None
+        else:
+            max_gb = DEFAULT_MAX_GB
+    if not max_gb > 0:
+        raise ValueError(f"the store size cap must be > 0 GB, not {max_gb}")
+    return int(max_gb * 1e9)
+
+
+def ids_digest(ids: Sequence[int]) -> str:
+    return hashlib.sha256(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+def make_key(settings: Mapping[str, object], ids: Sequence[int]) -> str:
+    """The entry key: what produced the KV (model fingerprint and KV-changing settings) + the tokens."""
+    material = json.dumps({"format": FORMAT, **settings, "ids_sha256": ids_digest(ids)}, sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+@dataclass
+class EntryInfo:
+    """One entry as `specache cache ls` shows it."""
+
+    key: str
+    path: Path
+    bytes: int
+    last_used: float  # mtime: refreshed on every hit
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.meta.get("tokens", 0))
+
+
+@dataclass
+class Loaded:
+    """A verified entry."""
+
+    key: str
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+    bytes: int
+
+
+class KVStore:
+    """Entries on disk under `root` (see the module docstring)."""
+
+    def __init__(self, root: Path | None = None, max_bytes: int | None = None,
+                 warn: Callable[[str], None] | None = None, note: Callable[[str], None] | None = None):
+        """warn: reports a bad entry or a failed write; note: reports evictions."""
+        self.root = Path(root) if root is not None else store_dir()
+        self.max_bytes = max_bytes
+        self.warn = warn if warn is not None else (lambda message: None)
+        self.note = note if note is not None else (lambda message: None)
+
+    # ---- paths and locking ---------------------------------------------------------------
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}{SUFFIX}"
+
+    def lock(self) -> FileLock:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.root / ".lock"))
+
+    # ---- reading -------------------------------------------------------------------------
+    def load(self, key: str, ids: Sequence[int]) -> Loaded | None:
+        """The verified entry for key, or None (a miss). A bad entry is reported, deleted and missed."""
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                buf = bytearray(st.st_size)
+                n = f.readinto(buf)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self.warn(f"store entry {key[:12]} could not be read ({exc}); rebuilding it")
+            return None
+        try:
+            if n != len(buf):
+                raise EntryError(f"short read ({n} of {len(buf)} bytes)")
+            tensors, meta = parse(buf, verify=True)
+            if meta.get("key") != key:
+                raise EntryError("the entry's header names another key")
+            stored = tensors.get("ids")
+            if stored is None or stored.tolist() != list(ids):
+                raise EntryError("the stored token ids differ from the document's")
+        except EntryError as exc:
+            self.warn(f"store entry {key[:12]} is corrupt ({exc}); deleted, rebuilding it")
+            self._discard(path, st)
+            return None
+        try:
+            os.utime(path)  # least recently used = oldest mtime
+        except OSError:
+            pass
+        return Loaded(key, tensors, meta, len(buf))
+
+    def discard(self, key: str, reason: str) -> None:
+        """Delete an entry found unusable by its reader (reported on stderr through warn)."""
+        self.warn(f"store entry {key[:12]} is unusable ({reason}); deleted, rebuilding it")
+        with self.lock():
+            self.path(key).unlink(missing_ok=True)
+
+    def _discard(self, path: Path, seen: os.stat_result) -> None:
+        """Delete a bad entry, unless a writer has replaced it with a new file meanwhile."""
+        with self.lock():
+            try:
+                now = os.stat(path)
+                if (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev, seen.st_mtime_ns):
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    # ---- writing -------------------------------------------------------------------------
+    def save(self, key: str, ids: Sequence[int], tensors: Mapping[str, torch.Tensor],
+             meta: Mapping[str, object] | None = None) -> int | None:
+        """Write an entry atomically; evict least-recently-used entries to stay under the cap.
+        Returns the entry's size in bytes, or None when it was not kept (bigger than the cap)."""
+        all_tensors = {"ids": torch.tensor(list(ids), dtype=torch.int64), **tensors}
+        header = {**(meta or {}), "key": key, "format": FORMAT, "tokens": len(ids), "created": time.time()}
+        size = serialized_size(all_tensors, header)
+        if self.max_bytes is not None and size > self.max_bytes:
+            self.warn(f"not storing {key[:12]}: {size / 1e9:.2f} GB is over the store cap "
+                      f"({self.max_bytes / 1e9:.2f} GB; --cache-max-gb or {ENV_MAX_GB})")
+            return None
+        self.root.mkdir(parents=True, exist_ok=True)
+        part = self.root / f"{PART_PREFIX}{key}-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            size = write(part, all_tensors, header)
+            with self.lock():
+                final = self.path(key)
+                if final.exists():  # another process published it first: the same content
+                    os.utime(final)
+                    return final.stat().st_size
+                self._evict_locked(self.max_bytes - size if self.max_bytes is not None else None)
+                os.replace(part, final)
+                _fsync_dir(self.root)
+            return size
+        finally:
+            try:
+                os.unlink(part)
+            except FileNotFoundError:
+                pass
+
+    # ---- listing and housekeeping --------------------------------------------------------
+    def entries(self, with_meta: bool = True) -> list[EntryInfo]:
+        """Published entries, least recently used first."""
+        out = []
+        if not self.root.is_dir():
+            return out
+        for path in self.root.glob(f"*{SUFFIX}"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            meta = {}
+            if with_meta:
+                try:
+                    meta = read_header(path)[1]
+                except (OSError, EntryError):
+                    meta = {"unreadable": True}
+            out.append(EntryInfo(path.name[: -len(SUFFIX)], path, st.st_size, st.st_mtime, meta))
+        return sorted(out, key=lambda e: e.last_used)
+
+    def total_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries(with_meta=False))
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Delete entries by key; returns the bytes freed."""
+        freed = 0
+        with self.lock():
+            for key in keys:
+                try:
+                    freed += self.path(key).stat().st_size
+                    self.path(key).unlink()
+                except FileNotFoundError:
+                    pass
+        return freed
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every entry and every unfinished write. -> (entries, bytes freed)."""
+        with self.lock():
+            entries = self.entries(with_meta=False)
+            for e in entries:
+                e.path.unlink(missing_ok=True)
+            self._sweep_parts(all_parts=True)
+        return len(entries), sum(e.bytes for e in entries)
+
+    def evict(self, max_bytes: int | None = None) -> list[EntryInfo]:
+        """Delete least-recently-used entries until the store holds at most max_bytes (default: the cap)."""
+        with self.lock():
+            return self._evict_locked(self.max_bytes if max_bytes is None else max_bytes)
+
+    def _evict_locked(self, budget: int | None) -> list[EntryInfo]:
+        self._sweep_parts()
+        if budget is None:
+            return []
+        entries = self.entries(with_meta=False)
+        total = sum(e.bytes for e in entries)
+        evicted = []
+        for e in entries:  # oldest first
+            if total <= budget:
+                break
+            e.path.unlink(missing_ok=True)
+            total -= e.bytes
+            evicted.append(e)
+        if evicted:
+            self.note(f"store over its cap: evicted {len(evicted)} least recently used "
+                      f"entr{'y' if len(evicted) == 1 else 'ies'} ({sum(e.bytes for e in evicted) / 1e6:.0f} MB)")
+        return evicted
+
+    def _sweep_parts(self, all_parts: bool = False) -> None:
+        """Remove unfinished writes left by killed writers (all of them when clearing)."""
+        now = time.time()
+        for part in self.root.glob(f"{PART_PREFIX}*"):
+            try:
+                pid = int(part.name.rsplit("-", 2)[1])
+                age = now - part.stat().st_mtime
+            except (ValueError, IndexError, FileNotFoundError):
+                continue
+            if all_parts or not _alive(pid) or age > STALE_PART_SECONDS:
+                part.unlink(missing_ok=True)
+
+    def part_files(self) -> list[Path]:
+        return sorted(self.root.glob(f"{PART_PREFIX}*")) if self.root.is_dir() else []
+
+
+# ---- the safetensors format, streamed -----------------------------------------------------
+# Written by hand so that a large non-contiguous tensor (one row of a preallocated cache) is
+# streamed to disk without a contiguous copy, and checksummed on the way.
+
+def _pieces(t: torch.Tensor) -> Iterator[memoryview]:
+    """The tensor's bytes in row-major order, as contiguous pieces, without copying big tensors."""
+    if t.is_contiguous() or t.dim() <= 1 or t.numel() * t.element_size() <= 1 << 16:
+        yield memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        return
+    for sub in t:
+        yield from _pieces(sub)
+
+
+def _header_bytes(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> tuple[bytes, list[str]]:
+    # widest elements first: every tensor then starts aligned to its element size
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, object] = {}
+    offset = 0
+    crcs = {}
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"tensor {name}: dtype {t.dtype} cannot be stored")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+        crc = 0
+        for piece in _pieces(t):
+            crc = zlib.crc32(piece, crc)
+        crcs[name] = crc
+    header["__metadata__"] = {"specache": json.dumps({**meta, "crc32": crcs}, sort_keys=True)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return raw, names
+
+
+def serialized_size(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> int:
+    """Bytes the entry will take (the header estimated without computing checksums)."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    header = sum(len(n) + 80 + 12 * t.dim() for n, t in tensors.items()) + len(json.dumps(dict(meta), default=str))
+    return 8 + header + 16 * len(tensors) + data
+
+
+def write(path: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object],
+          on_piece: Callable[[], None] | None = None) -> int:
+    """Write a safetensors file (fsynced) at path. -> bytes written."""
+    raw, names = _header_bytes(tensors, meta)
+    written = 8 + len(raw)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            for piece in _pieces(tensors[name]):
+                f.write(piece)
+                written += len(piece)
+                if on_piece is not None:
+                    on_piece()
+        f.flush()
+        os.fsync(f.fileno())
+    return written
+
+
+def _split_header(buf: bytes | bytearray, size: int) -> tuple[dict, int]:
+    if size < 8:
+        raise EntryError("truncated (no header)")
+    (n,) = struct.unpack("<Q", bytes(buf[:8]))
+    if n > size - 8 or n > 1 << 26:
+        raise EntryError("truncated or corrupt header")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + n]))
+        meta = json.loads(header.pop("__metadata__")["specache"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EntryError(f"unreadable header ({type(exc).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise EntryError("not a specache store entry of this version")
+    return {"header": header, "meta": meta}, 8 + n
+
+
+def read_header(path: Path) -> tuple[dict, dict]:
+    """(tensor table, metadata) of an entry, reading only its header."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise EntryError("truncated (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 1 << 26:
+            raise EntryError("truncated or corrupt header")
+        parsed, _ = _split_header(head + f.read(n), 8 + n)
+    return parsed["header"], parsed["meta"]
+
+
+def parse(buf: bytearray, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors (views into buf) and metadata of a whole entry; checks sizes and, if verify, CRCs."""
+    parsed, start = _split_header(buf, len(buf))
+    table, meta = parsed["header"], parsed["meta"]
+    crcs = meta.get("crc32", {})
+    end = start
+    tensors = {}
+    for name, spec in table.items():
+        try:
+            dtype = _FROM_CODE[spec["dtype"]]
+            a, b = (start + int(x) for x in spec["data_offsets"])
+            shape = [int(s) for s in spec["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise EntryError(f"bad tensor entry {name!r}") from None
+        count = 1
+        for s in shape:
+            count *= s
+        if b > len(buf) or a > b or b - a != count * torch.empty(0, dtype=dtype).element_size():
+            raise EntryError(f"truncated (tensor {name!r} ends past the file)" if b > len(buf)
+                             else f"inconsistent size of tensor {name!r}")
+        view = memoryview(buf)[a:b]
+        if verify and (name not in crcs or zlib.crc32(view) != crcs[name]):
+            raise EntryError(f"checksum mismatch in tensor {name!r}")
+        tensors[name] = (torch.frombuffer(buf, dtype=dtype, count=count, offset=a) if count
+                         else torch.empty(0, dtype=dtype)).view(shape)
+        end = max(end, b)
+    if end != len(buf):
+        raise EntryError(f"{len(buf) - end} unexpected trailing bytes")
+    if set(crcs) != set(tensors):
+        raise EntryError("the tensor list differs from the checksummed one")
+    return tensors, meta
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
