@@ -17,6 +17,7 @@ import torch
 from engine.config import CacheConfig, GenerationConfig
 from engine.kvcache import KVCache, make_cache
 from engine.sampling import sample
+from engine.store import KVStore, make_key
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Finished:
     decode_seconds: float
     steps: int
     cache_stats: dict = field(default_factory=dict)
+    store: list[dict | None] = field(default_factory=list)  # per row, with a store: hit, key, bytes, seconds
+    # (seconds: loading the entry on a hit, writing it on a miss)
 
     @property
     def generated_tokens(self) -> int:
@@ -72,12 +75,42 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
     yield logits[0, -1]
 
 
+@dataclass
+class StoreUse:
+    """A persistent document store (engine.store) for the prompts' document prefixes.
+
+    model_id: the model's fingerprint (engine.model.LoadedModel.fingerprint); with the model's dtype
+    and the cache settings that change the KV it keys the entries. labels: per row, what
+    `specache cache ls` shows for an entry (the document)."""
+
+    store: "KVStore"
+    model_id: str
+    labels: list[str] | None = None
+    model_name: str = ""
+
+
+def store_settings(cache: KVCache, dtype: torch.dtype, model_id: str) -> dict:
+    """Everything besides the token ids that a stored row state depends on."""
+    shape, config, layer = cache.shape, cache.config, cache.layers[0]
+    settings = {"model": model_id, "dtype": str(dtype).replace("torch.", ""), "mode": config.mode,
+                "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+    if config.mode != "full":
+        settings.update(residual=layer.residual, group=layer.group, sinks=layer.sinks,
+                        bits=config.bits if layer.guide is not None else None)
+    return settings
+
+
 def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: GenerationConfig,
-             shared_prefix: int = 0) -> Iterator[Progress | Tokens | Finished]:
+             shared_prefix: int = 0, prefixes: list[int] | None = None, store: StoreUse | None = None,
+             ) -> Iterator[Progress | Tokens | Finished]:
     """Prefill every prompt into one batch cache, then decode all rows together.
 
+    Each prompt's document prefix is prefilled on its own (then the rest of the prompt):
     shared_prefix: the prompts' first tokens are identical (one document, several questions):
-    prefill them once into row 0 and copy that row's cache, then prefill each row's rest."""
+    prefill them once into row 0 and copy that row's cache to the other rows.
+    prefixes: otherwise, each row's own document prefix length (0: none).
+    store: with a document store, a prefix found there is loaded into its row instead of being
+    prefilled, and a prefix that was not is saved after its prefill."""
     param = next(model.parameters())
     batch = len(prompts)
     max_len = max(len(p) for p in prompts) + gen.max_tokens + 2
@@ -85,25 +118,63 @@ def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: Ge
     generator = torch.Generator(device=param.device).manual_seed(gen.seed)
 
     t0 = time.perf_counter()
-    shared = shared_prefix if batch > 1 and shared_prefix else 0
-    if shared and (any(p[:shared] != prompts[0][:shared] for p in prompts) or shared >= min(map(len, prompts))):
-        raise ValueError("shared_prefix must be a common prefix shorter than every prompt")
-    total = sum(len(p) for p in prompts) - shared * (batch - 1)
-    done, last = 0, []
-    if shared:
-        for item in prefill(model, cache, prompts[0][:shared], 0, cache_config.chunk_size):
+    if shared_prefix and batch > 1:
+        if any(p[:shared_prefix] != prompts[0][:shared_prefix] for p in prompts) or \
+                shared_prefix >= min(map(len, prompts)):
+            raise ValueError("shared_prefix must be a common prefix shorter than every prompt")
+        pre = [shared_prefix] * batch
+        heads = [0]  # rows whose prefix is prefilled or loaded; the others copy row 0
+    else:
+        given = [shared_prefix] if shared_prefix else (prefixes or [0] * batch)
+        if len(given) != batch:
+            raise ValueError("prefixes must give one length per prompt")
+        pre = [n if 0 < n < len(p) else 0 for n, p in zip(given, prompts)]
+        heads = [r for r in range(batch) if pre[r]]
+    infos: list[dict | None] = [None] * batch
+    keys: dict[int, str] = {}
+    loaded: set[int] = set()
+    if store is not None:
+        settings = store_settings(cache, param.dtype, store.model_id)
+        for r in heads:
+            ids = prompts[r][: pre[r]]
+            keys[r] = make_key(settings, ids)
+            t = time.perf_counter()
+            entry = store.store.load(keys[r], ids)
+            if entry is None:
+                continue
+            try:
+                cache.import_row(r, entry.tensors)
+            except ValueError as exc:
+                store.store.discard(keys[r], f"it does not fit this cache ({exc})")
+                continue
+            loaded.add(r)
+            infos[r] = {"hit": True, "key": keys[r], "bytes": entry.bytes, "seconds": time.perf_counter() - t}
+            del entry
+    total = sum(pre[r] for r in heads if r not in loaded) + sum(len(p) - n for p, n in zip(prompts, pre))
+    done, last, writing = 0, [], 0.0
+    for r in heads:
+        if r in loaded:
+            continue
+        for item in prefill(model, cache, prompts[r][: pre[r]], r, cache_config.chunk_size):
             if isinstance(item, int):
-                yield Progress(item, total)
-        for row in range(1, batch):
+                yield Progress(done + item, total)
+        done += pre[r]
+        if store is not None:
+            t = time.perf_counter()
+            size = save_row(store, cache, r, keys[r], prompts[r][: pre[r]], settings)
+            infos[r] = {"hit": False, "key": keys[r], "bytes": size, "seconds": time.perf_counter() - t}
+            writing += infos[r]["seconds"]
+    for row in range(batch):
+        if row not in heads and pre[row]:
             cache.copy_row(0, row)
-        done = shared
+            infos[row] = infos[0]
     for row, prompt in enumerate(prompts):
-        for item in prefill(model, cache, prompt[shared:], row, cache_config.chunk_size):
+        for item in prefill(model, cache, prompt[pre[row]:], row, cache_config.chunk_size):
             if isinstance(item, int):
                 yield Progress(done + item, total)
             else:
                 last.append(item)
-        done += len(prompt) - shared
+        done += len(prompt) - pre[row]
     if param.device.type == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
@@ -130,7 +201,18 @@ def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: Ge
     if param.device.type == "cuda":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
-    yield Finished(outputs, [len(p) for p in prompts], t1 - t0, t2 - t1, steps, cache.stats())
+    # prefill_seconds: loading stored prefixes counts, writing new ones does not (it is in infos)
+    yield Finished(outputs, [len(p) for p in prompts], t1 - t0 - writing, t2 - t1, steps, cache.stats(), infos)
+
+
+def save_row(store: StoreUse, cache: KVCache, row: int, key: str, ids: list[int], settings: dict) -> int | None:
+    """Save a row's state after its prefix into the store; a failing write is reported, not fatal."""
+    label = store.labels[row] if store.labels and row < len(store.labels) else ""
+    try:
+        return store.store.save(key, ids, cache.export_row(row), {**settings, "label": label, "model_name": store.model_name})
+    except OSError as exc:
+        store.store.warn(f"could not save the document's KV to the store ({exc})")
+        return None
 
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # logits [B, V] -> next ids [B]

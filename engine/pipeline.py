@@ -8,9 +8,10 @@ from typing import Iterator
 
 from engine import prompts as P
 from engine.config import CacheConfig, GenerationConfig
-from engine.decode import Finished, Progress, Tokens, generate
+from engine.decode import Finished, Progress, StoreUse, Tokens, generate
 from engine.errors import DocumentTooLong, EmptyDocument
 from engine.model import LoadedModel
+from engine.store import KVStore
 
 STRATEGIES = ("auto", "single", "map-reduce")
 PART_MAX_TOKENS = (48, 160)  # a section's partial summary or answer: --max-tokens clamped to this range
@@ -69,8 +70,26 @@ class Result:
         self.calls += 1
         self.batch = len(fin.tokens)
         self.cache = fin.cache_stats
+        self.add_store(fin.store[row] if fin.store else None)
 
     plan: dict = field(default_factory=dict)
+    # the document store, None without one: hit (every entry was), key (the first), bytes, seconds (load on a
+    # hit, write on a miss), entries and hits (several for map-reduce sections)
+    store: dict | None = None
+
+    def add_store(self, info: dict | None) -> None:
+        """Account one call's use of the document store (several for map-reduce sections)."""
+        if info is None:
+            return
+        if self.store is None:
+            self.store = {"hit": info["hit"], "key": info["key"], "bytes": info["bytes"],
+                          "seconds": round(info["seconds"], 4), "entries": 1, "hits": int(info["hit"])}
+            return
+        self.store["hit"] = self.store["hit"] and info["hit"]
+        self.store["bytes"] = (self.store["bytes"] or 0) + (info["bytes"] or 0)
+        self.store["seconds"] = round(self.store["seconds"] + info["seconds"], 4)
+        self.store["entries"] += 1
+        self.store["hits"] += int(info["hit"])
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -92,6 +111,7 @@ class Runner:
     strategy: str = "auto"
     batch: int | None = None  # rows decoded together; None: ask the memory planner
     plan: dict = field(default_factory=dict)  # what the planner chose, for --json
+    store: KVStore | None = None  # the persistent document store (engine.store); None: --no-store
 
     def batch_size(self, rows: int, context: int) -> int:
         """How many of `rows` sequences of `context` tokens to decode together."""
@@ -114,22 +134,33 @@ class Runner:
             self.plan["k"] = self.cache.k
         return self.plan["batch"]
 
-    def complete(self, prompt: list[int], label: str, max_tokens: int, result: Result,
+    def complete(self, prompt: list[int] | P.Prompt, label: str, max_tokens: int, result: Result,
                  stream: bool) -> Iterator[Status | Stage | TextDelta]:
-        """One model call; yields progress (and text deltas if stream); returns the answer text."""
+        """One model call; yields progress (and text deltas if stream); returns the answer text.
+        A P.Prompt's document prefix is prefilled first (and taken from / saved to the store)."""
         texts = yield from self.complete_batch([prompt], label, max_tokens, [result], stream=stream)
         return texts[0]
 
-    def complete_batch(self, prompts: list[list[int]], label: str, max_tokens: int, results: list[Result],
-                       shared_prefix: int = 0, stream: bool = False) -> Iterator[Stage | TextDelta]:
+    def complete_batch(self, prompts: list[list[int] | P.Prompt], label: str, max_tokens: int,
+                       results: list[Result], shared_prefix: int = 0, stream: bool = False,
+                       ) -> Iterator[Status | Stage | TextDelta]:
         """One batched model call; yields progress (and, for a single prompt, text deltas if stream);
-        returns the answer texts."""
+        returns the answer texts. shared_prefix: the prompts share that many first tokens (one
+        document); otherwise each P.Prompt's own document prefix is its reusable part."""
         gen = GenerationConfig(max_tokens, self.gen.temperature, self.gen.top_p, self.gen.seed,
                                P.stop_ids(self.lm.tokenizer))
+        prefixes = [len(p.prefix) if isinstance(p, P.Prompt) else 0 for p in prompts]
+        prompts = [p.ids if isinstance(p, P.Prompt) else p for p in prompts]
+        store = None
+        if self.store is not None and (shared_prefix or any(prefixes)):
+            store = StoreUse(self.store, self.lm.fingerprint, labels=[r.source for r in results],
+                             model_name=self.lm.name)
         ids: list[list[int]] = [[] for _ in prompts]
         shown = ""
         stream = stream and len(prompts) == 1
-        for event in generate(self.lm.model, prompts, self.cache, gen, shared_prefix=shared_prefix):
+        events = generate(self.lm.model, prompts, self.cache, gen, shared_prefix=shared_prefix, prefixes=prefixes,
+                          store=store)
+        for event in events:
             if isinstance(event, Progress):
                 yield Stage(label, event.done, event.total)
             elif isinstance(event, Tokens):
@@ -144,6 +175,10 @@ class Runner:
             elif isinstance(event, Finished):
                 for row, result in enumerate(results):
                     result.add(event, row)
+                hits = {info["key"] for info in event.store if info and info["hit"]}
+                if hits:
+                    yield Status(f"document KV loaded from the store ({len(hits)} entr{'y' if len(hits) == 1 else 'ies'})"
+                                 f"; prefill {event.prefill_seconds:.2f} s")
         texts = [self.lm.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
         if stream and len(texts[0]) > len(shown):
             yield TextDelta(texts[0][len(shown):])
@@ -206,7 +241,7 @@ def summarize(runner: Runner, text: str, source: str) -> Iterator[Status | Stage
     n = count_tokens(tok, text)
     result = Result("", source, runner.lm.name, choose_strategy(runner, n, P.SUMMARIZE))
     if result.strategy == "single":
-        prompt = P.build_prompt(tok, text, P.SUMMARIZE).ids
+        prompt = P.build_prompt(tok, text, P.SUMMARIZE)
         result.text = yield from runner.complete(prompt, "prefill", runner.gen.max_tokens, result, stream=True)
         yield result
         return
@@ -220,7 +255,7 @@ def summarize(runner: Runner, text: str, source: str) -> Iterator[Status | Stage
         yield Status(f"{source}: {n} tokens, over the window; summarizing {len(sections)} sections")
         parts = []
         for i, section in enumerate(sections):
-            prompt = P.build_prompt(tok, section, P.SUMMARIZE_PART).ids
+            prompt = P.build_prompt(tok, section, P.SUMMARIZE_PART)
             label = f"section {i + 1}/{len(sections)}"
             parts.append((yield from runner.complete(prompt, label, runner.part_tokens, result, stream=False)))
         notes = "\n\n".join(f"Part {i + 1}: {p}" for i, p in enumerate(parts))
@@ -241,7 +276,7 @@ def ask(runner: Runner, text: str, source: str, question: str) -> Iterator[Statu
     n = count_tokens(tok, text)
     result = Result("", source, runner.lm.name, choose_strategy(runner, n, instruction), question=question)
     if result.strategy == "single":
-        prompt = P.build_prompt(tok, text, instruction).ids
+        prompt = P.build_prompt(tok, text, instruction)
         result.text = yield from runner.complete(prompt, "prefill", runner.gen.max_tokens, result, stream=True)
         yield result
         return
@@ -250,7 +285,7 @@ def ask(runner: Runner, text: str, source: str, question: str) -> Iterator[Statu
     yield Status(f"{source}: {n} tokens, over the window; asking {len(sections)} sections")
     found = []
     for i, section in enumerate(sections):
-        prompt = P.build_prompt(tok, section, P.ASK_PART.format(question=question)).ids
+        prompt = P.build_prompt(tok, section, P.ASK_PART.format(question=question))
         answer = yield from runner.complete(prompt, f"section {i + 1}/{len(sections)}", runner.part_tokens, result,
                                            False)
         if P.NOT_FOUND.lower() not in answer.lower() and answer:
@@ -274,11 +309,11 @@ def summarize_many(runner: Runner, docs: list[tuple[str, str]], stream: bool = F
     together in batches of the planner's (or --batch) size, longer ones go through map-reduce.
     stream: yield text deltas when a batch holds a single document."""
     tok = runner.lm.tokenizer
-    pending: list[tuple[list[int], Result]] = []
+    pending: list[tuple[P.Prompt, Result]] = []
 
     def flush() -> Iterator[Status | Stage | TextDelta | Result]:
         while pending:
-            context = max(len(p) for p, _ in pending) + runner.gen.max_tokens
+            context = max(len(p.ids) for p, _ in pending) + runner.gen.max_tokens
             size = runner.batch_size(len(pending), context)
             group, pending[:] = pending[:size], pending[size:]
             results = [r for _, r in group]
@@ -293,7 +328,7 @@ def summarize_many(runner: Runner, docs: list[tuple[str, str]], stream: bool = F
         if not text.strip():
             raise EmptyDocument(f"{source}: the document is empty")
         if choose_strategy(runner, count_tokens(tok, text), P.SUMMARIZE) == "single":
-            pending.append((P.build_prompt(tok, text, P.SUMMARIZE).ids, Result("", source, runner.lm.name, "single")))
+            pending.append((P.build_prompt(tok, text, P.SUMMARIZE), Result("", source, runner.lm.name, "single")))
             continue
         yield from flush()
         yield from summarize(runner, text, source)

@@ -17,9 +17,9 @@ app = typer.Typer(
 )
 
 # Each command module exposes register(app). Keep this list the only place commands are wired.
-from specache_cli import bench_cmd, plan_cmd, run_cmds  # noqa: E402
+from specache_cli import bench_cmd, cache_cmd, plan_cmd, run_cmds  # noqa: E402
 
-for _module in (run_cmds, plan_cmd, bench_cmd):
+for _module in (run_cmds, plan_cmd, bench_cmd, cache_cmd):
     _module.register(app)
 
 

@@ -1,6 +1,8 @@
 """`specache summarize` and `specache ask`."""
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -8,7 +10,7 @@ from typing import Optional
 import typer
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.errors import BadArgument, BatchFailures, SpecacheError
+from engine.errors import BadArgument, BatchFailures, InputNotFound, SpecacheError
 from engine.pipeline import STRATEGIES, Runner, ask_many, summarize_many
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
@@ -43,7 +45,7 @@ class Session:
     documents are reported before any model load)."""
 
     def __init__(self, model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                 temperature, top_p, seed, strategy, batch, quiet, hit_rate):
+                 temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store=False, cache_max_gb=None):
         if strategy not in STRATEGIES:
             raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
         self.overrides = dict(bits=bits, group=group, k=k, residual=residual, sinks=sinks, chunk_size=chunk_size,
@@ -52,6 +54,13 @@ class Session:
         self.mode, self.model, self.device, self.dtype = cache, model, device, dtype
         self.gen = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
         self.strategy, self.batch, self.quiet = strategy, parse_batch(batch), quiet
+        self.no_store = no_store
+        from engine.store import max_bytes_from
+
+        try:
+            self.store_max_bytes = max_bytes_from(cache_max_gb)
+        except ValueError as exc:
+            raise BadArgument(f"--cache-max-gb: {exc}") from None
         self._runner: Runner | None = None
 
     def status(self, message: str) -> None:
@@ -66,8 +75,17 @@ class Session:
             lm = load_model(self.model, device=self.device, dtype=self.dtype, on_status=self.status)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
             cache = CacheConfig(mode=self.mode, **model_defaults(lm)).with_overrides(**self.overrides)
-            self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch)
+            self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
         return self._runner
+
+    def store(self):
+        """The persistent document store, unless --no-store."""
+        if self.no_store:
+            return None
+        from engine.store import KVStore
+
+        warn = lambda m: err_console.print(f"[yellow]warning:[/] {m}", highlight=False, soft_wrap=True)  # noqa: E731
+        return KVStore(max_bytes=self.store_max_bytes, warn=warn, note=self.status)
 
 
 def read_document(source: str, password: Optional[str], quiet: bool):
@@ -113,6 +131,62 @@ JSONL = typer.Option(False, "--jsonl", help="Print one JSON object per line (for
 PASSWORD = typer.Option(None, help="Password of encrypted PDFs.")
 HIT_RATE = typer.Option(False, "--hit-rate", help="specache: measure the prefetch hit rate (costs a full attention per step).")
 QUIET = typer.Option(False, "--quiet", help="No progress or timings on stderr.")
+NO_STORE = typer.Option(False, "--no-store", help="Neither load nor save the document's KV in the persistent store.")
+CACHE_MAX_GB = typer.Option(None, "--cache-max-gb", help="Size cap of the document store in GB; least recently used "
+                            "entries are evicted (default: $SPECACHE_CACHE_MAX_GB, else 20).")
+RESUME = typer.Option(None, "--resume", help="The --jsonl output of an earlier run: skip the files it already has "
+                      "a successful line for.")
+
+
+def done_sources(path: str) -> set[str]:
+    """Sources with a successful line (no error) in a --jsonl file; a missing file has none."""
+    p = Path(path)
+    if p.is_dir():
+        raise BadArgument(f"--resume {path}: is a directory")
+    try:
+        lines = p.read_text(encoding="utf-8", errors="replace").splitlines() if p.exists() else []
+    except OSError as exc:
+        raise BadArgument(f"--resume {path}: cannot be read ({exc.strerror or exc})") from None
+    done = set()
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:  # e.g. a last line cut short by a killed run
+            continue
+        if isinstance(obj, dict) and "error" not in obj and isinstance(obj.get("source"), str) \
+                and isinstance(obj.get("text"), str):
+            done.add(obj["source"])
+    return done
+
+
+def same_source(source: str, done: set[str]) -> bool:
+    """Whether a file was done: the same string, or the same file by path (not for stdin)."""
+    if source == "-":
+        return False
+    if source in done:
+        return True
+    real = os.path.realpath(source)
+    return any(d != "-" and os.path.realpath(d) == real for d in done)
+
+
+def read_questions(path: str) -> list[str]:
+    """--questions FILE: one question per line, blank lines skipped; - reads stdin."""
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        p = Path(path)
+        if p.is_dir():
+            raise BadArgument(f"--questions {path}: is a directory")
+        if not p.exists():
+            raise InputNotFound(f"{path}: no such file")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadArgument(f"--questions {path}: cannot be read ({exc})") from None
+    questions = [line.strip() for line in text.splitlines() if line.strip()]
+    if not questions:
+        raise BadArgument(f"--questions {path}: no questions in the file")
+    return questions
 
 
 def summarize_cmd(
@@ -123,11 +197,22 @@ def summarize_cmd(
     batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
     seed: int = SEED, strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL,
     password: Optional[str] = PASSWORD, quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
+    no_store: bool = NO_STORE, cache_max_gb: Optional[float] = CACHE_MAX_GB, resume: Optional[str] = RESUME,
 ) -> None:
     """Summarize each document (several documents are decoded together in batches)."""
     session = Session(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                      temperature, top_p, seed, strategy, batch, quiet, hit_rate)
+                      temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store, cache_max_gb)
     structured = json_out or jsonl
+    many = len(files) > 1
+    if resume is not None:
+        if not jsonl:
+            raise BadArgument("--resume needs --jsonl (it reads an earlier run's --jsonl output)")
+        done = done_sources(resume)
+        todo = [f for f in files if not same_source(f, done)]
+        session.status(f"--resume: skipping {len(files) - len(todo)} of {len(files)} files already done in {resume}")
+        files = todo
+        if not files:
+            return
     docs, errors = [], {}
     for i, source in enumerate(files):
         try:
@@ -138,11 +223,10 @@ def summarize_cmd(
                 raise EmptyDocument(f"{source}: the document is empty")
             docs.append((i, doc))
         except SpecacheError as exc:
-            if len(files) == 1:
+            if not many:
                 raise
             errors[i] = exc
-    single = len(files) == 1
-    stream = single and not structured
+    stream = not many and not structured
     good = iter(render_jobs(summarize_many(session.runner, [(d.text, d.source) for _, d in docs], stream=stream),
                             quiet, stream)) if docs else iter(())
     for i, source in enumerate(files):
@@ -162,21 +246,26 @@ def ask_cmd(
     question: Optional[str] = typer.Argument(None, help="The question."),
     doc: list[str] = typer.Option(..., "--doc", "-d", help="Document(s) forming the corpus; repeat for several."),
     questions: list[str] = typer.Option([], "--question", "-q", help="More questions; repeat for several."),
+    questions_file: Optional[str] = typer.Option(None, "--questions", help="A file with one question per line "
+                                                 "(all answered as decode batches sharing one prefill)."),
     model: Optional[str] = MODEL, device: str = DEVICE, dtype: str = DTYPE, cache: str = CACHE,
     bits: Optional[int] = BITS, group: Optional[int] = GROUP, k: Optional[int] = K,
     residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
     batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
     seed: int = SEED, strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL,
     password: Optional[str] = PASSWORD, quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
+    no_store: bool = NO_STORE, cache_max_gb: Optional[float] = CACHE_MAX_GB,
 ) -> None:
     """Answer questions about a document or a corpus of documents (several questions share one prefill)."""
     asked = ([question] if question else []) + list(questions)
+    if questions_file is not None:
+        asked += read_questions(questions_file)
     if not asked:
         raise BadArgument("ask needs a question: specache ask --doc FILE \"question\"")
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
     session = Session(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                      temperature, top_p, seed, strategy, batch, quiet, hit_rate)
+                      temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store, cache_max_gb)
     docs = [read_document(source, password, quiet) for source in doc]
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)
     source = ", ".join(d.source for d in docs)

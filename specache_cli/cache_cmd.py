@@ -1,0 +1,125 @@
+"""`specache cache ls|rm|clear`: the persistent document KV store (engine/store.py).
+
+Entries are listed least recently used first (the next to be evicted under the size cap)."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from engine.errors import BadArgument, InputNotFound
+from specache_cli.console import guarded
+from specache_cli.render import emit_json
+
+cache_app = typer.Typer(name="cache", help="The document KV store: list, remove, clear (sizes included).",
+                        no_args_is_help=True)
+
+CAP = typer.Option(None, "--cache-max-gb", help="The size cap to show (default: $SPECACHE_CACHE_MAX_GB, else 20).")
+
+
+def _store(cache_max_gb: Optional[float] = None):
+    from engine.store import KVStore, max_bytes_from
+
+    try:
+        return KVStore(max_bytes=max_bytes_from(cache_max_gb))
+    except ValueError as exc:
+        raise BadArgument(f"--cache-max-gb: {exc}") from None
+
+
+def human(nbytes: int | None) -> str:
+    """Bytes in decimal units (the cap is given in GB)."""
+    if nbytes is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def _ago(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= scale:
+            return f"{s / scale:.0f} {unit} ago"
+    return f"{s:.0f} s ago"
+
+
+def _settings(meta: dict) -> str:
+    mode = meta.get("mode", "?")
+    if mode in ("specache", "kivi"):
+        return f"{mode} {meta.get('bits')}b g{meta.get('group')} R{meta.get('residual')} S{meta.get('sinks')}"
+    if mode == "window":
+        return f"window {meta.get('residual')} S{meta.get('sinks')}"
+    return mode
+
+
+def ls_cmd(json_out: bool = typer.Option(False, "--json", help="Print the listing as JSON."),
+           cache_max_gb: Optional[float] = CAP) -> None:
+    """List the stored documents: key, document, model, settings, tokens, size, last use."""
+    store = _store(cache_max_gb)
+    entries = store.entries()
+    total = sum(e.bytes for e in entries)
+    if json_out:
+        emit_json({"path": str(store.root), "bytes": total, "max_bytes": store.max_bytes,
+                   "entries": [{"key": e.key, "bytes": e.bytes, "tokens": e.tokens, "last_used": round(e.last_used, 3),
+                                "label": e.meta.get("label"), "model": e.meta.get("model_name"),
+                                "model_fingerprint": e.meta.get("model"), "mode": e.meta.get("mode"),
+                                "dtype": e.meta.get("dtype"),
+                                "bytes_per_token": round(e.bytes / e.tokens, 1) if e.tokens else None,
+                                "unreadable": bool(e.meta.get("unreadable"))} for e in entries]}, lines=False)
+        return
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # pipes: no truncated columns
+    table = Table(box=None, pad_edge=False)
+    for col, justify in (("key", "left"), ("document", "left"), ("model", "left"), ("settings", "left"),
+                         ("dtype", "left"), ("tokens", "right"), ("size", "right"), ("per token", "right"),
+                         ("last used", "right")):
+        table.add_column(col, justify=justify)
+    for e in entries:
+        if e.meta.get("unreadable"):
+            table.add_row(e.key[:12], "(unreadable header)", "", "", "", "", human(e.bytes), "", _ago(e.last_used))
+            continue
+        table.add_row(e.key[:12], str(e.meta.get("label") or ""), str(e.meta.get("model_name") or ""),
+                      _settings(e.meta), str(e.meta.get("dtype", "")), str(e.tokens), human(e.bytes),
+                      human(e.bytes // e.tokens) if e.tokens else "-", _ago(e.last_used))
+    if entries:
+        console.print(table)
+    console.print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {human(total)} of "
+                  f"{human(store.max_bytes)} (cap) in {store.root}", highlight=False)
+
+
+def rm_cmd(keys: list[str] = typer.Argument(..., help="Keys or unique key prefixes (as `specache cache ls` shows).")
+           ) -> None:
+    """Remove entries by key."""
+    store = _store()
+    known = [e.key for e in store.entries(with_meta=False)]
+    chosen = []
+    for prefix in keys:
+        if len(prefix) < 4:
+            raise BadArgument(f"key prefix {prefix!r} is too short (at least 4 characters)")
+        matches = [k for k in known if k.startswith(prefix.lower())]
+        if not matches:
+            raise InputNotFound(f"no store entry with key {prefix}")
+        if len(matches) > 1:
+            raise BadArgument(f"key prefix {prefix} matches {len(matches)} entries; give more characters")
+        chosen.append(matches[0])
+    freed = store.remove(chosen)
+    print(f"removed {len(set(chosen))} entr{'y' if len(set(chosen)) == 1 else 'ies'} ({human(freed)})")
+
+
+def clear_cmd() -> None:
+    """Remove every entry (and unfinished writes)."""
+    n, freed = _store().clear()
+    print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({human(freed)})")
+
+
+cache_app.command("ls")(guarded(ls_cmd))
+cache_app.command("rm")(guarded(rm_cmd))
+cache_app.command("clear")(guarded(clear_cmd))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(cache_app, name="cache")
