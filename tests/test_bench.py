@@ -169,6 +169,7 @@ def test_speed_quick_child_processes(bench):
             assert c["decode_tokens_per_s"] == pytest.approx(c["batch"] * 1e3 / c["decode_ms_per_token"])
         rss = m["rss"]
         assert rss["isolated"] and rss["peak_bytes"] >= rss["model_bytes"] > 10 * 2**20
+        assert m["torch_threads"] == 1 and len(m["load_average"]["start"]) == 3
     rows = {(c["mode"], c["batch"]): c for c in result["comparison"]}
     assert len(rows) == 6
     assert rows[("full", 1)]["decode_speedup_vs_full"] == 1.0 and rows[("hf", 2)]["decode_speedup_vs_hf"] == 1.0
@@ -182,7 +183,7 @@ def test_speed_quick_child_processes(bench):
 def test_speed_in_process(bench):
     result, _, _ = bench("speed", "--in-process", "--modes", "kivi-1b,window", "--batches", "1", "--lengths", "128")
     assert result["settings"]["isolated"] is False
-    assert all(m["rss"]["peak_bytes"] is None for m in result["per_mode"])
+    assert all(m["rss"]["peak_bytes"] is None and m["torch_threads"] == 1 for m in result["per_mode"])
     assert [c["mode"] for c in result["comparison"]] == ["kivi-1b", "window"]
     assert result["comparison"][0]["decode_speedup_vs_full"] is None  # no full in this run
     assert result["targets"][0]["met"] is None

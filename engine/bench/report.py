@@ -88,6 +88,13 @@ def fidelity_markdown(r: dict) -> str:
     return "\n".join(out)
 
 
+def _load(m: dict) -> str:
+    la = m.get("load_average") or {}
+    if not la.get("start") or not la.get("end"):
+        return "-"
+    return f"{la['start'][0]:.2f} / {la['end'][0]:.2f}"
+
+
 def speed_markdown(r: dict) -> str:
     s = r["settings"]
     out = [md_header("Speed", r),
@@ -104,9 +111,12 @@ def speed_markdown(r: dict) -> str:
     out.append(md_table(["mode", "context", "batch", "prefill tok/s", "decode ms/token", "decode tok/s (all rows)",
                          "decode x full", "decode x hf", "prefill x full", "KV device MiB", "peak RSS MiB"], rows) + "\n")
     out.append("## Peak RSS per mode\n")
-    out.append(md_table(["mode", "after model load + warm-up MiB", "peak MiB", "peak above model MiB"],
+    out.append(md_table(["mode", "after model load + warm-up MiB", "peak MiB", "peak above model MiB",
+                         "torch threads", "load average at start / end (1 min)"],
                         [[m["label"], _mib(m["rss"]["model_bytes"]), _mib(m["rss"]["peak_bytes"]),
-                          _mib(m["rss"]["peak_above_model_bytes"])] for m in r["per_mode"]]) + "\n")
+                          _mib(m["rss"]["peak_above_model_bytes"]), m.get("torch_threads", "-"), _load(m)]
+                         for m in r["per_mode"]]) + "\n")
+    out.append("Other work on the machine (load average above the cores in use) slows every number it overlaps.\n")
     out.append("## Targets\n")
     out.append(md_targets(r["targets"]) + "\n")
     return "\n".join(out)

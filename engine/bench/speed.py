@@ -132,6 +132,14 @@ def time_hf(model, prompts: list[list[int]], steps: int) -> dict:
             "device_bytes": device_bytes, "host_bytes": 0, "cache_class": type(cache).__name__}
 
 
+def _load_average() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine skews every timing."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def peak_rss_bytes() -> int:
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(ru if sys.platform == "darwin" else ru * 1024)
@@ -191,12 +199,14 @@ def worker_main(spec_path: str, out_path: str) -> int:
     lm = load_model(job["model"], device=job["device"], dtype=job["dtype"])
     corpus = job["corpus"]
     say = lambda m: print(PROGRESS + m, file=sys.stderr, flush=True)  # noqa: E731
+    load_start = _load_average()
     warm_up(lm.model, spec, corpus)
     model_rss = current_rss_bytes()
     configs = measure_mode(lm.model, spec, corpus, job["lengths"], job["batches"], job["tokens"], job["repeats"],
                            job["warmup"], say)
     peak = peak_rss_bytes()
-    result = {"configs": configs, "torch_threads": torch.get_num_threads(), "rss": {"model_bytes": model_rss, "peak_bytes": peak,
+    result = {"configs": configs, "torch_threads": torch.get_num_threads(),
+              "load_average": {"start": load_start, "end": _load_average()}, "rss": {"model_bytes": model_rss, "peak_bytes": peak,
                                           "peak_above_model_bytes": peak - model_rss if model_rss else None,
                                           "isolated": True}}
     Path(out_path).write_text(json.dumps(result))
@@ -262,11 +272,13 @@ def run_speed(lm, model_spec: str | None, texts, modes: Sequence[ModeSpec], leng
                     measured = item
         else:
             lines: list[str] = []
+            load_start = _load_average()
             warm_up(lm.model, spec, corpus)
             configs = measure_mode(lm.model, spec, corpus, lengths, batches, tokens, repeats, warmup, lines.append)
             for line in lines:
                 yield BenchProgress(line, i, len(modes))
-            measured = {"configs": configs, "rss": {"model_bytes": None, "peak_bytes": None,
+            measured = {"configs": configs, "torch_threads": torch.get_num_threads(),
+                        "load_average": {"start": load_start, "end": _load_average()}, "rss": {"model_bytes": None, "peak_bytes": None,
                                                     "peak_above_model_bytes": None, "isolated": False}}
         per_mode.append({"label": spec.label, "mode": spec.mode, **measured,
                          "seconds": round(time.perf_counter() - t0, 2)})
