@@ -4,6 +4,7 @@ exactly (full against itself, specache with k >= context against full)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -224,6 +225,9 @@ def test_write_atomic_and_png(tmp_path):
     path = write_atomic(tmp_path / "sub" / "a.json", "{}")
     write_atomic(path, b"[]")
     assert path.read_text() == "[]" and [p.name for p in path.parent.iterdir()] == ["a.json"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
     png = heatmap_png([("a", [[0.0, 0.5], [1.0, None]])], ["r0", "r1"], ["c0", "c1"])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])

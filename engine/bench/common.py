@@ -184,6 +184,7 @@ def write_atomic(path: Path, data: str | bytes) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual mode
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -192,6 +193,12 @@ def write_atomic(path: Path, data: str | bytes) -> Path:
             pass
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def default_doc(name: str) -> str:
