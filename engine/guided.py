@@ -267,19 +267,26 @@ class GuidedLayer:
         if span <= self.sinks:
             self.fvalid[rows] = False
             return
-        cand = torch.full((b, h, span + n_res), -1.0, device=p.device)  # absolute positions (+ spill)
-        cand[..., : min(nq, span)] = p[..., : min(nq, span)]
-        cand.scatter_(-1, rpos[:, None, :].expand(-1, h, -1), p[..., nq + 1 :])
+        if bool((next_q > qend).any()):  # a group leaves the residual window: its positions become candidates
+            cand = torch.full((b, h, span + n_res), -1.0, device=p.device)  # absolute positions (+ spill)
+            cand[..., : min(nq, span)] = p[..., : min(nq, span)]
+            cand.scatter_(-1, rpos[:, None, :].expand(-1, h, -1), p[..., nq + 1 :])
+        else:  # the usual step: the candidates are the guide region itself
+            cand = p[..., :span]
         pos = torch.arange(cand.shape[-1], device=p.device)
         out_of_guide = (pos[None, :] >= next_q[:, None]) | (pos[None, :] < self.sinks)  # [b, L]
-        cand.masked_fill_(out_of_guide[:, None, :], -1.0)
+        cand = cand.masked_fill(out_of_guide[:, None, :], -1.0)
         n = min(self.topk, span)
-        top, idx = cand.topk(n, dim=-1)  # [b, H_kv, n]
+        top, idx = cand.topk(n, dim=-1, sorted=False)  # [b, H_kv, n]
         valid = top >= 0
-        self.fidx[rows, :, :n] = idx
-        self.fvalid[rows] = False
-        self.fvalid[rows, :, :n] = valid
-        self.store.prefetch(rows, idx.clamp(max=self.store.k.shape[2] - 1))
+        idx = idx.masked_fill(~valid, 0)  # unused slots fetch position 0 (ignored)
+        if n < self.topk:  # pad to the buffer's k so the fetch always fills whole rows
+            pad = self.topk - n
+            idx = torch.cat([idx, idx.new_zeros(b, h, pad)], dim=-1)
+            valid = torch.cat([valid, valid.new_zeros(b, h, pad)], dim=-1)
+        self.fidx[rows] = idx
+        self.fvalid[rows] = valid
+        self.store.prefetch(rows, idx)
 
     # ---- accounting ----------------------------------------------------------------------
     def device_bytes(self, lengths: torch.Tensor) -> int:

@@ -164,15 +164,43 @@ def load_model(
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
-    model.to(dev).eval()
+    prepare_model(model.to(dev))
     config = json.loads((path / "config.json").read_text())
     max_context = int(config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 4096))
     return LoadedModel(model, tokenizer, name, path, fingerprint(path), max_context, time.perf_counter() - start)
 
 
+class SkinnyLinear(torch.nn.Linear):
+    """nn.Linear that computes W @ x^T for a few rows of input (decode steps) on the CPU.
+
+    For 1-8 rows the CPU BLAS's x @ W^T path packs the weight matrix, so two rows (a
+    speculative decode step) cost about twice one; W @ x^T streams the weights once. Prefill
+    chunks (many rows) keep the ordinary path. Same result up to float rounding order."""
+
+    SKINNY_ROWS = 8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > self.SKINNY_ROWS or x.device.type != "cpu":
+            return super().forward(x)
+        y = (self.weight @ x.reshape(rows, -1).T).T
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def use_skinny_linears(model: torch.nn.Module) -> None:
+    """Make every plain nn.Linear of the model a SkinnyLinear (same parameters, new forward)."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = SkinnyLinear
+
+
 def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Switch an already built model (e.g. a test's random one) to the engine's attention function."""
+    """Switch an already built model (e.g. a test's random one) to the engine's attention function
+    and, on the CPU, to linears that are fast for decode steps."""
     import engine.attention  # noqa: F401
 
     model.set_attn_implementation(ATTENTION_NAME)
+    use_skinny_linears(model)
     return model.eval()

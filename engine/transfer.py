@@ -64,9 +64,8 @@ class HostStore:
         """Start fetching the exact K/V at idx [b, H_kv, k] (positions) into the device fetched set."""
         n = idx.shape[-1]
         if not self.cuda:
-            gidx = idx[..., None].expand(-1, -1, -1, self.k.shape[-1])  # [b, H_kv, k, D]
-            torch.gather(self.k[rows], 2, gidx, out=self.fk[rows, :, :n])
-            torch.gather(self.v[rows], 2, gidx, out=self.fv[rows, :, :n])
+            gather_rows(self.k[rows], idx, self.fk[rows, :, :n])
+            gather_rows(self.v[rows], idx, self.fv[rows, :, :n])
             return
         self.wait_issued()  # the previous prefetch of this layer is issued (its buffers are ours again)
         self.idx_host[rows, :, :n].copy_(idx, non_blocking=True)
@@ -79,9 +78,9 @@ class HostStore:
         """Worker thread: gather the selected rows on the CPU, copy them to the device on the side stream."""
         try:
             self.idx_ready.synchronize()
-            gidx = self.idx_host[rows, :, :n, None].expand(-1, -1, -1, self.k.shape[-1])
-            torch.gather(self.k[rows], 2, gidx, out=self.stage_k[rows, :, :n])
-            torch.gather(self.v[rows], 2, gidx, out=self.stage_v[rows, :, :n])
+            idx = self.idx_host[rows, :, :n]
+            gather_rows(self.k[rows], idx, self.stage_k[rows, :, :n])
+            gather_rows(self.v[rows], idx, self.stage_v[rows, :, :n])
             with torch.cuda.stream(self.stream):
                 self.fk[rows, :, :n].copy_(self.stage_k[rows, :, :n], non_blocking=True)
                 self.fv[rows, :, :n].copy_(self.stage_v[rows, :, :n], non_blocking=True)
@@ -106,6 +105,18 @@ class HostStore:
     def host_bytes(self, tokens: int) -> int:
         """Bytes of exact K and V held for `tokens` tokens of this layer."""
         return 2 * tokens * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+    """out[b, h, j] = src[b, h, idx[b, h, j]]: whole D-vectors, copied as rows (index_select) rather
+    than element by element (gather). src [b, H_kv, L, D], idx [b, H_kv, k], out [b, H_kv, k, D]."""
+    b, h, length, d = src.shape
+    base = torch.arange(b * h, device=idx.device).view(b, h, 1) * length
+    flat = (idx + base).reshape(-1)
+    if src.is_contiguous() and out.is_contiguous():
+        torch.index_select(src.view(-1, d), 0, flat, out=out.view(-1, d))
+    else:
+        out.copy_(src.reshape(-1, d).index_select(0, flat).view(out.shape))
 
 
 class PrefetchWorker:
