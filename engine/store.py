@@ -42,6 +42,7 @@ SUFFIX = ".safetensors"
 PART_PREFIX = ".part-"
 STALE_PART_SECONDS = 3600  # a .part file this old whose writer is gone is debris from a killed write
 DEFAULT_MAX_GB = 20.0
+LOCK_TIMEOUT = 300.0  # seconds; the lock is only held to publish, evict or delete, never while computing
 ENV_MAX_GB = "SPECACHE_CACHE_MAX_GB"
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -129,7 +130,7 @@ class KVStore:
 
     def lock(self) -> FileLock:
         self.root.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.root / ".lock"))
+        return FileLock(str(self.root / ".lock"), timeout=LOCK_TIMEOUT)  # filelock.Timeout is an OSError
 
     # ---- reading -------------------------------------------------------------------------
     def load(self, key: str, ids: Sequence[int]) -> Loaded | None:
@@ -156,7 +157,10 @@ class KVStore:
                 raise EntryError("the stored token ids differ from the document's")
         except EntryError as exc:
             self.warn(f"store entry {key[:12]} is corrupt ({exc}); deleted, rebuilding it")
-            self._discard(path, st)
+            try:
+                self._discard(path, st)
+            except OSError as err:  # e.g. a read-only store: the entry stays unused all the same
+                self.warn(f"could not delete store entry {key[:12]} ({err})")
             return None
         try:
             os.utime(path)  # least recently used = oldest mtime
@@ -167,8 +171,11 @@ class KVStore:
     def discard(self, key: str, reason: str) -> None:
         """Delete an entry found unusable by its reader (reported on stderr through warn)."""
         self.warn(f"store entry {key[:12]} is unusable ({reason}); deleted, rebuilding it")
-        with self.lock():
-            self.path(key).unlink(missing_ok=True)
+        try:
+            with self.lock():
+                self.path(key).unlink(missing_ok=True)
+        except OSError as err:
+            self.warn(f"could not delete store entry {key[:12]} ({err})")
 
     def _discard(self, path: Path, seen: os.stat_result) -> None:
         """Delete a bad entry, unless a writer has replaced it with a new file meanwhile."""

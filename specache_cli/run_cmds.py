@@ -159,14 +159,10 @@ def done_sources(path: str) -> set[str]:
     return done
 
 
-def same_source(source: str, done: set[str]) -> bool:
-    """Whether a file was done: the same string, or the same file by path (not for stdin)."""
-    if source == "-":
-        return False
-    if source in done:
-        return True
-    real = os.path.realpath(source)
-    return any(d != "-" and os.path.realpath(d) == real for d in done)
+def not_done(files: list[str], done: set[str]) -> list[str]:
+    """The files without a successful line: compared as given, then as real paths (stdin never is done)."""
+    real = {os.path.realpath(d) for d in done if d != "-"}
+    return [f for f in files if f == "-" or (f not in done and os.path.realpath(f) not in real)]
 
 
 def read_questions(path: str) -> list[str]:
@@ -208,7 +204,7 @@ def summarize_cmd(
         if not jsonl:
             raise BadArgument("--resume needs --jsonl (it reads an earlier run's --jsonl output)")
         done = done_sources(resume)
-        todo = [f for f in files if not same_source(f, done)]
+        todo = not_done(files, done)
         session.status(f"--resume: skipping {len(files) - len(todo)} of {len(files)} files already done in {resume}")
         files = todo
         if not files:

@@ -456,3 +456,22 @@ def test_batch_job_with_a_broken_file_then_resume(invoke, tmp_path):
     missing = invoke("summarize", files[2], "--max-tokens", "3", "--jsonl", "--resume", str(tmp_path / "new.jsonl"))
     assert missing.exit_code == 0 and [o["source"] for o in lines(missing)] == [files[2]]
     assert invoke("summarize", *files, "--json", "--resume", str(out)).exit_code == 2  # --resume needs --jsonl
+
+
+@pytest.mark.slow
+def test_real_model_second_ask_loads_the_document(embedded_dir, own_cache_dir):
+    """The embedded model on a real document: the second ask loads the stored prefix, answers the
+    same, and its prefill is a fraction of the cold one."""
+    from specache_cli.app import app
+
+    runner = CliRunner()
+    args = ["ask", "--model", str(embedded_dir), "--doc", str(DATA / "sample.txt"), "--max-tokens", "12", "--json",
+            "--quiet", "--cache", "specache", "What is the book about?"]
+    cold = runner.invoke(app, args, catch_exceptions=False)
+    warm = runner.invoke(app, args, catch_exceptions=False)
+    assert cold.exit_code == 0 and warm.exit_code == 0, (cold.stderr, warm.stderr)
+    a, b = json.loads(cold.stdout), json.loads(warm.stdout)
+    assert a["store"]["hit"] is False and b["store"]["hit"] is True
+    assert b["text"] == a["text"] and b["generated_tokens"] == a["generated_tokens"]
+    assert b["prefill_seconds"] < a["prefill_seconds"] / 3
+    assert (own_cache_dir / "kv" / f"{a['store']['key']}.safetensors").stat().st_size == a["store"]["bytes"]
