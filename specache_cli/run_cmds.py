@@ -15,7 +15,7 @@ from engine.pipeline import STRATEGIES, Runner, ask_many, summarize_many
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
 
-DEFAULT_CACHE = "full"
+DEFAULT_CACHE = "specache"
 
 
 def parse_batch(batch: str) -> int | None:

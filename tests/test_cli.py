@@ -22,7 +22,7 @@ def cli(tiny_model_dir):
 
     def invoke(*args, input=None):
         return runner.invoke(app, [*args], input=input, catch_exceptions=False) if args[0] in ("--help",) else \
-            runner.invoke(app, [args[0], "--model", str(tiny_model_dir), "--quiet", *args[1:]], input=input,
+            runner.invoke(app, [args[0], "--model", str(tiny_model_dir), "--quiet", "--no-store", *args[1:]], input=input,
                           catch_exceptions=False)
 
     return invoke

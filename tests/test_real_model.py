@@ -44,7 +44,7 @@ def test_embedded_model_loads_fast_once_converted(lm):
 
 def test_summarize_real_pdf_cli():
     r = CliRunner().invoke(app, ["summarize", str(EXAMPLES / "report.pdf"), "--max-tokens", "48", "--json",
-                                 "--quiet"])
+                                 "--quiet", "--no-store"])
     assert r.exit_code == 0, r.stderr
     obj = json.loads(r.stdout)
     assert obj["strategy"] == "single" and obj["prompt_tokens"] > 6000
@@ -81,7 +81,7 @@ def test_specache_with_k_at_least_context_equals_dynamic_cache_on_real_text(lm, 
 
 def test_long_pdf_is_summarized_by_map_reduce():
     r = CliRunner().invoke(app, ["summarize", str(EXAMPLES / "long-report.pdf"), "--max-tokens", "32", "--json",
-                                 "--quiet"])
+                                 "--quiet", "--no-store"])
     assert r.exit_code == 0, r.stderr
     obj = json.loads(r.stdout)
     assert obj["strategy"] == "map-reduce"
