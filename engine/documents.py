@@ -172,8 +172,36 @@ def _load_pdf(data: bytes, source: str, password: str | None, on_page: OnPage | 
             f"{source}: no extractable text in {count} page(s); it looks scanned or image-only, "
             "run OCR on it first (e.g. ocrmypdf)"
         )
-    text = PAGE_SEPARATOR.join(t for t in texts if t.strip())
+    text = PAGE_SEPARATOR.join(t for t in strip_running_lines(texts) if t.strip())
     return Document(source=source, text=text, pages=count, kind="pdf")
+
+
+def _line_shape(line: str) -> str:
+    """A line with its numbers blanked: "Report - page 4 of 14" and "... page 5 of 14" look alike."""
+    return re.sub(r"\d+", "#", line.strip().lower())
+
+
+def strip_running_lines(pages: list[str], edge: int = 2, share: float = 0.5) -> list[str]:
+    """Drop running headers and footers: among the first and last `edge` lines of each page, those
+    whose shape (numbers blanked) recurs on more than `share` of the pages (3 pages at least).
+    A model summarizing the text otherwise reads "page 4 of 14" as content."""
+    if len(pages) < 3:
+        return pages
+    edges = [lines[:edge] + lines[-edge:] for lines in (p.split("\n") for p in pages)]
+    counts: dict[str, int] = {}
+    for lines in edges:
+        for shape in {_line_shape(x) for x in lines if x.strip()}:
+            counts[shape] = counts.get(shape, 0) + 1
+    running = {shape for shape, n in counts.items() if n > share * len(pages) and n >= 3}
+    if not running:
+        return pages
+    out = []
+    for page in pages:
+        lines = page.split("\n")
+        keep = [i for i, x in enumerate(lines)
+                if not ((i < edge or i >= len(lines) - edge) and _line_shape(x) in running)]
+        out.append("\n".join(lines[i] for i in keep))
+    return out
 
 
 def _open_pdf(data: bytes, source: str, password: str | None) -> PdfReader:

@@ -239,3 +239,14 @@ def test_corpus_reads_stdin_once_only() -> None:
 )
 def test_normalise_pdf_text(raw: str, clean: str) -> None:
     assert normalise_pdf_text(raw) == clean
+
+
+def test_running_headers_and_footers_are_dropped():
+    from engine.documents import load_document, strip_running_lines
+
+    text = load_document(str(ROOT / "examples" / "report.pdf")).text
+    assert "The Federalist Papers - page" not in text  # the fixture's footer on every page
+    pages = ["Title\nbody one\nReport - page 1 of 3", "body two\nmore\nReport - page 2 of 3",
+             "body three\nReport - page 3 of 3"]
+    assert strip_running_lines(pages) == ["Title\nbody one", "body two\nmore", "body three"]
+    assert strip_running_lines(pages[:2]) == pages[:2]  # too few pages to tell
