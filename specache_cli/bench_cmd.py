@@ -258,5 +258,46 @@ def _print_targets(targets: list[dict]) -> None:
     _print(table)
 
 
+# ---- store -------------------------------------------------------------------------------
+
+@bench_app.command("store")
+@guarded
+def store_cmd(
+    model: Optional[str] = MODEL, out: Path = OUT, json_out: bool = JSON, device: str = DEVICE,
+    quiet: bool = QUIET, threads: Optional[int] = THREADS,
+    doc: str = typer.Option("", "--doc", "-d", help="Document (default: examples/report.pdf)."),
+    modes: str = typer.Option("full,specache", help="Comma-separated cache modes."),
+    max_tokens: int = typer.Option(8, "--max-tokens", help="Answer tokens per ask."),
+) -> None:
+    """Time to first token of an ask on a stored document against a cold one; on-disk bytes per token."""
+    from engine.bench.store import run_store_bench
+    from engine.documents import load_document
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    if not mode_list or any(m not in ("full", "specache", "kivi", "window") for m in mode_list):
+        raise BadArgument(f"--modes must list cache modes (full, specache, kivi, window), not {modes!r}")
+    document = load_document(doc or str(default_doc("report.pdf")))
+    lm = _load_model(model, device, quiet, threads)
+    result = run_store_bench(lm, document, mode_list, max_tokens)
+    lines = [f"# Document store: time to first token\n\n- model: {result['model']} ({result['dtype']} on "
+             f"{result['device']})\n- document: {result['document']} ({result['document_tokens']} tokens)\n",
+             "| mode | cold TTFT s | hit TTFT s | cold / hit | bytes per token | vs fp16 | hit answer = cold |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, r in result["modes"].items():
+        lines.append(f"| {mode} | {r['cold_ttft_s']} | {r['hit_ttft_s']} | {r['cold_over_hit']} | "
+                     f"{r['bytes_per_token']} | {r['vs_fp16']} | {r['same_answer_as_cold']} |")
+    _save(out, "store", result, "\n".join(lines) + "\n", quiet)
+    if json_out:
+        emit_json(result, lines=False)
+        return
+    table = Table(title="document store (time to first token)", title_justify="left")
+    for col in ("mode", "cold s", "hit s", "cold / hit", "B/token", "vs fp16"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, r in result["modes"].items():
+        table.add_row(mode, fmt(r["cold_ttft_s"], 2), fmt(r["hit_ttft_s"], 3), fmt(r["cold_over_hit"], 1),
+                      fmt(r["bytes_per_token"], 0), fmt(r["vs_fp16"], 2))
+    _print(table)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

@@ -237,3 +237,22 @@ def test_write_atomic_and_png(tmp_path):
     raw = png_bytes([bytearray(b"\x01\x02\x03" * 2)] * 3, 2, 3)
     idat = raw[raw.index(b"IDAT") + 4: raw.index(b"IEND") - 8]
     assert zlib.decompress(idat) == (b"\x00" + b"\x01\x02\x03" * 2) * 3
+
+
+def test_bench_store_reports_the_entry_and_the_same_answer(tiny_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from specache_cli.app import app as cli_app
+
+    data = Path(__file__).parent / "data" / "sample.txt"
+    r = CliRunner().invoke(cli_app, ["bench", "store", "--model", str(tiny_model_dir), "--doc", str(data),
+                                     "--modes", "full,specache", "--out", str(tmp_path), "--json", "--quiet"])
+    assert r.exit_code == 0, r.stderr
+    result = json.loads(r.stdout)
+    for mode in ("full", "specache"):
+        row = result["modes"][mode]
+        assert row["same_answer_as_cold"] is True
+        assert row["entry_tokens"] > 100 and row["bytes_per_token"] > 0
+    assert (tmp_path / "store.json").exists() and (tmp_path / "store.md").exists()
+    bad = CliRunner().invoke(cli_app, ["bench", "store", "--modes", "nope", "--quiet"])
+    assert bad.exit_code == 2
