@@ -174,11 +174,7 @@ class Runner:
                         shown = text
             elif isinstance(event, Finished):
                 for row, result in enumerate(results):
-                    result.add(event, row)
-                hits = {info["key"] for info in event.store if info and info["hit"]}
-                if hits:
-                    yield Status(f"document KV loaded from the store ({len(hits)} entr{'y' if len(hits) == 1 else 'ies'})"
-                                 f"; prefill {event.prefill_seconds:.2f} s")
+                    result.add(event, row)  # a store hit shows in the timing line and in --json "store"
         texts = [self.lm.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
         if stream and len(texts[0]) > len(shown):
             yield TextDelta(texts[0][len(shown):])

@@ -51,9 +51,12 @@ def print_timings(result: Result) -> None:
     """One stderr line of timings and cache sizes."""
     c = result.cache
     ms = 1000 * result.decode_seconds / result.generated_tokens if result.generated_tokens else 0.0
-    pre = result.prompt_tokens / result.prefill_seconds if result.prefill_seconds else 0.0
-    line = (f"[dim]{result.strategy}: prefill {result.prompt_tokens} tokens in {result.prefill_seconds:.1f} s "
-            f"({pre:.0f} tok/s) · decode {result.generated_tokens} tokens in {result.decode_seconds:.1f} s "
+    if result.store and result.store.get("hit"):  # the document came from the store: no prefill rate to show
+        prefill = f"prompt {result.prompt_tokens} tokens (document loaded from the store) in {result.prefill_seconds:.1f} s"
+    else:
+        pre = result.prompt_tokens / result.prefill_seconds if result.prefill_seconds else 0.0
+        prefill = f"prefill {result.prompt_tokens} tokens in {result.prefill_seconds:.1f} s ({pre:.0f} tok/s)"
+    line = (f"[dim]{result.strategy}: {prefill} · decode {result.generated_tokens} tokens in {result.decode_seconds:.1f} s "
             f"({ms:.1f} ms/token)")
     if c:
         line += (f" · cache {c.get('mode')}: device {c.get('device_bytes', 0) / 2**20:.1f} MiB, "
