@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from engine import quant
+from engine.kvcache import import_tensors
 
 
 class Guide:
@@ -46,16 +47,7 @@ class Guide:
 
     def import_row(self, row: int, n: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
         """Make row `row`'s guide hold an export_row() of n tokens (check: only validate)."""
-        views = self.export_row(row, n)
-        if set(tensors) != set(views):
-            raise ValueError(f"guide tensors: expected {sorted(views)}, got {sorted(tensors)}")
-        for name, dst in views.items():
-            src = tensors.get(name)
-            if src is None or src.shape != dst.shape or src.dtype != dst.dtype:
-                raise ValueError(f"guide tensor {name}: expected {tuple(dst.shape)} {dst.dtype}, got "
-                                 f"{None if src is None else (tuple(src.shape), src.dtype)}")
-            if not check:
-                dst.copy_(src)
+        import_tensors(self.export_row(row, n), tensors, check, strict=True)
 
     def scores(self, q: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
         """q [b, H_kv, Q, D] against the first n quantized keys of rows -> [b, H_kv, Q, n] (unscaled)."""
