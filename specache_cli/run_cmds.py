@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.errors import BadArgument, BatchFailures, InputNotFound, SpecacheError
+from engine.errors import BadArgument, BatchFailures, EmptyDocument, InputNotFound, SpecacheError
 from engine.pipeline import STRATEGIES, Runner, ask_many, summarize_many
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
@@ -213,9 +213,7 @@ def summarize_cmd(
     for i, source in enumerate(files):
         try:
             doc = read_document(source, password, quiet)
-            if not doc.text.strip():
-                from engine.errors import EmptyDocument
-
+            if not doc.text.strip():  # checked here so the file gets its own error line in a batch
                 raise EmptyDocument(f"{source}: the document is empty")
             docs.append((i, doc))
         except SpecacheError as exc:
