@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig
+from engine.fused import FusedDecode, fused_applies
 from engine.kvcache import ModelShape, Step, grouped_query, ungroup_output
 from engine.transfer import HostStore
 
@@ -67,6 +68,7 @@ class GuidedLayer:
         self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
         self.hits = self.hit_total = 0  # prefetch hit counts (config.measure_hits)
+        self.fused = None  # engine.fused.FusedDecode, built on the first decode pass it applies to
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
@@ -106,6 +108,7 @@ class GuidedLayer:
         for t in (self.sink_k, self.sink_v, self.res_k, self.res_v, self.qend, self.fidx, self.fvalid):
             t[dst] = t[src]
         if self.store is not None:
+            self.store.fk[dst], self.store.fv[dst] = self.store.fk[src], self.store.fv[src]
             self.store.k[dst, :, :length] = self.store.k[src, :, :length]
             self.store.v[dst, :, :length] = self.store.v[src, :, :length]
         if self.guide is not None:
@@ -184,6 +187,9 @@ class GuidedLayer:
         rows, t = step.rows, step.n_new
         b, h, g = q.shape[0], self.shape.kv_heads, self.shape.group
         qg = grouped_query(q, h)  # [b, H_kv, G*T, D]
+        if fused_applies(self, q):  # one native call does all of the below on the CPU
+            self.fused = self.fused or FusedDecode(self)
+            return ungroup_output(self.fused(qg, scaling, step).to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
         nq = int(qend.max()) if self.use_guide else 0
         dev = q.device

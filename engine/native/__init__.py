@@ -1,7 +1,8 @@
-"""Native CPU guide kernels (``guide_kernels.c``), compiled once per machine and loaded with ctypes.
+"""Native CPU kernels, compiled once per machine and loaded with ctypes: the guide kernels
+(``guide_kernels.c``) and the decode-step linear (``linear_kernels.c``).
 
-The C source is compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``)
-into ``cache_root()/native/guide-<hash>.so``, the hash covering the source, the compiler
+The C sources are compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``)
+into one ``cache_root()/native/guide-<hash>.so``, the hash covering the sources, the compiler
 and its flags and the machine (``-march=native``), written atomically (temporary file,
 then ``os.replace``), so concurrent first uses are safe. It is built lazily on the first
 call of ``native_available()`` / ``lib()`` (``python -m engine.native`` builds it ahead
@@ -27,8 +28,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("guide_kernels.c")
-ABI_VERSION = 2
+SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"))
+ABI_VERSION = 3
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_THREADS = "SPECACHE_NATIVE_THREADS"
@@ -43,6 +44,24 @@ _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 # (ptr, sb, sh, sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, out, B, H, Q, D, n, g, bits, threads)
 _KERNEL_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P] + [_I64] * 8
+# (x, x_stride, rows, weight, N, K, bias, y, y_stride, threads)
+_LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64]
+
+
+class DecodeArgs(ctypes.Structure):
+    """Mirror of the C struct DecodeArgs (guide_kernels.c, fused decode attention)."""
+
+    _fields_ = ([(n, _I64) for n in ("B", "H", "G", "T", "D", "S", "K", "bits", "g", "gv", "row0", "select", "keep",
+                                     "residual", "nthreads")]
+                + [("scaling", ctypes.c_float), ("q", _P), ("q_sb", _I64), ("q_sh", _I64), ("start", _P), ("qend", _P),
+                   ("sink_k", _P), ("sink_v", _P), ("sk_sb", _I64), ("sk_sh", _I64),
+                   ("res_k", _P), ("res_v", _P), ("rk_sb", _I64), ("rk_sh", _I64),
+                   ("fk", _P), ("fv", _P), ("fk_sb", _I64), ("fk_sh", _I64),
+                   ("fidx", _P), ("fvalid", _P), ("fi_sb", _I64), ("fi_sh", _I64),
+                   ("store_k", _P), ("store_v", _P), ("st_sb", _I64), ("st_sh", _I64),
+                   ("kc", _P), ("kc_sb", _I64), ("kc_sh", _I64), ("ks", _P), ("kz", _P), ("ks_sb", _I64), ("ks_sh", _I64),
+                   ("vc", _P), ("vc_sb", _I64), ("vc_sh", _I64), ("vs", _P), ("vz", _P), ("vs_sb", _I64), ("vs_sh", _I64),
+                   ("out", _P)])
 
 
 def disabled() -> bool:
@@ -105,7 +124,7 @@ def library_path(cc: str | None = None) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install cc/gcc/clang)")
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), cc.encode(), _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in SOURCES), cc.encode(), _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
                  _machine_id().encode()):
         h.update(part)
         h.update(b"\0")
@@ -133,7 +152,7 @@ def build(force: bool = False) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            res = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=300)
             if res.returncode == 0:
                 os.replace(tmp, path)
                 return path
@@ -154,6 +173,10 @@ def _load(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = _KERNEL_ARGS
         fn.restype = ctypes.c_int
+    lib.specache_decode_attention.argtypes = [ctypes.POINTER(DecodeArgs)]
+    lib.specache_decode_attention.restype = ctypes.c_int
+    lib.specache_skinny_linear.argtypes = _LINEAR_ARGS
+    lib.specache_skinny_linear.restype = ctypes.c_int
     return lib
 
 

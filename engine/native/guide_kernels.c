@@ -53,7 +53,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 2; }
+EXPORT int specache_guide_abi_version(void) { return 3; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -598,5 +598,327 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
         }
     }
     free(parts);
+    return failed ? -1 : 0;
+}
+
+/* ------------------------------------------------------- fused decode attention */
+
+/* One decode pass of one layer (engine/guided.py GuidedLayer.attend_decode, same semantics):
+ * per cache row b and KV head h, the Q = G*T grouped queries (query i is query head i / T of
+ * the group, new token i % T) attend to
+ *   [0, n)          n = qend[b]: guide scores, replaced by exact ones at the sinks
+ *                   (positions < min(S, n)) and at the valid fetched positions fidx;
+ *   [n, n + nres)   the residual window (exact), causal: position n + j is seen by new token
+ *                   t iff n + j <= start[b] + t;
+ * one softmax; output = exact values at sinks, fetched and residual positions + the guide's
+ * values weighted by the remaining probabilities. With select >= 0, the probabilities of new
+ * token `select`, summed over the G query heads, choose the top-k positions in [S, next_q)
+ * (next_q: the quantized boundary after this pass), which become the new fidx / fvalid, and
+ * their exact K/V are copied from the host store into the fetched buffers fk / fv.
+ * Arrays indexed by cache row use row0 + b; q, out, start use b. All strides in elements. */
+typedef struct {
+    int64_t B, H, G, T, D, S, K, bits, g, gv, row0, select, keep, residual, nthreads;
+    float scaling;
+    const float *q; /* [B, H, G*T, D]: (b, h, i, d) at b*q_sb + h*q_sh + i*D + d */
+    int64_t q_sb, q_sh;
+    const int64_t *start, *qend; /* start [B] (q rows); qend [rows] (cache rows, row0 + b) */
+    const float *sink_k, *sink_v; /* [rows, H, >= S, D] */
+    int64_t sk_sb, sk_sh;
+    const float *res_k, *res_v; /* [rows, H, W, D] */
+    int64_t rk_sb, rk_sh;
+    float *fk, *fv; /* fetched exact K/V [rows, H, K, D] */
+    int64_t fk_sb, fk_sh;
+    int64_t *fidx; /* [rows, H, K] */
+    uint8_t *fvalid;
+    int64_t fi_sb, fi_sh;
+    const float *store_k, *store_v; /* host store [rows, H, L, D] */
+    int64_t st_sb, st_sh;
+    const uint8_t *kc; /* guide keys / values: layouts of specache_guide_scores / _weighted_values */
+    int64_t kc_sb, kc_sh;
+    const uint16_t *ks, *kz;
+    int64_t ks_sb, ks_sh;
+    const uint8_t *vc;
+    int64_t vc_sb, vc_sh;
+    const uint16_t *vs, *vz;
+    int64_t vs_sb, vs_sh;
+    float *out; /* [B, H, G*T, D] contiguous */
+} DecodeArgs;
+
+/* row[l] = exp(row[l] - m) for l < L, returning the sum: exp as 2^n * p(r), x = n ln2 + r,
+ * |r| <= ln2/2, degree-6 polynomial (relative error ~2e-7); x below -87 (and -inf) gives 0.
+ * Written as a plain loop without calls, which the compiler vectorises. */
+static void exp_shifted(float *row, int64_t L, float m) {
+    for (int64_t l = 0; l < L; l++) {
+        float x = row[l] - m;
+        const int flush = !(x >= -87.0f); /* also NaN-safe for -inf - (-inf) */
+        x = flush ? -87.0f : x;
+        const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+        const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * r * r + r + 1.0f;
+        const int32_t e = ((int32_t)n + 127) << 23;
+        float sc;
+        memcpy(&sc, &e, sizeof sc);
+        row[l] = flush ? 0.0f : p * sc;
+    }
+}
+
+/* Sum (op 0) or maximum (op 1) of x[0, L), with 16 independent lanes (vectorised). */
+static float reduce16(const float *x, int64_t L, int op) {
+    float acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = op ? -__builtin_inff() : 0.0f;
+    int64_t l = 0;
+    for (; l + 16 <= L; l += 16)
+        for (int i = 0; i < 16; i++) acc[i] = op ? (x[l + i] > acc[i] ? x[l + i] : acc[i]) : acc[i] + x[l + i];
+    for (; l < L; l++) acc[0] = op ? (x[l] > acc[0] ? x[l] : acc[0]) : acc[0] + x[l];
+    float r = acc[0];
+    for (int i = 1; i < 16; i++) r = op ? (acc[i] > r ? acc[i] : r) : r + acc[i];
+    return r;
+}
+
+/* softmax of row[0, L) in place (entries may be -inf; at least one is finite). */
+static void softmax_row(float *row, int64_t L) {
+    exp_shifted(row, L, reduce16(row, L, 1));
+    const float inv = 1.0f / reduce16(row, L, 0);
+    for (int64_t l = 0; l < L; l++) row[l] *= inv;
+}
+
+INLINE float dot(const float *a, const float *b, int64_t D) { /* D % 8 == 0 */
+    float acc[8] = {0};
+    for (int64_t d = 0; d < D; d += 8)
+        for (int i = 0; i < 8; i++) acc[i] += a[d + i] * b[d + i];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+INLINE void axpy(float *y, float a, const float *x, int64_t D) {
+    for (int64_t d = 0; d < D; d++) y[d] += a * x[d];
+}
+
+/* Indices (into val) of the k largest of val[0, m) (k < m, every val >= 0) written to idx
+ * (in no particular order; ties at the threshold go to the lowest positions). Radix select
+ * on the float bits, which order non-negative floats: a histogram of the top 11 bits finds
+ * the bin of the k-th largest; one more pass takes every element above that bin and moves
+ * the bin's elements (usually few) to `spill`, where 11 + 10 more bits find the exact k-th
+ * largest. Two branch-light passes over the data, much faster than a quickselect's
+ * data-dependent branches. hist: 2048 ints; spill: m uint32 + m int32. */
+static void top_k(const float *val, int64_t m, int64_t k, int32_t *idx, int32_t *hist, uint32_t *spill_u,
+                  int32_t *spill_i) {
+    const uint32_t *u = (const uint32_t *)val; /* may alias a float array: only read */
+    memset(hist, 0, 2048 * sizeof(int32_t));
+    for (int64_t l = 0; l < m; l++) hist[u[l] >> 21]++;
+    int64_t need = k;
+    uint32_t bin = 2047;
+    for (; bin > 0 && hist[bin] < need; bin--) need -= hist[bin];
+    int64_t c = 0, ns = 0;
+    for (int64_t l = 0; l < m; l++) {
+        const uint32_t top = u[l] >> 21;
+        if (top > bin) idx[c++] = (int32_t)l;
+        else if (top == bin) {
+            spill_u[ns] = u[l];
+            spill_i[ns++] = (int32_t)l;
+        }
+    }
+    /* the `need` largest of the spill (all share the top 11 bits): two more histogram passes */
+    uint32_t prefix = bin << 21, pmask = 0x7FFu << 21;
+    static const int shift[2] = {10, 0}, width[2] = {11, 10};
+    for (int pass = 0; pass < 2; pass++) {
+        const int sh = shift[pass], nb = 1 << width[pass];
+        memset(hist, 0, (size_t)nb * sizeof(int32_t));
+        for (int64_t l = 0; l < ns; l++)
+            if ((spill_u[l] & pmask) == prefix) hist[(spill_u[l] >> sh) & (uint32_t)(nb - 1)]++;
+        int b = nb - 1;
+        for (; b > 0 && hist[b] < need; b--) need -= hist[b];
+        prefix |= (uint32_t)b << sh;
+        pmask |= (uint32_t)(nb - 1) << sh;
+    }
+    for (int64_t l = 0; l < ns; l++) /* prefix: the k-th largest; above it all, equal to it `need` */
+        if (spill_u[l] > prefix || (spill_u[l] == prefix && need > 0)) {
+            need -= spill_u[l] == prefix;
+            idx[c++] = spill_i[l];
+        }
+}
+
+/* Scratch floats one (b, h) item needs for up to L columns. */
+static size_t decode_scratch_floats(const DecodeArgs *a, int64_t L) {
+    const int64_t Q = a->G * a->T, D = a->D, g = a->g, ng = D / a->gv;
+    const size_t kw = 2 * (size_t)a->bits * g * ((D + 63) / 64);
+    const size_t keys = (size_t)(D / 4) * 16 * LANES + (size_t)D * LANES + (size_t)g * LANES + 2 * (size_t)D + 2 * kw;
+    const size_t vals = 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng + 4 * (size_t)D + (size_t)(D + ng) * LANES;
+    size_t big = keys > vals ? keys : vals;
+    big = big > 2048 ? big : 2048; /* top_k's histogram */
+    return (size_t)Q * L + 4 * (size_t)L + (size_t)Q * D + (size_t)a->K / 4 + 1 + big + 64;
+}
+
+static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratch, int64_t Lmax) {
+    const int64_t Q = a->G * a->T, D = a->D, T = a->T, r = a->row0 + b;
+    const int64_t n = a->qend[r], start = a->start[b], nres = start + T - n, L = n + nres;
+    const int64_t S = a->S < n ? a->S : n;
+    float *scores = scratch;                    /* [Q][Lmax] */
+    float *agg = scores + (size_t)Q * Lmax;     /* [Lmax] */
+    int32_t *cidx = (int32_t *)(agg + Lmax);    /* [Lmax] */
+    uint32_t *spill_u = (uint32_t *)(cidx + Lmax); /* [Lmax] top_k's spill */
+    int32_t *spill_i = (int32_t *)(spill_u + Lmax);
+    float *q = (float *)(spill_i + Lmax);       /* [Q][D] queries times the score scaling */
+    uint8_t *keep = (uint8_t *)(q + Q * D);     /* [K] fetched slots that stay selected */
+    float *work = (float *)keep + a->K / 4 + 1; /* kernels' scratch, 64-byte aligned below */
+    work = (float *)(((uintptr_t)work + ALIGN - 1) / ALIGN * ALIGN);
+    const float *q_in = a->q + b * a->q_sb + h * a->q_sh;
+    for (int64_t i = 0; i < Q * D; i++) q[i] = q_in[i] * a->scaling;
+    const float *sk = a->sink_k + r * a->sk_sb + h * a->sk_sh, *sv = a->sink_v + r * a->sk_sb + h * a->sk_sh;
+    const float *rk = a->res_k + r * a->rk_sb + h * a->rk_sh, *rv = a->res_v + r * a->rk_sb + h * a->rk_sh;
+    float *fk = a->fk + r * a->fk_sb + h * a->fk_sh, *fv = a->fv + r * a->fk_sb + h * a->fk_sh;
+    int64_t *fidx = a->fidx + r * a->fi_sb + h * a->fi_sh;
+    uint8_t *fvalid = a->fvalid + r * a->fi_sb + h * a->fi_sh;
+    float *out = a->out + ((b * a->H + h) * Q) * D;
+    const int use_fetched = n > 0 && a->K > 0;
+
+    /* 1. scores */
+    if (n > 0) {
+        const int64_t g = a->g;
+        const size_t kw = 2 * (size_t)a->bits * g * ((D + 63) / 64);
+        for (int64_t q0 = 0; q0 < Q; q0 += LANES) {
+            const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
+            keys_item(q + q0 * D, D, nl, a->kc + r * a->kc_sb + h * a->kc_sh, a->ks + r * a->ks_sb + h * a->ks_sh,
+                      a->kz + r * a->ks_sb + h * a->ks_sh, scores + q0 * Lmax, Lmax, 0, n / g, (int)D, (int)g,
+                      (int)a->bits, work, (uint64_t *)(work + ((size_t)(D / 4) * 16 * LANES + (size_t)D * LANES
+                                                               + (size_t)g * LANES + 2 * (size_t)D)));
+            (void)kw;
+        }
+    }
+    for (int64_t i = 0; i < Q; i++) {
+        float *row = scores + i * Lmax;
+        const float *qi = q + i * D;
+        for (int64_t s = 0; s < S; s++) row[s] = dot(qi, sk + s * D, D);
+        if (use_fetched)
+            for (int64_t j = 0; j < a->K; j++)
+                if (fvalid[j] && fidx[j] >= S && fidx[j] < n) row[fidx[j]] = dot(qi, fk + j * D, D);
+        const int64_t last = start + i % T; /* the newest position this query sees */
+        for (int64_t j = 0; j < nres; j++)
+            row[n + j] = n + j <= last ? dot(qi, rk + j * D, D) : -__builtin_inff();
+        /* 2. softmax */
+        softmax_row(row, L);
+    }
+    /* 3. selection weights (before the exact positions are taken out of the guide's share) */
+    if (a->select >= 0)
+        for (int64_t l = 0; l < L; l++) {
+            float s = 0.0f;
+            for (int64_t gi = 0; gi < a->G; gi++) s += scores[(gi * T + a->select) * Lmax + l];
+            agg[l] = s;
+        }
+    /* 4. exact parts of the output, then the guide's values weighted by what is left */
+    for (int64_t i = 0; i < Q; i++) {
+        float *row = scores + i * Lmax, *o = out + i * D;
+        memset(o, 0, (size_t)D * sizeof(float));
+        for (int64_t j = 0; j < nres; j++) axpy(o, row[n + j], rv + j * D, D);
+        for (int64_t s = 0; s < S; s++) {
+            axpy(o, row[s], sv + s * D, D);
+            row[s] = 0.0f;
+        }
+        if (use_fetched)
+            for (int64_t j = 0; j < a->K; j++)
+                if (fvalid[j] && fidx[j] >= S && fidx[j] < n) {
+                    axpy(o, row[fidx[j]], fv + j * D, D);
+                    row[fidx[j]] = 0.0f;
+                }
+    }
+    if (n > 0) {
+        const int64_t ng = D / a->gv;
+        float *acc = work, *zacc = acc + (size_t)D * LANES, *vscr = zacc + (size_t)ng * LANES;
+        vscr = (float *)(((uintptr_t)vscr + ALIGN - 1) / ALIGN * ALIGN);
+        const size_t vfloats = 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng;
+        for (int64_t q0 = 0; q0 < Q; q0 += LANES) {
+            const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
+            values_item(scores + q0 * Lmax, Lmax, nl, n, a->vc + r * a->vc_sb + h * a->vc_sh,
+                        a->vs + r * a->vs_sb + h * a->vs_sh, a->vz + r * a->vs_sb + h * a->vs_sh, 0,
+                        (n + VB - 1) / VB, (int)D, (int)a->gv, (int)a->bits, acc, zacc, vscr,
+                        (uint64_t *)(vscr + vfloats));
+            for (int l = 0; l < nl; l++) {
+                float *o = out + (q0 + l) * D;
+                for (int64_t d = 0; d < D; d++) o[d] += acc[d * LANES + l] + zacc[(d / a->gv) * LANES + l];
+            }
+        }
+    }
+    /* 5. next fetched set and its prefetch from the host store */
+    if (a->select >= 0 && a->K > 0) {
+        const int64_t len = start + a->keep, nq = (len - a->residual) > 0 ? (len - a->residual) / a->g * a->g : 0;
+        const int64_t lo = a->S, m = nq - lo; /* candidates: positions lo .. nq - 1 (nq <= L) */
+        const int64_t chosen = m <= 0 ? 0 : m < a->K ? m : a->K;
+        if (m > a->K) {
+            top_k(agg + lo, m, a->K, cidx, (int32_t *)work, spill_u, spill_i);
+        } else {
+            for (int64_t j = 0; j < chosen; j++) cidx[j] = (int32_t)j;
+        }
+        for (int64_t j = 0; j < chosen; j++) cidx[j] += (int32_t)lo;
+        /* Consecutive steps select mostly the same positions: keep the slots of positions that
+         * stay selected and copy only the new ones from the host store (scattered rows, bound
+         * by memory latency), into the slots that were freed. */
+        const float *stk = a->store_k + r * a->st_sb + h * a->st_sh, *stv = a->store_v + r * a->st_sb + h * a->st_sh;
+        int32_t *slot_of = (int32_t *)spill_u; /* [Lmax] position -> old slot (the spill is free now) */
+        memset(slot_of, 0xFF, (size_t)Lmax * sizeof(int32_t));
+        for (int64_t j = 0; j < a->K; j++)
+            if (fvalid[j] && fidx[j] < Lmax) slot_of[fidx[j]] = (int32_t)j;
+        memset(keep, 0, (size_t)a->K);
+        int64_t nnew = 0;
+        for (int64_t j = 0; j < chosen; j++) {
+            const int32_t s0 = slot_of[cidx[j]];
+            if (s0 >= 0) keep[s0] = 1;
+            else cidx[nnew++] = cidx[j]; /* to fetch (compacted in place: nnew <= j) */
+        }
+        int64_t next = 0; /* the next new position to place */
+        for (int64_t j = 0; j < a->K; j++) {
+            if (keep[j]) continue;
+            if (next < nnew) {
+                const int32_t pos = cidx[next++];
+                if (next + 3 < nnew) /* ask for a row a few ahead */
+                    for (int64_t d = 0; d < D; d += 16) {
+                        __builtin_prefetch(stk + (int64_t)cidx[next + 3] * D + d);
+                        __builtin_prefetch(stv + (int64_t)cidx[next + 3] * D + d);
+                    }
+                fidx[j] = pos;
+                fvalid[j] = 1;
+                const float *ks_ = stk + (int64_t)pos * D, *vs_ = stv + (int64_t)pos * D;
+                float *kd = fk + j * D, *vd = fv + j * D;
+                for (int64_t d = 0; d < D; d++) {
+                    kd[d] = ks_[d];
+                    vd[d] = vs_[d];
+                }
+            } else {
+                fidx[j] = 0;
+                fvalid[j] = 0;
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 for bad arguments / out of memory. */
+EXPORT int specache_decode_attention(const DecodeArgs *a) {
+    if (a->B <= 0 || a->H <= 0) return 0;
+    if (a->D % 8 || a->D > 64 * MAX_WORDS || a->g % 8 || a->gv <= 0 || a->D % a->gv || (a->bits != 1 && a->bits != 2)
+        || a->T < 1 || a->G < 1)
+        return -1;
+    int64_t Lmax = 1;
+    for (int64_t b = 0; b < a->B; b++) {
+        const int64_t L = a->start[b] + a->T;
+        if (a->qend[a->row0 + b] % a->g || a->qend[a->row0 + b] > a->start[b]) return -1;
+        Lmax = L > Lmax ? L : Lmax;
+    }
+    Lmax = (Lmax + 15) / 16 * 16;
+    const size_t floats = decode_scratch_floats(a, Lmax);
+    const int64_t items = a->B * a->H;
+    int failed = 0;
+#pragma omp parallel num_threads((int)a->nthreads) if (a->nthreads > 1 && items > 1) reduction(| : failed)
+    {
+        float *scratch = scratch_alloc(floats);
+        if (!scratch) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++)
+            if (scratch) decode_item(a, it / a->H, it % a->H, scratch, Lmax);
+        free(scratch);
+    }
     return failed ? -1 : 0;
 }

@@ -1,0 +1,85 @@
+"""A decode pass of one guided layer in one native call (CPU): engine/native/guide_kernels.c
+``specache_decode_attention`` does what ``GuidedLayer.attend_decode`` and ``select_and_prefetch``
+do with ~30 torch ops (guide scores, exact scores at sinks / fetched / residual positions, one
+softmax, exact + guide values, top-k selection and the gather of the next fetched set), without
+the intermediate tensors. Same semantics; results agree to float rounding (the top-k may order
+ties differently). The torch path stays the reference, and runs on CUDA, without the native
+library, for window mode and when the prefetch hit rate is measured.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine import native
+from engine.kvcache import Step
+
+
+def fused_applies(layer, q: torch.Tensor) -> bool:
+    """True when the fused native call can run this layer's decode pass."""
+    return (layer.use_guide and q.device.type == "cpu" and q.dtype == torch.float32
+            and layer.res_k.dtype == torch.float32 and not layer.config.measure_hits and native.lib() is not None)
+
+
+class FusedDecode:
+    """The native argument block of one GuidedLayer: buffer pointers fixed at construction, the
+    per-pass fields (rows, queries, output) filled by ``__call__``."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        a = native.DecodeArgs()
+        guide, store = layer.guide, layer.store
+        a.H, a.G, a.D = layer.shape.kv_heads, layer.shape.group, layer.shape.head_dim
+        a.S, a.K = layer.sinks, layer.topk
+        a.bits, a.g, a.gv = guide.bits, guide.keys.group, guide.values.group
+        a.residual, a.nthreads = layer.residual, native.threads()
+        a.qend = layer.qend.data_ptr()
+        self._pair(a, ("sink_k", "sink_v", "sk"), layer.sink_k, layer.sink_v)
+        self._pair(a, ("res_k", "res_v", "rk"), layer.res_k, layer.res_v)
+        self._pair(a, ("fk", "fv", "fk"), store.fk, store.fv)
+        self._pair(a, ("store_k", "store_v", "st"), store.k, store.v)
+        a.fidx, a.fvalid = layer.fidx.data_ptr(), layer.fvalid.data_ptr()
+        a.fi_sb, a.fi_sh = layer.fidx.stride(0), layer.fidx.stride(1)
+        keys, values = guide.keys, guide.values
+        a.kc, a.kc_sb, a.kc_sh = keys.codes.data_ptr(), keys.codes.stride(0), keys.codes.stride(1)
+        a.ks, a.kz, a.ks_sb, a.ks_sh = keys.scale.data_ptr(), keys.zero.data_ptr(), keys.scale.stride(0), keys.scale.stride(1)
+        a.vc, a.vc_sb, a.vc_sh = values.codes.data_ptr(), values.codes.stride(0), values.codes.stride(1)
+        a.vs, a.vz = values.scale.data_ptr(), values.zero.data_ptr()
+        a.vs_sb, a.vs_sh = values.scale.stride(0), values.scale.stride(1)
+        for t in (layer.fidx, layer.fvalid, store.fk, store.fv, store.k, store.v, layer.sink_k, layer.res_k,
+                  keys.codes, keys.scale, values.codes, values.scale):
+            if not t.is_contiguous():
+                raise ValueError("fused decode needs contiguous cache buffers")
+        if layer.fidx.dtype != torch.long or layer.fvalid.dtype != torch.bool:
+            raise ValueError("fused decode needs int64 fidx and bool fvalid")
+        self.args = a
+
+    @staticmethod
+    def _pair(a, names: tuple[str, str, str], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Pointers of a K/V buffer pair [rows, H, L, D] (same strides) and their row/head strides."""
+        if k.stride() != v.stride():
+            raise ValueError("fused decode needs K and V buffers of the same layout")
+        setattr(a, names[0], k.data_ptr())
+        setattr(a, names[1], v.data_ptr())
+        setattr(a, names[2] + "_sb", k.stride(0))
+        setattr(a, names[2] + "_sh", k.stride(1))
+
+    def __call__(self, qg: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+        """qg [b, H_kv, G*T, D] fp32 -> out [b, H_kv, G*T, D]; updates the fetched set when step.select."""
+        a = self.args
+        b, _, nq, d = qg.shape
+        if qg.stride(3) != 1 or qg.stride(2) != d:
+            qg = qg.contiguous()
+        start = step.start if step.start.dtype == torch.long and step.start.is_contiguous() else \
+            step.start.to(torch.long).contiguous()
+        out = torch.empty(b, a.H, nq, d, dtype=torch.float32)
+        a.B, a.T, a.row0, a.keep = b, step.n_new, step.rows.start, step.keep
+        a.select = -1 if step.select is None else step.select
+        a.scaling = scaling
+        a.q, a.q_sb, a.q_sh = qg.data_ptr(), qg.stride(0), qg.stride(1)
+        a.start, a.out = start.data_ptr(), out.data_ptr()
+        rc = native.lib().specache_decode_attention(ctypes.byref(a))
+        if rc != 0:
+            raise RuntimeError(f"native decode attention failed (rc {rc})")
+        return out

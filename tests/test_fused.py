@@ -1,0 +1,128 @@
+"""The native decode paths (engine/native): the skinny linear and the fused decode attention
+must agree with the torch code they replace (engine/model.py fallback, GuidedLayer.attend_decode)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.fused
+import engine.guided
+from engine import native
+from engine.config import CacheConfig, GenerationConfig
+from engine.decode import Finished, generate, teacher_forced
+from engine.kvcache import make_cache
+from engine.model import SkinnyLinear, native_linear
+
+needs_native = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+
+
+def prompts_of(lengths, vocab=320, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k", [192, 577])
+def test_native_linear_matches_torch(rows, k):
+    g = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(301, k, generator=g)
+    b = torch.randn(301, generator=g)
+    with torch.no_grad():
+        for bias in (None, b):
+            got = native_linear(x, w, bias)
+            assert got is not None
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_native_linear_declines_what_it_cannot_do():
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    assert native_linear(x.double(), w.double(), None) is None  # not fp32
+    assert native_linear(torch.randn(9, 64), w, None) is None  # more rows than the kernel takes
+    assert native_linear(x, w.t().contiguous().t(), None) is None  # weight not contiguous
+    with torch.enable_grad():
+        assert native_linear(x.requires_grad_(), w, None) is None  # autograd wants torch
+
+
+def test_skinny_linear_equals_linear_with_and_without_native(monkeypatch):
+    lin = torch.nn.Linear(96, 40)
+    skinny = torch.nn.Linear(96, 40)
+    skinny.load_state_dict(lin.state_dict())
+    skinny.__class__ = SkinnyLinear
+    x = torch.randn(2, 3, 96)  # 6 rows: the skinny path
+    with torch.no_grad():
+        torch.testing.assert_close(skinny(x), lin(x), rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(native, "lib", lambda: None)
+        torch.testing.assert_close(skinny(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def counting_fused(monkeypatch) -> list[int]:
+    """Count the fused native calls (to show the test exercised them)."""
+    calls = [0]
+    original = engine.fused.FusedDecode.__call__
+
+    def wrapped(self, *args):
+        calls[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(engine.fused.FusedDecode, "__call__", wrapped)
+    return calls
+
+
+CONFIGS = [CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64),
+           CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=0, chunk_size=64),
+           CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64)]
+
+
+@needs_native
+@pytest.mark.parametrize("config", CONFIGS, ids=["specache-2b", "specache-1b", "kivi"])
+def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
+    (prompt,) = prompts_of((300,))
+    forced = prompts_of((40,), seed=9)[0]  # forced tokens cross quantization boundaries as they go
+    calls = counting_fused(monkeypatch)
+    fused = torch.stack(list(teacher_forced(tiny_model, prompt, forced, config)))
+    assert calls[0] > 0, "the fused path did not run"
+    monkeypatch.setattr(engine.guided, "fused_applies", lambda layer, q: False)
+    plain = torch.stack(list(teacher_forced(tiny_model, prompt, forced, config)))
+    assert fused.shape == (len(forced), tiny_model.config.vocab_size)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypatch):
+    prompts = prompts_of((150, 97, 260))
+    config = CONFIGS[0]
+    gen = GenerationConfig(max_tokens=24)
+    fused = next(e for e in generate(tiny_model, prompts, config, gen) if isinstance(e, Finished))
+    monkeypatch.setattr(engine.guided, "fused_applies", lambda layer, q: False)
+    plain = next(e for e in generate(tiny_model, prompts, config, gen) if isinstance(e, Finished))
+    assert fused.tokens == plain.tokens
+
+
+@needs_native
+def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model):
+    """The fused path copies only newly selected rows into freed slots: every valid slot must still
+    hold the host store's exact K/V at its position, and the positions must be distinct."""
+    from engine.decode import decoder_for, prefill
+
+    config = CONFIGS[0]
+    (prompt,) = prompts_of((280,))
+    cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
+    *_, last = prefill(tiny_model, cache, prompt, 0, config.chunk_size)
+    steps = decoder_for(config)(tiny_model, cache, last[None], lambda logits: logits.argmax(-1))
+    for _ in range(30):
+        next(steps)
+    checked = 0
+    for layer in cache.layers:
+        assert layer.fused is not None
+        valid = layer.fvalid[0]  # [H_kv, k]
+        for h in range(valid.shape[0]):
+            pos = layer.fidx[0, h][valid[h]]
+            assert len(set(pos.tolist())) == len(pos)
+            assert bool((pos >= config.sinks).all()) and bool((pos < layer.qend[0]).all())
+            torch.testing.assert_close(layer.store.fk[0, h][valid[h]], layer.store.k[0, h, pos], rtol=0, atol=0)
+            torch.testing.assert_close(layer.store.fv[0, h][valid[h]], layer.store.v[0, h, pos], rtol=0, atol=0)
+            checked += len(pos)
+    assert checked > 0
