@@ -25,6 +25,7 @@ class CacheConfig:
     window: int | None = None  # window mode: exact recent tokens (None: same device bytes as specache)
     chunk_size: int = 512  # prefill chunk, tokens
     measure_hits: bool = False  # specache: measure the prefetch hit rate (costs a full attention per step)
+    select_both: bool = False  # specache: select with the output token's attention as well as the speculative one's
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:

@@ -266,7 +266,8 @@ class GuidedLayer:
         that will be in the guide at the next step; start fetching their exact K/V."""
         b, h, g, t = probs.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
         rows = step.rows
-        p = probs.view(b, h, g, t, -1)[:, :, :, step.select].sum(dim=2)  # [b, H_kv, nq + 1 + n_res]
+        p = probs.view(b, h, g, t, -1)
+        p = p.sum(dim=(2, 3)) if self.config.select_both else p[:, :, :, step.select].sum(dim=2)  # [b, H_kv, cols]
         next_len = step.start + step.keep
         next_q = quant_boundary(next_len, self.residual, self.group)  # [b]
         span = int(next_q.max())

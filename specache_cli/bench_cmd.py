@@ -1,4 +1,4 @@
-"""`specache bench needle|fidelity|speed`: run a bench, write <name>.json and <name>.md (and the
+"""`specache bench needle|fidelity|speed|decode|store`: run a bench, write <name>.json and <name>.md (and the
 needle heatmap PNG) to --out, print a table (or, with --json, the JSON) on stdout and progress on
 stderr. The benches themselves live in engine/bench/ (docs/bench.md)."""
 from __future__ import annotations
@@ -17,7 +17,8 @@ from engine.errors import BadArgument
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json
 
-bench_app = typer.Typer(name="bench", help="Benchmarks: needle retrieval, fidelity to the full cache, speed.",
+bench_app = typer.Typer(name="bench", help="Benchmarks: needle retrieval, fidelity to the full cache, speed, decode "
+                        "side by side.",
                         no_args_is_help=True)
 
 NEEDLE_MODES = "full,specache-2b,specache-1b,kivi-2b,kivi-1b,window"
@@ -25,6 +26,8 @@ FIDELITY_MODES = "full,specache,specache-1b,kivi-2b,kivi-1b,window"
 FIDELITY_QUICK_MODES = "full,specache,specache-1b,kivi-1b,window"
 SPEED_MODES = "full,specache,specache-1b,kivi-1b,window,hf"
 SPEED_QUICK_MODES = "full,specache,hf"
+DECODE_MODES = "full,specache,kivi,hf"
+DECODE_QUICK_MODES = "full,specache,hf"
 
 MODEL = typer.Option(None, "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
 OUT = typer.Option(Path("bench-results"), "--out", help="Folder for <bench>.json and <bench>.md.")
@@ -244,6 +247,50 @@ def speed_cmd(
         table.add_row(c["mode"], str(c["length"]), str(c["batch"]), fmt(c["prefill_tokens_per_s"], 0),
                       fmt(c["decode_ms_per_token"], 1), fmt(c["decode_speedup_vs_full"], 2),
                       fmt(c["decode_speedup_vs_hf"], 2), _mib(c["device_bytes"]), _mib(c["peak_rss_bytes"]))
+    _print(table)
+    _print_targets(result["targets"])
+
+
+# ---- decode (side by side) -----------------------------------------------------------------
+
+@bench_app.command("decode")
+@guarded
+def decode_cmd(
+    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
+    quiet: bool = QUIET, threads: Optional[int] = THREADS,
+    doc: list[str] = typer.Option([], "--doc", "-d", help=DOCS_HELP + " Default: examples/long-report.pdf."),
+    modes: Optional[str] = typer.Option(None, help=f"Comma-separated modes, hf = transformers DynamicCache (default {DECODE_MODES}; quick {DECODE_QUICK_MODES})."),
+    length: Optional[int] = typer.Option(None, "--length", help="Context tokens (default 6500 or what the window allows; quick 256)."),
+    batches: Optional[str] = typer.Option(None, help="Batch sizes (default 1,4; quick 1,2)."),
+    burst: Optional[int] = typer.Option(None, help="Steps per turn of a mode (default 3; quick 2)."),
+    repeats: Optional[int] = typer.Option(None, help="Rounds of turns; the median is reported (default 6; quick 2)."),
+) -> None:
+    """Decode ms/step of the modes taking turns in one process: robust ratios on a shared machine."""
+    from engine.bench.decode import run_decode
+    from engine.bench.report import decode_markdown
+
+    specs = parse_modes(modes or (DECODE_QUICK_MODES if quick else DECODE_MODES), allow_hf=True)
+    batch_list = parse_ints(batches, "--batches") if batches else ([1, 2] if quick else [1, 4])
+    n_burst = burst if burst is not None else (2 if quick else 3)
+    n_repeats = repeats if repeats is not None else (2 if quick else 6)
+    if n_burst < 1 or n_repeats < 1:
+        raise BadArgument("--burst and --repeats must be >= 1")
+    if length is not None and length < 16:
+        raise BadArgument("--length must be >= 16")
+    texts = _texts(doc, "long-report.pdf")
+    lm = _load_model(model, device, quiet, threads)
+    ctx = min(length or (256 if quick else 6500), lm.max_context - n_burst * n_repeats - 8)
+    result = _drive(run_decode(lm, texts, specs, ctx, batch_list, n_burst, n_repeats, quick), quiet)
+    _save(out, "decode", result, decode_markdown(result), quiet)
+    if json_out:
+        emit_json(result, lines=False)
+        return
+    table = Table(title=f"decode side by side at {ctx} tokens (median ms per step)", title_justify="left")
+    for col in ("mode", "batch", "ms/step", "tokens/s", "x full", "x hf"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for x in result["rows"]:
+        table.add_row(x["mode"], str(x["batch"]), fmt(x["ms_per_step"], 1), fmt(x["tokens_per_s"], 1),
+                      fmt(x["speedup_vs_full"], 2), fmt(x["speedup_vs_hf"], 2))
     _print(table)
     _print_targets(result["targets"])
 

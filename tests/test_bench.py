@@ -190,6 +190,20 @@ def test_speed_in_process(bench):
     assert result["targets"][0]["met"] is None
 
 
+def test_decode_side_by_side_quick(bench):
+    result, markdown, _ = bench("decode", "--modes", "full,specache-k16,hf", "--batches", "1,2", "--length", "200")
+    check_envelope(result, "decode", ["full", "specache-k16", "hf"])
+    rows = {(x["mode"], x["batch"]): x for x in result["rows"]}
+    assert set(rows) == {(m, b) for m in ("full", "specache-k16", "hf") for b in (1, 2)}
+    for (mode, batch), x in rows.items():
+        assert len(x["ms_per_step_all"]) == 2 and x["ms_per_step"] > 0
+        assert x["tokens_per_s"] == pytest.approx(batch * 1000 / x["ms_per_step"], rel=1e-2)
+        assert x["speedup_vs_full"] == pytest.approx(rows[("full", batch)]["ms_per_step"] / x["ms_per_step"], rel=1e-2)
+    assert rows[("hf", 1)]["speedup_vs_hf"] == 1.0 and rows[("full", 2)]["speedup_vs_full"] == 1.0
+    assert [t["goal"] for t in result["targets"]] == [">= 1.5x", ">= 2.5x"] * 2
+    assert "| specache-k16 | 2 |" in markdown
+
+
 # ---- flags and helpers -------------------------------------------------------------------
 
 @pytest.mark.parametrize("args", [
@@ -197,6 +211,8 @@ def test_speed_in_process(bench):
     ["needle", "--modes", "hf"],
     ["fidelity", "--modes", "kivi-k64"],
     ["speed", "--batches", "0"],
+    ["decode", "--burst", "0"],
+    ["decode", "--modes", "full,nope"],
     ["needle", "--depths", "1.5"],
     ["needle", "--lengths", "2000"],  # beyond the tiny model's 1024-token window
 ])

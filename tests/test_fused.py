@@ -73,11 +73,12 @@ def counting_fused(monkeypatch) -> list[int]:
 
 CONFIGS = [CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64),
            CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=0, chunk_size=64),
-           CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64)]
+           CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64),
+           CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, select_both=True)]
 
 
 @needs_native
-@pytest.mark.parametrize("config", CONFIGS, ids=["specache-2b", "specache-1b", "kivi"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["specache-2b", "specache-1b", "kivi", "select-both"])
 def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     (prompt,) = prompts_of((300,))
     forced = prompts_of((40,), seed=9)[0]  # forced tokens cross quantization boundaries as they go

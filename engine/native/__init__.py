@@ -52,7 +52,7 @@ class DecodeArgs(ctypes.Structure):
     """Mirror of the C struct DecodeArgs (guide_kernels.c, fused decode attention)."""
 
     _fields_ = ([(n, _I64) for n in ("B", "H", "G", "T", "D", "S", "K", "bits", "g", "gv", "row0", "select", "keep",
-                                     "residual", "nthreads")]
+                                     "residual", "nthreads", "select_both")]
                 + [("scaling", ctypes.c_float), ("q", _P), ("q_sb", _I64), ("q_sh", _I64), ("start", _P), ("qend", _P),
                    ("sink_k", _P), ("sink_v", _P), ("sk_sb", _I64), ("sk_sh", _I64),
                    ("res_k", _P), ("res_v", _P), ("rk_sb", _I64), ("rk_sh", _I64),

@@ -617,7 +617,7 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
  * their exact K/V are copied from the host store into the fetched buffers fk / fv.
  * Arrays indexed by cache row use row0 + b; q, out, start use b. All strides in elements. */
 typedef struct {
-    int64_t B, H, G, T, D, S, K, bits, g, gv, row0, select, keep, residual, nthreads;
+    int64_t B, H, G, T, D, S, K, bits, g, gv, row0, select, keep, residual, nthreads, select_both;
     float scaling;
     const float *q; /* [B, H, G*T, D]: (b, h, i, d) at b*q_sb + h*q_sh + i*D + d */
     int64_t q_sb, q_sh;
@@ -695,8 +695,23 @@ INLINE float dot(const float *a, const float *b, int64_t D) { /* D % 8 == 0 */
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-INLINE void axpy(float *y, float a, const float *x, int64_t D) {
-    for (int64_t d = 0; d < D; d++) y[d] += a * x[d];
+/* o[0, D) += sum_{j < m} w[j] * rows[j * D + .]: the output block stays in registers. */
+static void add_weighted_rows(float *restrict o, const float *restrict rows, const float *restrict w, int64_t m,
+                              int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        float acc[64];
+        const float *r = rows + d0;
+        if (D - d0 >= 64) {
+            memcpy(acc, o + d0, sizeof acc);
+            for (int64_t j = 0; j < m; j++)
+                for (int dd = 0; dd < 64; dd++) acc[dd] += w[j] * r[j * D + dd];
+            memcpy(o + d0, acc, sizeof acc);
+        } else {
+            const int64_t dn = D - d0;
+            for (int64_t j = 0; j < m; j++)
+                for (int64_t dd = 0; dd < dn; dd++) o[d0 + dd] += w[j] * r[j * D + dd];
+        }
+    }
 }
 
 /* Indices (into val) of the k largest of val[0, m) (k < m, every val >= 0) written to idx
@@ -751,7 +766,7 @@ static size_t decode_scratch_floats(const DecodeArgs *a, int64_t L) {
     const size_t vals = 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng + 4 * (size_t)D + (size_t)(D + ng) * LANES;
     size_t big = keys > vals ? keys : vals;
     big = big > 2048 ? big : 2048; /* top_k's histogram */
-    return (size_t)Q * L + 4 * (size_t)L + (size_t)Q * D + (size_t)a->K / 4 + 1 + big + 64;
+    return (size_t)Q * L + 4 * (size_t)L + (size_t)Q * D + 3 * (size_t)a->K + (size_t)a->K / 4 + 1 + big + 64;
 }
 
 static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratch, int64_t Lmax) {
@@ -764,7 +779,9 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     uint32_t *spill_u = (uint32_t *)(cidx + Lmax); /* [Lmax] top_k's spill */
     int32_t *spill_i = (int32_t *)(spill_u + Lmax);
     float *q = (float *)(spill_i + Lmax);       /* [Q][D] queries times the score scaling */
-    uint8_t *keep = (uint8_t *)(q + Q * D);     /* [K] fetched slots that stay selected */
+    int64_t *fpos = (int64_t *)(q + Q * D);     /* [K] position of each fetched slot, -1 if unused */
+    float *fw = (float *)(fpos + a->K);         /* [K] a query's weights of the fetched slots */
+    uint8_t *keep = (uint8_t *)(fw + a->K);     /* [K] fetched slots that stay selected */
     float *work = (float *)keep + a->K / 4 + 1; /* kernels' scratch, 64-byte aligned below */
     work = (float *)(((uintptr_t)work + ALIGN - 1) / ALIGN * ALIGN);
     const float *q_in = a->q + b * a->q_sb + h * a->q_sh;
@@ -776,6 +793,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     uint8_t *fvalid = a->fvalid + r * a->fi_sb + h * a->fi_sh;
     float *out = a->out + ((b * a->H + h) * Q) * D;
     const int use_fetched = n > 0 && a->K > 0;
+    for (int64_t j = 0; j < a->K; j++) fpos[j] = use_fetched && fvalid[j] && fidx[j] >= S && fidx[j] < n ? fidx[j] : -1;
 
     /* 1. scores */
     if (n > 0) {
@@ -794,9 +812,8 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         float *row = scores + i * Lmax;
         const float *qi = q + i * D;
         for (int64_t s = 0; s < S; s++) row[s] = dot(qi, sk + s * D, D);
-        if (use_fetched)
-            for (int64_t j = 0; j < a->K; j++)
-                if (fvalid[j] && fidx[j] >= S && fidx[j] < n) row[fidx[j]] = dot(qi, fk + j * D, D);
+        for (int64_t j = 0; j < a->K; j++)
+            if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
         const int64_t last = start + i % T; /* the newest position this query sees */
         for (int64_t j = 0; j < nres; j++)
             row[n + j] = n + j <= last ? dot(qi, rk + j * D, D) : -__builtin_inff();
@@ -807,24 +824,25 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     if (a->select >= 0)
         for (int64_t l = 0; l < L; l++) {
             float s = 0.0f;
-            for (int64_t gi = 0; gi < a->G; gi++) s += scores[(gi * T + a->select) * Lmax + l];
+            if (a->select_both)
+                for (int64_t i = 0; i < Q; i++) s += scores[i * Lmax + l];
+            else
+                for (int64_t gi = 0; gi < a->G; gi++) s += scores[(gi * T + a->select) * Lmax + l];
             agg[l] = s;
         }
     /* 4. exact parts of the output, then the guide's values weighted by what is left */
     for (int64_t i = 0; i < Q; i++) {
         float *row = scores + i * Lmax, *o = out + i * D;
         memset(o, 0, (size_t)D * sizeof(float));
-        for (int64_t j = 0; j < nres; j++) axpy(o, row[n + j], rv + j * D, D);
-        for (int64_t s = 0; s < S; s++) {
-            axpy(o, row[s], sv + s * D, D);
-            row[s] = 0.0f;
-        }
-        if (use_fetched)
+        add_weighted_rows(o, rv, row + n, nres, D);
+        add_weighted_rows(o, sv, row, S, D);
+        for (int64_t s = 0; s < S; s++) row[s] = 0.0f;
+        if (use_fetched) {
+            for (int64_t j = 0; j < a->K; j++) fw[j] = fpos[j] >= 0 ? row[fpos[j]] : 0.0f;
+            add_weighted_rows(o, fv, fw, a->K, D);
             for (int64_t j = 0; j < a->K; j++)
-                if (fvalid[j] && fidx[j] >= S && fidx[j] < n) {
-                    axpy(o, row[fidx[j]], fv + j * D, D);
-                    row[fidx[j]] = 0.0f;
-                }
+                if (fpos[j] >= 0) row[fpos[j]] = 0.0f;
+        }
     }
     if (n > 0) {
         const int64_t ng = D / a->gv;

@@ -1,0 +1,144 @@
+"""`specache bench decode`: decode ms per step of several modes measured side by side.
+
+Every mode (and ``hf``: transformers' DynamicCache with SDPA attention, stepped the way
+``generate`` steps it: one forward per token, greedy) gets the same prompts and its own
+prefilled cache; then the modes take turns, `burst` steps each, `repeats` times, and the
+median of each mode's bursts is reported. A load change on a shared machine then hits all
+modes alike, which a one-mode-after-another bench (`bench speed`) cannot promise; the
+ratios against full and against hf are the point of this bench.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from engine.bench.common import HF_MODE, BenchProgress, BenchResult, ModeSpec, envelope, target
+from engine.bench.speed import make_prompts
+
+TARGET_VS_FULL = 1.5
+TARGET_VS_HF = 2.5
+
+
+def engine_steps(model, config, prompts: list[list[int]], extra: int) -> Iterator[None]:
+    """Prefill a cache for `prompts`, then yield after each decode step of the engine's loop."""
+    from engine.decode import decoder_for, prefill
+    from engine.kvcache import make_cache
+
+    param = next(model.parameters())
+    cache = make_cache(model.config, config, len(prompts), max(map(len, prompts)) + extra + 4, param.dtype,
+                       param.device)
+    lasts = [list(prefill(model, cache, p, row, config.chunk_size))[-1] for row, p in enumerate(prompts)]
+    loop = decoder_for(config)(model, cache, torch.stack(lasts), lambda x: x.argmax(-1))
+    next(loop)  # the first token comes from the prefill logits (no model call)
+    for _ in loop:
+        yield
+
+
+def hf_steps(model, prompts: list[list[int]], chunk: int = 512) -> Iterator[None]:
+    """transformers' DynamicCache + SDPA: chunked prefill, then one greedy forward per token."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=dev)
+    cache = DynamicCache(config=model.config)
+    with _attention(model, "sdpa"):
+        for s in range(0, ids.shape[1], chunk):
+            logits = model(ids[:, s: s + chunk], cache=cache, use_cache=True).logits[:, -1]
+    while True:
+        token = logits.argmax(-1, keepdim=True)
+        with _attention(model, "sdpa"):
+            logits = model(token, cache=cache, use_cache=True).logits[:, -1]
+        yield
+
+
+class _attention:
+    """Switch the model's attention implementation for a block (the engine's is restored after)."""
+
+    def __init__(self, model, name: str):
+        self.model, self.name = model, name
+
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.name)
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.previous)
+
+
+@torch.inference_mode()
+def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Sequence[int], burst: int, repeats: int,
+               quick: bool) -> Iterator[BenchProgress | BenchResult]:
+    """Interleaved decode timing per batch size; see the module docstring."""
+    from engine.bench.common import encode
+
+    corpus = [t for _, text in texts for t in encode(lm.tokenizer, text)]
+    settings = {"length": length, "batches": list(batches), "burst": burst, "repeats": repeats,
+                "documents": [name for name, _ in texts]}
+    result = envelope("decode", quick, settings, modes, lm)
+    dev = lm.device
+    t_start = time.perf_counter()
+    rows = []
+    total = len(batches) * (len(modes) + repeats)
+    done = 0
+    for batch in batches:
+        prompts = make_prompts(corpus, length, batch)
+        steppers = {}
+        for spec in modes:
+            t0 = time.perf_counter()
+            it = hf_steps(lm.model, prompts) if spec.mode == HF_MODE else \
+                engine_steps(lm.model, spec.config, prompts, burst * repeats + 2)
+            next(it)  # prefill and one step (warm-up)
+            steppers[spec.label] = it
+            done += 1
+            yield BenchProgress(f"decode batch {batch}: {spec.label} prefilled ({time.perf_counter() - t0:.1f} s)",
+                                done, total)
+        times: dict[str, list[float]] = {label: [] for label in steppers}
+        for r in range(repeats):
+            for label, it in steppers.items():
+                _sync(dev)
+                t = time.perf_counter()
+                for _ in range(burst):
+                    next(it)
+                _sync(dev)
+                times[label].append((time.perf_counter() - t) / burst * 1000)
+            done += 1
+            yield BenchProgress(f"decode batch {batch}: round {r + 1}/{repeats}", done, total)
+        for it in steppers.values():
+            it.close()
+        med = {label: statistics.median(v) for label, v in times.items()}
+        full = next((m.label for m in modes if m.mode == "full"), None)
+        hf = next((m.label for m in modes if m.mode == HF_MODE), None)
+        for spec in modes:
+            ms = med[spec.label]
+            rows.append({"mode": spec.label, "batch": batch, "ms_per_step": round(ms, 2),
+                         "ms_per_step_all": [round(x, 2) for x in times[spec.label]],
+                         "tokens_per_s": round(batch * 1000 / ms, 2),
+                         "speedup_vs_full": round(med[full] / ms, 3) if full else None,
+                         "speedup_vs_hf": round(med[hf] / ms, 3) if hf else None})
+    result["rows"] = rows
+    result["targets"] = targets(rows, modes, batches)
+    result["seconds"] = round(time.perf_counter() - t_start, 2)
+    yield BenchResult(result)
+
+
+def targets(rows: list[dict], modes: Sequence[ModeSpec], batches: Sequence[int]) -> list[dict]:
+    spec = next((m for m in modes if m.is_default_specache), None) or next((m for m in modes if m.mode == "specache"), None)
+    if spec is None:
+        return [target("specache decode speed-up", "measured", None, None, "no specache mode among --modes")]
+    out = []
+    for batch in batches:
+        row = next(r for r in rows if r["mode"] == spec.label and r["batch"] == batch)
+        for key, goal, name in (("speedup_vs_full", TARGET_VS_FULL, "full"),
+                                ("speedup_vs_hf", TARGET_VS_HF, "transformers DynamicCache")):
+            v = row[key]
+            if v is not None:
+                out.append(target(f"{spec.label} decode vs {name}, batch {batch}", f">= {goal}x", v, v >= goal))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
