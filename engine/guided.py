@@ -72,20 +72,20 @@ class GuidedLayer:
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
-        """Store the new tokens' K/V [b, H_kv, T, D]: host store, sinks, residual buffer."""
-        b, t = k.shape[0], k.shape[2]
-        rows = torch.arange(step.rows.start, step.rows.start + b, device=k.device)[:, None]  # [b, 1]
-        pos = step.positions()  # [b, T]
-        if self.store is not None and step.keep:  # only committed tokens enter the exact store
-            self.store.write(rows, pos[:, : step.keep], k[:, :, : step.keep], v[:, :, : step.keep])
-        sink = pos < self.sinks  # [b, T]
-        if bool(sink.any()):
-            r, j = sink.nonzero(as_tuple=True)
-            self.sink_k[rows[r, 0], :, pos[r, j]] = k[r, :, j]
-            self.sink_v[rows[r, 0], :, pos[r, j]] = v[r, :, j]
-        slot = pos - self.qend[step.rows][:, None]  # [b, T]
-        self.res_k[rows, :, slot] = k.transpose(1, 2)
-        self.res_v[rows, :, slot] = v.transpose(1, 2)
+        """Store the new tokens' K/V [b, H_kv, T, D]: host store, sinks, residual buffer.
+        Each row's new positions are contiguous, so every write is a slice copy."""
+        t = k.shape[2]
+        starts, qends = step.start.tolist(), self.qend[step.rows].tolist()
+        for i, (p0, q0) in enumerate(zip(starts, qends)):
+            r = step.rows.start + i
+            if self.store is not None and step.keep:  # only committed tokens enter the exact store
+                self.store.write_span(r, p0, k[i, :, : step.keep], v[i, :, : step.keep])
+            s_end = min(self.sinks, p0 + t)
+            if p0 < s_end:
+                self.sink_k[r, :, p0:s_end] = k[i, :, : s_end - p0]
+                self.sink_v[r, :, p0:s_end] = v[i, :, : s_end - p0]
+            self.res_k[r, :, p0 - q0 : p0 - q0 + t] = k[i]
+            self.res_v[r, :, p0 - q0 : p0 - q0 + t] = v[i]
 
     def after_step(self, step: Step, lengths: torch.Tensor) -> None:
         """After a pass is committed: quantize the groups that left the residual window."""

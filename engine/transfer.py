@@ -45,13 +45,11 @@ class HostStore:
             self.worker = worker or PrefetchWorker()
         self.pending = False
 
-    def write(self, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens: rows [b, 1], pos [b, T], k/v [b, H_kv, T, D] (device) -> host."""
-        if self.cuda:
-            k, v = k.to("cpu"), v.to("cpu")
-            rows, pos = rows.cpu(), pos.cpu()
-        self.k[rows, :, pos] = k.transpose(1, 2)  # advanced dims first: [b, T, H_kv, D]
-        self.v[rows, :, pos] = v.transpose(1, 2)
+    def write_span(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one row's new tokens at positions [start, start + T): k/v [H_kv, T, D] (device) -> host."""
+        end = start + k.shape[1]
+        self.k[row, :, start:end] = k.to("cpu") if self.cuda else k
+        self.v[row, :, start:end] = v.to("cpu") if self.cuda else v
 
     def read(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact K/V of one row's positions [start, end) on the compute device. -> [1, H_kv, n, D] each."""

@@ -399,9 +399,14 @@ def test_native_ignores_garbage_past_n(native_only):
 
 
 def test_native_disabled_by_env(monkeypatch):
+    """Read once, at the first use in a process (lib() is on every decode step's path)."""
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setenv(native.ENV_DISABLE, "0")
     assert not native.native_available()
     assert native.lib() is None
+    monkeypatch.delenv(native.ENV_DISABLE)
+    assert native.lib() is None  # decided for this process
 
 
 def test_fallback_when_native_unavailable(monkeypatch, tmp_path, caplog):

@@ -19,8 +19,9 @@ def test_prefetch_gathers_the_selected_rows(device):
     store = HostStore(batch=2, kv_heads=3, max_len=50, head_dim=8, k_max=5, dtype=torch.float32, device=dev)
     k = torch.randn(2, 3, 40, 8, device=dev)
     v = torch.randn(2, 3, 40, 8, device=dev)
-    rows = torch.arange(2, device=dev)[:, None]
-    store.write(rows, torch.arange(40, device=dev).expand(2, -1), k, v)
+    for row in range(2):
+        store.write_span(row, 0, k[row, :, :25], v[row, :, :25])
+        store.write_span(row, 25, k[row, :, 25:], v[row, :, 25:])
     idx = torch.randint(0, 40, (2, 3, 5), device=dev)
     store.prefetch(slice(0, 2), idx)
     fk, fv = store.fetched(slice(0, 2))

@@ -8,7 +8,8 @@ then ``os.replace``), so concurrent first uses are safe. It is built lazily on t
 call of ``native_available()`` / ``lib()`` (``python -m engine.native`` builds it ahead
 of time). No torch headers and no ninja are involved.
 
-``SPECACHE_NATIVE=0`` disables the native path; ``SPECACHE_NATIVE_THREADS=N`` sets its
+``SPECACHE_NATIVE=0`` disables the native path (read once, at its first use in a process);
+``SPECACHE_NATIVE_THREADS=N`` sets its
 thread count (default 1, see ``threads()``). Any build or load failure makes
 ``native_available()`` return False, so engine.quant falls back to its torch kernels; the
 reason is logged once at debug level and kept in ``native_error()``.
@@ -183,11 +184,11 @@ def _load(path: Path) -> ctypes.CDLL:
 def lib() -> ctypes.CDLL | None:
     """The loaded library (building it on first use), or None if disabled or unavailable."""
     global _lib, _tried, _error
-    if disabled():
-        return None
-    if _tried:
+    if _tried:  # decided once per process (this is called for every linear of every decode step)
         return _lib
     with _lock:
+        if not _tried and disabled():
+            _lib, _tried = None, True
         if not _tried:
             try:
                 import torch  # noqa: F401  (load torch's OpenMP runtime first: the kernels then share it)
