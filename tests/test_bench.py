@@ -231,6 +231,7 @@ def test_mode_labels():
     assert parse_mode("kivi-2b").config.k == 0 and parse_mode("window-w300").config.window == 300
     assert parse_mode("hf").config is None and parse_mode("specache").is_default_specache
     assert not parse_mode("specache-1b").is_default_specache
+    assert parse_mode("specache-both").config.select_both and not parse_mode("specache-spec").config.select_both
     assert [m.label for m in parse_modes("full,specache,full", allow_hf=True)] == ["full", "specache"]
     for bad in ("fast", "specache-3b", "specache-x1", "full-w10", "hf-1b"):
         with pytest.raises(BadArgument):

@@ -4,8 +4,9 @@ writes, the default documents and small statistics helpers.
 Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode one of full, specache, kivi, window
 (and ``hf`` = transformers' ``generate`` with DynamicCache, speed bench only), options
 ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual window,
-``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``both`` (select the fetch set
-with the output token's attention as well as the speculative token's). Unset options keep
+``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``both`` / ``spec`` (the fetch
+set is selected with the output token's attention as well as the speculative token's, or
+with the speculative token's alone). Unset options keep
 engine.config.CacheConfig's defaults, so ``specache`` is the engine's default setting.
 ``window`` without ``w<n>`` is sized to the device bytes of specache with the same bits / k /
 group (``window-1b`` matches ``specache-1b``); ``kivi`` never fetches (k = 0).
@@ -65,8 +66,8 @@ def parse_mode(label: str) -> ModeSpec:
         raise BadArgument(f"mode {label!r}: must start with one of {', '.join(CACHE_MODES + (HF_MODE,))}")
     fields: dict[str, int] = {}
     for opt in parts[1:]:
-        if opt.lower() == "both":  # select with the output token's attention too
-            fields["select_both"] = True
+        if opt.lower() in ("both", "spec"):  # select with the output token's attention too, or not
+            fields["select_both"] = opt.lower() == "both"
             continue
         m = _OPTION.match(opt.lower())
         if not m:
