@@ -341,3 +341,15 @@ def match_cuda_device(device_name: str) -> HardwareProfile | None:
             if re.search(rf"(?<![\w-]){re.escape(pattern)}(?![\w-])", device_name, flags=re.IGNORECASE):
                 return profile
     return None
+
+
+def model_defaults(lm) -> dict:
+    """bits, group and k for this model: its profile if there is one, else by size (engine.profiles)."""
+    from engine.model import EMBEDDED_NAME
+
+    if lm.name == EMBEDDED_NAME:
+        profile = load_model_profile("smollm2-135m")
+    else:
+        profile = model_profile_from_config(lm.model.config, name=lm.name,
+                                            parameters=sum(p.numel() for p in lm.model.parameters()))
+    return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.default_k}

@@ -12,6 +12,7 @@ import typer
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import BadArgument, BatchFailures, EmptyDocument, InputNotFound, SpecacheError
 from engine.pipeline import STRATEGIES, Runner, ask_many, summarize_many
+from engine.profiles import model_defaults
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
 
@@ -25,19 +26,6 @@ def parse_batch(batch: str) -> int | None:
     if not batch.isdigit() or int(batch) < 1:
         raise BadArgument(f"--batch must be 'auto' or a positive integer, not {batch!r}")
     return int(batch)
-
-
-def model_defaults(lm) -> dict:
-    """bits, group and k for this model: its profile if there is one, else by size (engine.profiles)."""
-    from engine.model import EMBEDDED_NAME
-    from engine.profiles import load_model_profile, model_profile_from_config
-
-    if lm.name == EMBEDDED_NAME:
-        profile = load_model_profile("smollm2-135m")
-    else:
-        profile = model_profile_from_config(lm.model.config, name=lm.name,
-                                            parameters=sum(p.numel() for p in lm.model.parameters()))
-    return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.default_k}
 
 
 class Session:

@@ -6,8 +6,9 @@ Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode one of full, specache
 ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual window,
 ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``both`` / ``spec`` (the fetch
 set is selected with the output token's attention as well as the speculative token's, or
-with the speculative token's alone). Unset options keep
-engine.config.CacheConfig's defaults, so ``specache`` is the engine's default setting.
+with the speculative token's alone). Unset options keep the model's defaults (bits, group,
+k: ``engine.profiles.model_defaults``, what ``summarize``/``ask`` use) when the benches pass
+them, else engine.config.CacheConfig's, so ``specache`` is the setting users get.
 ``window`` without ``w<n>`` is sized to the device bytes of specache with the same bits / k /
 group (``window-1b`` matches ``specache-1b``); ``kivi`` never fetches (k = 0).
 """
@@ -43,6 +44,7 @@ class ModeSpec:
     label: str
     mode: str
     config: CacheConfig | None
+    options: tuple[str, ...] = ()  # the label's options, e.g. ("1b", "k128")
 
     def to_json(self) -> dict:
         return {"label": self.label, "mode": self.mode,
@@ -50,11 +52,12 @@ class ModeSpec:
 
     @property
     def is_default_specache(self) -> bool:
-        return self.mode == "specache" and self.config == CacheConfig(mode="specache")
+        """The plain ``specache`` label: the default setting (the model's, when parsed with defaults)."""
+        return self.mode == "specache" and not self.options
 
 
-def parse_mode(label: str) -> ModeSpec:
-    """``specache-1b-k128`` -> ModeSpec (see the module docstring)."""
+def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
+    """``specache-1b-k128`` -> ModeSpec (see the module docstring); defaults: bits/group/k of the model."""
     label = label.strip()
     parts = label.split("-")
     mode = parts[0].lower()
@@ -82,17 +85,18 @@ def parse_mode(label: str) -> ModeSpec:
         if fields.get("k"):
             raise BadArgument(f"mode {label!r}: kivi never fetches (k = 0)")
         fields["k"] = 0
-    return ModeSpec(label, mode, CacheConfig(mode=mode).with_overrides(**fields))
+    base = CacheConfig(mode=mode).with_overrides(**(defaults or {}))
+    return ModeSpec(label, mode, base.with_overrides(**fields), tuple(parts[1:]))
 
 
-def parse_modes(text: str | Sequence[str], allow_hf: bool = False) -> list[ModeSpec]:
+def parse_modes(text: str | Sequence[str], allow_hf: bool = False, defaults: dict | None = None) -> list[ModeSpec]:
     """Comma-separated labels (or a list of them) -> unique ModeSpecs, in order."""
     items = text.split(",") if isinstance(text, str) else [x for t in text for x in t.split(",")]
     specs, seen = [], set()
     for item in items:
         if not item.strip():
             continue
-        spec = parse_mode(item)
+        spec = parse_mode(item, defaults)
         if spec.mode == HF_MODE and not allow_hf:
             raise BadArgument("mode 'hf' (transformers generate) is only measured by `bench speed`")
         if spec.label in seen:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -29,6 +30,7 @@ import torch
 
 from engine.bench.common import (HF_MODE, BenchProgress, BenchResult, ModeSpec, encode, envelope, median,
                                  parse_mode, target)
+from engine.config import CacheConfig
 from engine.errors import BadArgument, SpecacheError
 
 PROGRESS = "@progress "
@@ -194,6 +196,8 @@ def worker_main(spec_path: str, out_path: str) -> int:
 
     job = json.loads(Path(spec_path).read_text())
     spec = parse_mode(job["mode"])
+    if job.get("config"):  # the parent's resolved setting (the model's defaults included)
+        spec = replace(spec, config=CacheConfig(**job["config"]))
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
     lm = load_model(job["model"], device=job["device"], dtype=job["dtype"])
@@ -263,7 +267,8 @@ def run_speed(lm, model_spec: str | None, texts, modes: Sequence[ModeSpec], leng
         if isolate:
             job = {"model": model_spec, "device": device, "dtype": dtype, "mode": spec.label, "corpus": corpus,
                    "lengths": list(lengths), "batches": list(batches), "tokens": tokens, "repeats": repeats,
-                   "warmup": warmup, "threads": threads}
+                   "warmup": warmup, "threads": threads,
+                   "config": asdict(spec.config) if spec.config is not None else None}
             measured = None
             for item in run_child(job):
                 if isinstance(item, str):

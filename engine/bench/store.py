@@ -38,7 +38,7 @@ def run_store_bench(lm, doc, modes: list[str], max_tokens: int = 8) -> dict:
     from engine.config import CacheConfig, GenerationConfig
     from engine.kvcache import ModelShape, kv_bytes_per_token
     from engine.store import KVStore
-    from specache_cli.run_cmds import model_defaults
+    from engine.profiles import model_defaults
 
     shape = ModelShape.from_config(lm.model.config)
     fp16_per_token = kv_bytes_per_token(shape, 2)
