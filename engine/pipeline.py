@@ -9,7 +9,7 @@ from typing import Iterator
 from engine import prompts as P
 from engine.config import CacheConfig, GenerationConfig
 from engine.decode import Finished, Progress, StoreUse, Tokens, generate
-from engine.errors import DocumentTooLong, EmptyDocument
+from engine.errors import DocumentTooLong, EmptyDocument, SpecacheError
 from engine.model import LoadedModel
 from engine.store import KVStore
 
@@ -36,6 +36,14 @@ class TextDelta:
     """New text of the final answer, for streaming to stdout."""
 
     text: str
+
+
+@dataclass
+class Failed:
+    """A document of a multi-document run that could not be done (the others go on)."""
+
+    source: str
+    error: SpecacheError
 
 
 @dataclass
@@ -300,10 +308,12 @@ def ask(runner: Runner, text: str, source: str, question: str) -> Iterator[Statu
 
 
 def summarize_many(runner: Runner, docs: list[tuple[str, str]], stream: bool = False,
-                   ) -> Iterator[Status | Stage | TextDelta | Result]:
+                   ) -> Iterator[Status | Stage | TextDelta | Result | Failed]:
     """Summarize (text, source) documents, in order; documents that fit the window are decoded
     together in batches of the planner's (or --batch) size, longer ones go through map-reduce.
-    stream: yield text deltas when a batch holds a single document."""
+    A document that cannot be done (empty, too long for --strategy single, a typed error in its
+    own map-reduce) yields Failed in its place. stream: yield text deltas when a batch holds a
+    single document."""
     tok = runner.lm.tokenizer
     pending: list[tuple[P.Prompt, Result]] = []
 
@@ -321,13 +331,22 @@ def summarize_many(runner: Runner, docs: list[tuple[str, str]], stream: bool = F
                 yield result
 
     for text, source in docs:
-        if not text.strip():
-            raise EmptyDocument(f"{source}: the document is empty")
-        if choose_strategy(runner, count_tokens(tok, text), P.SUMMARIZE) == "single":
+        try:
+            if not text.strip():
+                raise EmptyDocument(f"{source}: the document is empty")
+            strategy = choose_strategy(runner, count_tokens(tok, text), P.SUMMARIZE)
+        except SpecacheError as exc:  # this document only; results stay in document order
+            yield from flush()
+            yield Failed(source, exc)
+            continue
+        if strategy == "single":
             pending.append((P.build_prompt(tok, text, P.SUMMARIZE), Result("", source, runner.lm.name, "single")))
             continue
         yield from flush()
-        yield from summarize(runner, text, source)
+        try:
+            yield from summarize(runner, text, source)
+        except SpecacheError as exc:
+            yield Failed(source, exc)
     yield from flush()
 
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engine.pipeline import Result, Stage, Status, TextDelta
+from engine.pipeline import Failed, Result, Stage, Status, TextDelta
 from specache_cli.console import err_console
 
 
@@ -21,8 +21,9 @@ def progress_bar(quiet: bool) -> Iterator[Progress]:
         yield bar
 
 
-def render_jobs(events, quiet: bool, stream_text: bool) -> Iterator[Result]:
-    """Drive a pipeline generator: progress to stderr, streamed text to stdout; yield each Result."""
+def render_jobs(events, quiet: bool, stream_text: bool) -> Iterator[Result | Failed]:
+    """Drive a pipeline generator: progress to stderr, streamed text to stdout; yield each Result
+    (and each Failed document of a multi-document run)."""
     tasks: dict[str, int] = {}
     with progress_bar(quiet) as bar:
         for event in events:
@@ -37,6 +38,11 @@ def render_jobs(events, quiet: bool, stream_text: bool) -> Iterator[Result]:
                 if stream_text:
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
+            elif isinstance(event, Failed):
+                for task in tasks.values():
+                    bar.remove_task(task)
+                tasks.clear()
+                yield event
             elif isinstance(event, Result):
                 if stream_text:
                     sys.stdout.write("\n")

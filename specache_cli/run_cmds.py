@@ -11,7 +11,7 @@ import typer
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import BadArgument, BatchFailures, EmptyDocument, InputNotFound, SpecacheError
-from engine.pipeline import STRATEGIES, Runner, ask_many, summarize_many
+from engine.pipeline import STRATEGIES, Failed, Runner, ask_many, summarize_many
 from engine.profiles import model_defaults
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
@@ -212,14 +212,18 @@ def summarize_cmd(
     good = iter(render_jobs(summarize_many(session.runner, [(d.text, d.source) for _, d in docs], stream=stream),
                             quiet, stream)) if docs else iter(())
     for i, source in enumerate(files):
-        if i in errors:
-            exc = errors[i]
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        item = errors.get(i) or next(good)
+        if isinstance(item, Failed):
+            if not many:
+                raise item.error
+            item = errors[i] = item.error
+        if isinstance(item, SpecacheError):
+            err_console.print(f"[bold red]error:[/] {item}", highlight=False, soft_wrap=True)
             if structured:
-                emit_json({"source": source, "error": {"code": exc.code, "exit_code": exc.exit_code,
-                                                       "message": str(exc)}}, jsonl)
+                emit_json({"source": source, "error": {"code": item.code, "exit_code": item.exit_code,
+                                                       "message": str(item)}}, jsonl)
             continue
-        output([next(good)], structured, jsonl, quiet, header=not stream)
+        output([item], structured, jsonl, quiet, header=not stream)
     if errors:
         raise BatchFailures(f"{len(errors)} of {len(files)} documents failed")
 

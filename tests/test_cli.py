@@ -121,6 +121,18 @@ def test_batch_continues_after_a_bad_file(cli):
     assert first["text"] is not None and second["error"]["code"] == "corrupt_document"
 
 
+def test_batch_continues_after_a_document_the_model_cannot_take(cli):
+    """A model-time error (too long for --strategy single) fails that document only, in its place."""
+    long_doc = DATA.parent.parent / "examples" / "texts" / "origin-of-species-introduction.txt"  # > 1024 tokens
+    r = cli("summarize", str(long_doc), str(DATA / "sample.txt"), "--strategy", "single", "--max-tokens", "3", "--jsonl")
+    assert r.exit_code == 13, r.stderr
+    first, second = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert first["error"]["code"] == "too_long" and first["source"].endswith("introduction.txt")
+    assert second["source"].endswith("sample.txt") and second["generated_tokens"] >= 1
+    single = cli("summarize", str(long_doc), "--strategy", "single", "--max-tokens", "3")
+    assert single.exit_code == 9 and single.stderr.startswith("error:")  # one document: its own exit code
+
+
 def test_missing_model_folder(tmp_path):
     r = CliRunner().invoke(app, ["summarize", str(DATA / "sample.txt"), "--model", str(tmp_path / "no")])
     assert r.exit_code == 10
