@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -183,7 +185,7 @@ def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: Ge
     outputs: list[list[int]] = [[] for _ in range(batch)]
     finished = [False] * batch
     steps = 0
-    for next_ids, _ in decoder_for(cache_config)(model, cache, torch.stack(last), pick):
+    for next_ids, _ in decoder_for(cache_config)(model, cache, torch.stack(last), pick, history=prompts):
         steps += 1
         emitted: list[int | None] = []
         for r, t in enumerate(next_ids.tolist()):
@@ -218,7 +220,8 @@ def save_row(store: StoreUse, cache: KVCache, row: int, key: str, ids: list[int]
 Picker = Callable[[torch.Tensor], torch.Tensor]  # logits [B, V] -> next ids [B]
 
 
-def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
+                history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One token per step. logits [B, V] are the prefill's last logits. Yields (ids [B], the logits they came from)."""
     rows = slice(0, cache.batch)
     while True:
@@ -228,25 +231,63 @@ def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker) -> It
 
 
 def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
-                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """SpeCache decoding (design page, Algorithms 2 and 3). Yields (output ids [B], their logits) per step."""
+                      history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """SpeCache decoding (design page, Algorithms 2 and 3). Yields (output ids [B], their logits) per step.
+
+    history: each row's tokens so far (its prompt). With it, a missed speculation is re-synced:
+    the speculative token of step t+1 comes from the speculative token of step t, so after one
+    wrong guess the next guesses are conditioned on a wrong token; when the fed guess differs from
+    the output token the step produced, the next guess is instead the token that followed the
+    latest earlier occurrence of that output token in the row (prompt lookup; documents are copied
+    from a lot). Which positions are fetched changes, never correctness."""
     rows = slice(0, cache.batch)
     out = pick(logits)  # T1
     yield out, logits
+    follow = [_follow_table(h) for h in history] if history is not None else None
+    prev = [h[-1] if h else None for h in history] if history is not None else None
     # Pre-decoding: T1 alone against guide + residual; its row picks the first fetch set, its
     # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
     spec = forward(model, cache, out[:, None], rows, keep=0, select=0)[:, -1].argmax(-1)
     while True:
         pair = torch.stack([out, spec], dim=1)  # [B, 2] = [T_t, T'_{t+1}]
         both = forward(model, cache, pair, rows, keep=1, select=1, logits_to_keep=2)  # [B, 2, V]
+        fed = pair[:, 1]
         out = pick(both[:, 0])
         spec = both[:, 1].argmax(-1)
+        if follow is not None:
+            spec = _resync(follow, prev, pair[:, 0], out, fed, spec)
         yield out, both[:, 0]
+
+
+def _follow_table(tokens: list[int]) -> dict[int, int]:
+    """token -> the token after its latest occurrence."""
+    return {a: b for a, b in zip(tokens, tokens[1:])}
+
+
+def _resync(follow, prev, current: torch.Tensor, out: torch.Tensor, fed: torch.Tensor,
+            spec: torch.Tensor) -> torch.Tensor:
+    """Record the committed tokens and replace the guesses that followed a missed one (see speculative_steps)."""
+    cur, nxt, guessed, new = current.tolist(), out.tolist(), fed.tolist(), spec.tolist()
+    for r in range(len(cur)):
+        if prev[r] is not None:
+            follow[r][prev[r]] = cur[r]
+        prev[r] = cur[r]
+        if guessed[r] != nxt[r]:
+            following = nxt[r] if cur[r] == nxt[r] else follow[r].get(nxt[r])
+            if following is not None:
+                new[r] = following
+    return torch.tensor(new, dtype=spec.dtype, device=spec.device)
 
 
 def decoder_for(config: CacheConfig):
     """The step loop of a cache mode: speculative for specache with k > 0, plain otherwise."""
-    return speculative_steps if config.mode == "specache" and config.k > 0 else plain_steps
+    if config.mode == "specache" and config.k > 0:
+        return speculative_steps if config.resync else functools.partial(_without_history, speculative_steps)
+    return plain_steps
+
+
+def _without_history(steps, *args, history=None, **kwargs):
+    return steps(*args, **kwargs)
 
 
 @torch.inference_mode()
@@ -259,7 +300,7 @@ def teacher_forced(model, prompt: list[int], forced: list[int], cache_config: Ca
     *_, last = prefill(model, cache, prompt, 0, cache_config.chunk_size)
     it = iter(forced)
     pick: Picker = lambda logits: torch.tensor([next(it)], device=logits.device)  # noqa: E731
-    for i, (_, logits) in enumerate(decoder_for(cache_config)(model, cache, last[None], pick)):
+    for i, (_, logits) in enumerate(decoder_for(cache_config)(model, cache, last[None], pick, history=[prompt])):
         yield logits[0]
         if i + 1 == len(forced):
             return

@@ -232,6 +232,7 @@ def test_mode_labels():
     assert parse_mode("hf").config is None and parse_mode("specache").is_default_specache
     assert not parse_mode("specache-1b").is_default_specache
     assert parse_mode("specache-both").config.select_both and not parse_mode("specache-spec").config.select_both
+    assert parse_mode("specache-resync").config.resync and not parse_mode("specache-noresync").config.resync
     model = {"bits": 2, "group": 64, "k": 512}  # a model profile's defaults (engine.profiles.model_defaults)
     assert parse_mode("specache", model).config.k == 512 and parse_mode("specache", model).is_default_specache
     assert parse_mode("specache-k64", model).config.k == 64 and parse_mode("kivi", model).config.k == 0

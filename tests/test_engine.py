@@ -218,3 +218,31 @@ def test_shared_prefix_batch_equals_separate_runs(tiny_model, mode):
                   if isinstance(e, Finished))
     separate = [run(tiny_model, [p], config, gen).tokens[0] for p in prompts]
     assert shared.tokens == separate
+
+
+def test_resync_after_a_missed_speculation_uses_prompt_lookup():
+    from engine.decode import _follow_table, _resync
+
+    prompt = [10, 11, 12, 10, 13]
+    assert _follow_table(prompt) == {10: 13, 11: 12, 12: 10}  # the latest occurrence wins
+    follow, prev = [_follow_table(prompt), _follow_table(prompt)], [13, 13]
+    current = torch.tensor([20, 20])  # T_t, committed by this step
+    fed = torch.tensor([21, 10])  # the guesses fed for T_{t+1}
+    out = torch.tensor([10, 10])  # T_{t+1}: row 0 missed, row 1 guessed right
+    spec = torch.tensor([99, 98])  # the model's next guesses
+    got = _resync(follow, prev, current, out, fed, spec)
+    assert got.tolist() == [13, 98]  # row 0: what followed the latest 10; row 1 keeps the model's guess
+    assert follow[0][13] == 20 and prev == [20, 20]  # the committed token joined the history
+    # a repeated token: its latest occurrence is the token just committed
+    assert _resync([{}], [None], torch.tensor([7]), torch.tensor([7]), torch.tensor([8]), torch.tensor([1])).tolist() == [7]
+    # nothing to look up: the model's guess stays
+    assert _resync([{}], [None], torch.tensor([7]), torch.tensor([5]), torch.tensor([8]), torch.tensor([1])).tolist() == [1]
+
+
+def test_resync_keeps_the_exactness_limit(tiny_model, reference):
+    """Re-syncing changes which positions are fetched, never correctness: with k >= context the
+    output still equals DynamicCache's, with and without it."""
+    ps, refs = reference
+    for resync in (True, False):
+        config = CacheConfig(mode="specache", k=4096, group=32, residual=16, resync=resync)
+        assert run(tiny_model, ps, config).tokens == refs

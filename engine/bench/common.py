@@ -6,7 +6,8 @@ Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode one of full, specache
 ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual window,
 ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``both`` / ``spec`` (the fetch
 set is selected with the output token's attention as well as the speculative token's, or
-with the speculative token's alone). Unset options keep the model's defaults (bits, group,
+with the speculative token's alone), ``resync`` / ``noresync`` (re-sync a missed speculation by
+prompt lookup, or keep the paper's chain). Unset options keep the model's defaults (bits, group,
 k: ``engine.profiles.model_defaults``, what ``summarize``/``ask`` use) when the benches pass
 them, else engine.config.CacheConfig's, so ``specache`` is the setting users get.
 ``window`` without ``w<n>`` is sized to the device bytes of specache with the same bits / k /
@@ -71,6 +72,9 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
     for opt in parts[1:]:
         if opt.lower() in ("both", "spec"):  # select with the output token's attention too, or not
             fields["select_both"] = opt.lower() == "both"
+            continue
+        if opt.lower() in ("resync", "noresync"):  # prompt-lookup re-sync after a missed speculation, or not
+            fields["resync"] = opt.lower() == "resync"
             continue
         m = _OPTION.match(opt.lower())
         if not m:

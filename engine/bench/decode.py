@@ -31,7 +31,7 @@ def engine_steps(model, config, prompts: list[list[int]], extra: int) -> Iterato
     cache = make_cache(model.config, config, len(prompts), max(map(len, prompts)) + extra + 4, param.dtype,
                        param.device)
     lasts = [list(prefill(model, cache, p, row, config.chunk_size))[-1] for row, p in enumerate(prompts)]
-    loop = decoder_for(config)(model, cache, torch.stack(lasts), lambda x: x.argmax(-1))
+    loop = decoder_for(config)(model, cache, torch.stack(lasts), lambda x: x.argmax(-1), history=prompts)
     next(loop)  # the first token comes from the prefill logits (no model call)
     for _ in loop:
         yield

@@ -116,7 +116,7 @@ def free_run(model, prompt: list[int], config: CacheConfig, n: int, stops: Seque
     cache = make_cache(model.config, config, 1, len(prompt) + n + 2, param.dtype, param.device)
     *_, last = prefill(model, cache, prompt, 0, config.chunk_size)
     tokens, logps = [], []
-    for ids, logits in decoder_for(config)(model, cache, last[None], lambda x: x.argmax(-1)):
+    for ids, logits in decoder_for(config)(model, cache, last[None], lambda x: x.argmax(-1), history=[prompt]):
         t = int(ids[0])
         if t in stops:
             break

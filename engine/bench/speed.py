@@ -75,7 +75,7 @@ def time_engine(model, config, prompts: list[list[int]], steps: int) -> dict:
     _sync(dev)
     prefill_s = time.perf_counter() - t0
     times: list[float] = []
-    loop = decoder_for(config)(model, cache, torch.stack(lasts), lambda x: x.argmax(-1))
+    loop = decoder_for(config)(model, cache, torch.stack(lasts), lambda x: x.argmax(-1), history=prompts)
     t = time.perf_counter()
     for i, _ in enumerate(loop):  # item 0 comes from the prefill logits: no model call
         _sync(dev)
