@@ -26,7 +26,7 @@ class CacheConfig:
     chunk_size: int = 512  # prefill chunk, tokens
     measure_hits: bool = False  # specache: measure the prefetch hit rate (costs a full attention per step)
     select_both: bool = False  # specache: select with the output token's attention as well as the speculative one's
-    resync: bool = False  # specache: after a missed speculation, guess the next token by prompt lookup
+    resync: bool = True  # specache: after a missed speculation, guess the next token by prompt lookup
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
