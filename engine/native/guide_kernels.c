@@ -385,6 +385,19 @@ static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes
     }
 }
 
+/* keys_item's scratch: floats for its tables, transposed queries, tile and scale/zero, followed
+ * by its gathered bit words (two groups, uint64) at keys_words(); the words take
+ * keys_words_floats() floats. */
+static size_t keys_scratch_floats(int64_t D, int64_t g) {
+    return (size_t)(D / 4) * 16 * LANES + (size_t)D * LANES + (size_t)g * LANES + 2 * (size_t)D;
+}
+static size_t keys_words_floats(int64_t D, int64_t g, int64_t bits) {
+    return 2 * (2 * (size_t)bits * g * ((D + 63) / 64)); /* 2 floats per uint64 */
+}
+static uint64_t *keys_words(float *scratch, int64_t D, int64_t g) {
+    return (uint64_t *)(scratch + keys_scratch_floats(D, g));
+}
+
 /* scores[b, h, q, l] = sum_d q[b, h, q, d] * K[b, h, l, d] for l < n (n % g == 0).
  * q: fp32, element (b, h, i, d) at q + b*q_sb + h*q_sh + i*q_sq + d.
  * codes: (b, h) block at codes + b*c_sb + h*c_sh, groups contiguous [J][bits][g][D/8].
@@ -401,9 +414,7 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
     if (nthreads > 1) split = (4 * nthreads + base - 1) / base; /* ~4 items per thread */
     if (split > J) split = J;
     const int64_t items = base * split;
-    const size_t wwords = 2 * (size_t)bits * g * ((D + 63) / 64); /* gathered bit words (2 groups), u64 */
-    const size_t sfloats = (size_t)(D / 4) * 16 * LANES + (size_t)D * LANES + (size_t)g * LANES + 2 * (size_t)D
-                           + 2 * wwords;
+    const size_t sfloats = keys_scratch_floats(D, g) + keys_words_floats(D, g, bits);
     int failed = 0;
 #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
     {
@@ -420,7 +431,7 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
             keys_item(q + b * q_sb + h * q_sh + q0 * q_sq, q_sq, nl, codes + b * c_sb + h * c_sh,
                       scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh,
                       out + ((b * H + h) * Q + q0) * n, n, j0, j1, (int)D, (int)g, (int)bits, scratch,
-                      (uint64_t *)(scratch + sfloats - 2 * wwords));
+                      keys_words(scratch, D, g));
         }
         free(scratch);
     }
@@ -467,6 +478,13 @@ static void transpose_rows(const uint8_t *rows, int D, uint64_t *out) {
         for (int r = 0; r < 8; r++) w |= (uint64_t)rows[(size_t)r * D + d] << (8 * r);
         out[d] = w;
     }
+}
+
+/* values_item's scratch: floats for its tables, transposed probabilities and scale/zero,
+ * followed by its transposed code words ([2][D] uint64, 4 D floats) at values_words(). */
+static size_t values_scratch_floats(int64_t ng) { return 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng; }
+static uint64_t *values_words(float *scratch, int64_t ng) {
+    return (uint64_t *)(scratch + values_scratch_floats(ng));
 }
 
 /* Partial p @ V of query block [nl <= 8] over value blocks [k0, k1) of one (b, h):
@@ -558,7 +576,7 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
     const size_t part_floats = (size_t)(D + ng) * LANES;
     float *parts = scratch_alloc(part_floats * (size_t)items);
     if (!parts) return -1;
-    const size_t sfloats = 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng + 4 * (size_t)D; /* + words */
+    const size_t sfloats = values_scratch_floats(ng) + 4 * (size_t)D;
     int failed = 0;
 #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
     {
@@ -575,7 +593,7 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
             float *acc = parts + (size_t)it * part_floats;
             values_item(p + b * p_sb + h * p_sh + q0 * p_sq, p_sq, nl, n, codes + b * c_sb + h * c_sh,
                         scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh, k0, k1, (int)D, (int)gv, (int)bits,
-                        acc, acc + (size_t)D * LANES, scratch, (uint64_t *)(scratch + sfloats - 4 * (size_t)D));
+                        acc, acc + (size_t)D * LANES, scratch, values_words(scratch, ng));
         }
         free(scratch);
     }
@@ -760,10 +778,9 @@ static void top_k(const float *val, int64_t m, int64_t k, int32_t *idx, int32_t 
 
 /* Scratch floats one (b, h) item needs for up to L columns. */
 static size_t decode_scratch_floats(const DecodeArgs *a, int64_t L) {
-    const int64_t Q = a->G * a->T, D = a->D, g = a->g, ng = D / a->gv;
-    const size_t kw = 2 * (size_t)a->bits * g * ((D + 63) / 64);
-    const size_t keys = (size_t)(D / 4) * 16 * LANES + (size_t)D * LANES + (size_t)g * LANES + 2 * (size_t)D + 2 * kw;
-    const size_t vals = 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng + 4 * (size_t)D + (size_t)(D + ng) * LANES;
+    const int64_t Q = a->G * a->T, D = a->D, ng = D / a->gv;
+    const size_t keys = keys_scratch_floats(D, a->g) + keys_words_floats(D, a->g, a->bits);
+    const size_t vals = values_scratch_floats(ng) + 4 * (size_t)D + (size_t)(D + ng) * LANES; /* + acc, zacc */
     size_t big = keys > vals ? keys : vals;
     big = big > 2048 ? big : 2048; /* top_k's histogram */
     return (size_t)Q * L + 4 * (size_t)L + (size_t)Q * D + 3 * (size_t)a->K + (size_t)a->K / 4 + 1 + big + 64;
@@ -798,14 +815,11 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     /* 1. scores */
     if (n > 0) {
         const int64_t g = a->g;
-        const size_t kw = 2 * (size_t)a->bits * g * ((D + 63) / 64);
         for (int64_t q0 = 0; q0 < Q; q0 += LANES) {
             const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
             keys_item(q + q0 * D, D, nl, a->kc + r * a->kc_sb + h * a->kc_sh, a->ks + r * a->ks_sb + h * a->ks_sh,
                       a->kz + r * a->ks_sb + h * a->ks_sh, scores + q0 * Lmax, Lmax, 0, n / g, (int)D, (int)g,
-                      (int)a->bits, work, (uint64_t *)(work + ((size_t)(D / 4) * 16 * LANES + (size_t)D * LANES
-                                                               + (size_t)g * LANES + 2 * (size_t)D)));
-            (void)kw;
+                      (int)a->bits, work, keys_words(work, D, g));
         }
     }
     for (int64_t i = 0; i < Q; i++) {
@@ -848,13 +862,12 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         const int64_t ng = D / a->gv;
         float *acc = work, *zacc = acc + (size_t)D * LANES, *vscr = zacc + (size_t)ng * LANES;
         vscr = (float *)(((uintptr_t)vscr + ALIGN - 1) / ALIGN * ALIGN);
-        const size_t vfloats = 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng;
         for (int64_t q0 = 0; q0 < Q; q0 += LANES) {
             const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
             values_item(scores + q0 * Lmax, Lmax, nl, n, a->vc + r * a->vc_sb + h * a->vc_sh,
                         a->vs + r * a->vs_sb + h * a->vs_sh, a->vz + r * a->vs_sb + h * a->vs_sh, 0,
                         (n + VB - 1) / VB, (int)D, (int)a->gv, (int)a->bits, acc, zacc, vscr,
-                        (uint64_t *)(vscr + vfloats));
+                        values_words(vscr, ng));
             for (int l = 0; l < nl; l++) {
                 float *o = out + (q0 + l) * D;
                 for (int64_t d = 0; d < D; d++) o[d] += acc[d * LANES + l] + zacc[(d / a->gv) * LANES + l];
