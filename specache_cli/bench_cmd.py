@@ -11,8 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.bench.common import BenchProgress, BenchResult, default_doc, fmt, parse_floats, parse_ints, parse_modes, \
-    write_atomic
+from engine.bench.common import BenchProgress, BenchResult, default_doc, fmt, parse_floats, parse_ints, parse_mode, \
+    parse_modes, write_atomic
 from engine.errors import BadArgument
 from engine.profiles import model_defaults
 from specache_cli.console import err_console, guarded
@@ -57,6 +57,13 @@ def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optiona
         err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}), window {lm.max_context} tokens, "
                           f"loaded in {lm.load_seconds:.1f} s[/]", highlight=False)
     return lm
+
+
+def _with_model_defaults(specs: list, lm) -> list:
+    """The mode labels again (validated before the model load), now over the model's defaults:
+    what `summarize` and `ask` would use for it."""
+    defaults = model_defaults(lm)
+    return [parse_mode(spec.label, defaults) for spec in specs]
 
 
 def _texts(docs: list[str], default: str):
@@ -126,7 +133,7 @@ def needle_cmd(
         raise BadArgument("--max-tokens must be >= 1")
     texts = _texts(doc, "long-report.pdf")
     lm = _load_model(model, device, quiet, threads)
-    specs = parse_modes(modes, defaults=model_defaults(lm))  # labels validated above; now with the model's defaults
+    specs = _with_model_defaults(specs, lm)
     if lengths:
         length_list = parse_ints(lengths, "--lengths", minimum=64)
     else:
@@ -180,7 +187,7 @@ def fidelity_cmd(
         raise BadArgument("--context must be >= 64")
     texts = _texts(doc, "report.pdf")
     lm = _load_model(model, device, quiet, threads)
-    specs = parse_modes(modes or (FIDELITY_QUICK_MODES if quick else FIDELITY_MODES), defaults=model_defaults(lm))  # labels validated above; now with the model's defaults
+    specs = _with_model_defaults(specs, lm)
     result = _drive(run_fidelity(lm, texts, specs, n_tokens, ctx, quick), quiet)
     _save(out, "fidelity", result, fidelity_markdown(result), quiet)
     if json_out:
@@ -231,7 +238,7 @@ def speed_cmd(
         raise BadArgument("--tokens and --repeats must be >= 1, --warmup >= 0")
     texts = _texts(doc, "long-report.pdf")
     lm = _load_model(model, device, quiet, threads)
-    specs = parse_modes(modes or (SPEED_QUICK_MODES if quick else SPEED_MODES), allow_hf=True, defaults=model_defaults(lm))  # labels validated above; now with the model's defaults
+    specs = _with_model_defaults(specs, lm)
     steps = n_warmup + n_tokens * n_repeats
     if lengths:
         length_list = parse_ints(lengths, "--lengths", minimum=16)
@@ -283,7 +290,7 @@ def decode_cmd(
         raise BadArgument("--length must be >= 16")
     texts = _texts(doc, "long-report.pdf")
     lm = _load_model(model, device, quiet, threads)
-    specs = parse_modes(modes or (DECODE_QUICK_MODES if quick else DECODE_MODES), allow_hf=True, defaults=model_defaults(lm))  # labels validated above; now with the model's defaults
+    specs = _with_model_defaults(specs, lm)
     ctx = min(length or (256 if quick else 6500), lm.max_context - n_burst * n_repeats - 8)
     result = _drive(run_decode(lm, texts, specs, ctx, batch_list, n_burst, n_repeats, quick), quiet)
     _save(out, "decode", result, decode_markdown(result), quiet)
