@@ -8,8 +8,6 @@
 """
 from __future__ import annotations
 
-import functools
-
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -234,17 +232,19 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
                       history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """SpeCache decoding (design page, Algorithms 2 and 3). Yields (output ids [B], their logits) per step.
 
-    history: each row's tokens so far (its prompt). With it, a missed speculation is re-synced:
-    the speculative token of step t+1 comes from the speculative token of step t, so after one
-    wrong guess the next guesses are conditioned on a wrong token; when the fed guess differs from
-    the output token the step produced, the next guess is instead the token that followed the
-    latest earlier occurrence of that output token in the row (prompt lookup; documents are copied
-    from a lot). Which positions are fetched changes, never correctness."""
+    history: each row's tokens so far (its prompt). With it and cache.config.resync, a missed
+    speculation is re-synced: the speculative token of step t+1 comes from the speculative token
+    of step t, so after one wrong guess the next guesses are conditioned on a wrong token; when
+    the fed guess differs from the output token the step produced, the next guess is instead the
+    token that followed the latest earlier occurrence of that output token in the row (prompt
+    lookup; documents are copied from a lot). Which positions are fetched changes, never
+    correctness."""
     rows = slice(0, cache.batch)
     out = pick(logits)  # T1
     yield out, logits
-    follow = [_follow_table(h) for h in history] if history is not None else None
-    prev = [h[-1] if h else None for h in history] if history is not None else None
+    resync = history is not None and cache.config.resync
+    follow = [_follow_table(h) for h in history] if resync else None
+    prev = [h[-1] if h else None for h in history] if resync else None
     # Pre-decoding: T1 alone against guide + residual; its row picks the first fetch set, its
     # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
     spec = forward(model, cache, out[:, None], rows, keep=0, select=0)[:, -1].argmax(-1)
@@ -281,13 +281,7 @@ def _resync(follow, prev, current: torch.Tensor, out: torch.Tensor, fed: torch.T
 
 def decoder_for(config: CacheConfig):
     """The step loop of a cache mode: speculative for specache with k > 0, plain otherwise."""
-    if config.mode == "specache" and config.k > 0:
-        return speculative_steps if config.resync else functools.partial(_without_history, speculative_steps)
-    return plain_steps
-
-
-def _without_history(steps, *args, history=None, **kwargs):
-    return steps(*args, **kwargs)
+    return speculative_steps if config.mode == "specache" and config.k > 0 else plain_steps
 
 
 @torch.inference_mode()
