@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 import torch
 
 from engine.bench.common import HF_MODE, BenchProgress, BenchResult, ModeSpec, envelope, target
-from engine.bench.speed import make_prompts
+from engine.bench.speed import _sync, make_prompts
 
 TARGET_VS_FULL = 1.5
 TARGET_VS_HF = 2.5
@@ -137,8 +137,3 @@ def targets(rows: list[dict], modes: Sequence[ModeSpec], batches: Sequence[int])
             if v is not None:
                 out.append(target(f"{spec.label} decode vs {name}, batch {batch}", f">= {goal}x", v, v >= goal))
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
