@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from engine.errors import BadArgument
 
 CACHE_MODES = ("full", "specache", "kivi", "window")
+PREFETCH = ("speculative", "current")
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,16 @@ class CacheConfig:
     measure_hits: bool = False  # specache: measure the prefetch hit rate (costs a full attention per step)
     select_both: bool = False  # specache: select with the output token's attention as well as the speculative one's
     resync: bool = True  # specache: after a missed speculation, guess the next token by prompt lookup
+    # specache: speculative = the design's two tokens per step, the next step's set picked by the
+    # speculative token; current = one token per step that picks its own set from its guide
+    # attention, then attends (the paper's non-speculative baseline: no transfer to hide on a CPU)
+    prefetch: str = "speculative"
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
             raise BadArgument(f"--cache must be one of {', '.join(CACHE_MODES)}, not {self.mode!r}")
+        if self.prefetch not in PREFETCH:
+            raise BadArgument(f"--prefetch must be one of {', '.join(PREFETCH)}, not {self.prefetch!r}")
         if self.bits not in (1, 2):
             raise BadArgument(f"--bits must be 1 or 2, not {self.bits}")
         if self.group not in (32, 64):

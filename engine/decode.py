@@ -1,7 +1,7 @@
 """Chunked prefill and the decoders, as generators that yield progress and tokens.
 
     prompt ids -> prefill (chunk by chunk into the cache) -> decode
-    full / kivi / window: one token per step.
+    full / kivi / window, and specache with prefetch "current": one token per step.
     specache: pre-decoding, then two tokens per step [T_t, T'_{t+1}]: the output token,
     attending with the exact K/V fetched for it, and a speculative token whose attention
     row picks (per layer, per KV head) the positions to fetch for the next step.
@@ -280,8 +280,10 @@ def _resync(follow, prev, current: torch.Tensor, out: torch.Tensor, fed: torch.T
 
 
 def decoder_for(config: CacheConfig):
-    """The step loop of a cache mode: speculative for specache with k > 0, plain otherwise."""
-    return speculative_steps if config.mode == "specache" and config.k > 0 else plain_steps
+    """The step loop of a cache mode: speculative for specache with k > 0 (unless its prefetch is
+    "current": one token per step, each layer picking its own fetched set), plain otherwise."""
+    speculate = config.mode == "specache" and config.k > 0 and config.prefetch == "speculative"
+    return speculative_steps if speculate else plain_steps
 
 
 @torch.inference_mode()

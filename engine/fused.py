@@ -35,6 +35,7 @@ class FusedDecode:
         a.bits, a.g, a.gv = guide.bits, guide.keys.group, guide.values.group
         a.residual, a.nthreads = layer.residual, native.threads()
         a.select_both = int(layer.config.select_both)
+        a.current = int(layer.config.prefetch == "current")
         a.qend = layer.qend.data_ptr()
         self._pair(a, ("sink_k", "sink_v", "sk"), layer.sink_k, layer.sink_v)
         self._pair(a, ("res_k", "res_v", "rk"), layer.res_k, layer.res_v)

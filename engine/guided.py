@@ -11,7 +11,9 @@ Attention of the new tokens (design page, Decoding):
   output = guide values weighted by the guide-only probabilities + exact values elsewhere.
 With select = t, the t-th new token's probabilities, summed over the query heads of each KV
 head, pick the top-k positions that will be in the guide at the next step; their exact K/V
-are prefetched from the host store while the rest of the step runs.
+are prefetched from the host store while the rest of the step runs. With prefetch "current"
+(one new token), the token's own probabilities with guide scores pick the set first and the
+pass attends with it (nothing to overlap: the paper's non-speculative baseline).
 """
 from __future__ import annotations
 
@@ -203,16 +205,7 @@ class GuidedLayer:
         if s:
             sink_scores = (qg @ self.sink_k[rows, :, :s].transpose(-1, -2)).float() * scaling
             scores[..., :s] = sink_scores
-        # 3. fetched set: exact scores at the selected positions
-        kf = self.topk if nq else 0
-        if kf:
-            fk, fv = self.store.fetched(rows)
-            idx = torch.where(self.fvalid[rows], self.fidx[rows], nq)  # [b, H_kv, k]; invalid -> trash
-            fscores = (qg @ fk.transpose(-1, -2)).float() * scaling  # [b, H_kv, GT, k]
-            scores.scatter_(-1, idx[:, :, None, :].expand(-1, -1, g * t, -1), fscores)
-        # mask quantized columns beyond each row's qend (and the trash column)
-        scores.masked_fill_((cols[None, :] >= qend[:, None])[:, None, None, :], NEG_INF)
-        # 4. residual + new tokens, exact and causal
+        # 3. residual + new tokens, exact and causal
         n_res = int((step.start + t - qend).max())
         rk, rv = self.res_k[rows, :, :n_res], self.res_v[rows, :, :n_res]
         rscores = (qg @ rk.transpose(-1, -2)).float() * scaling  # [b, H_kv, GT, n_res]
@@ -220,6 +213,17 @@ class GuidedLayer:
         qpos = step.positions()  # [b, T]
         visible = rpos[:, None, :] <= qpos[:, :, None]  # [b, T, n_res]
         rscores.masked_fill_(~visible.repeat(1, g, 1)[:, None], NEG_INF)
+        out_of_rows = (cols[None, :] >= qend[:, None])[:, None, None, :]  # quantized columns beyond a row's qend
+        # 4. fetched set: exact scores at the selected positions
+        kf = self.topk if nq else 0
+        if kf and self.config.prefetch == "current":  # this pass picks its own set first
+            self.select_current(scores.masked_fill(out_of_rows, NEG_INF), rscores, step, nq, qend)
+        if kf:
+            fk, fv = self.store.fetched(rows)
+            idx = torch.where(self.fvalid[rows], self.fidx[rows], nq)  # [b, H_kv, k]; invalid -> trash
+            fscores = (qg @ fk.transpose(-1, -2)).float() * scaling  # [b, H_kv, GT, k]
+            scores.scatter_(-1, idx[:, :, None, :].expand(-1, -1, g * t, -1), fscores)
+        scores.masked_fill_(out_of_rows, NEG_INF)  # (and the trash column)
         # 5. one softmax
         probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)
         pg, pr = probs[..., : nq + 1], probs[..., nq + 1 :]
@@ -261,6 +265,16 @@ class GuidedLayer:
         self.hits += int((fetched[..., :nq].gather(-1, top) & real).sum())
         self.hit_total += int(real.sum())
 
+    def select_current(self, scores, rscores, step: Step, nq: int, qend) -> None:
+        """prefetch "current" (T = 1): the top-k positions of this pass's own attention with guide
+        scores (sinks and residual exact), summed over the query heads of each KV head, become its
+        fetched set before it attends."""
+        if nq <= self.sinks:
+            self.fvalid[step.rows] = False
+            return
+        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)
+        self.fetch_top(probs[..., :nq].sum(dim=2), qend, step.rows)  # [b, H_kv, nq]
+
     def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
         """Top-k positions of the selecting token (summed over its KV head's query heads), among those
         that will be in the guide at the next step; start fetching their exact K/V."""
@@ -280,10 +294,16 @@ class GuidedLayer:
             cand.scatter_(-1, rpos[:, None, :].expand(-1, h, -1), p[..., nq + 1 :])
         else:  # the usual step: the candidates are the guide region itself
             cand = p[..., :span]
-        pos = torch.arange(cand.shape[-1], device=p.device)
-        out_of_guide = (pos[None, :] >= next_q[:, None]) | (pos[None, :] < self.sinks)  # [b, L]
+        self.fetch_top(cand, next_q, rows)
+
+    def fetch_top(self, cand: torch.Tensor, bound: torch.Tensor, rows: slice) -> None:
+        """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0) become the rows'
+        fetched set; start fetching their exact K/V."""
+        b, h = cand.shape[:2]
+        pos = torch.arange(cand.shape[-1], device=cand.device)
+        out_of_guide = (pos[None, :] >= bound[:, None]) | (pos[None, :] < self.sinks)  # [b, L]
         cand = cand.masked_fill(out_of_guide[:, None, :], -1.0)
-        n = min(self.topk, span)
+        n = min(self.topk, cand.shape[-1])
         top, idx = cand.topk(n, dim=-1, sorted=False)  # [b, H_kv, n]
         valid = top >= 0
         idx = idx.masked_fill(~valid, 0)  # unused slots fetch position 0 (ignored)
@@ -316,6 +336,8 @@ class GuidedLayer:
         first = layers[0]
         stats = {"bits": first.config.bits, "group": first.group, "k": first.topk, "residual": first.residual,
                  "sinks": first.sinks}
+        if first.topk:
+            stats["prefetch"] = first.config.prefetch
         if first.config.measure_hits:
             hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
             stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None

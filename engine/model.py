@@ -170,60 +170,11 @@ def load_model(
     return LoadedModel(model, tokenizer, name, path, fingerprint(path), max_context, time.perf_counter() - start)
 
 
-class SkinnyLinear(torch.nn.Linear):
-    """nn.Linear that is fast for a few rows of input (decode steps) on the CPU.
-
-    For 1-8 fp32 rows it calls the native kernel (engine/native/linear_kernels.c), which streams
-    the weights once in memory order: about 2x the BLAS at 1 row. Without it, W @ x^T: the
-    BLAS's x @ W^T path packs the weight matrix for 2-8 rows, so a speculative step (2 tokens)
-    cost about twice a 1-token step. Prefill chunks (many rows) keep the ordinary path. Same
-    result up to float rounding order."""
-
-    SKINNY_ROWS = 8
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > self.SKINNY_ROWS or x.device.type != "cpu":
-            return super().forward(x)
-        y = native_linear(x.reshape(rows, -1), self.weight, self.bias)
-        if y is None:
-            y = (self.weight @ x.reshape(rows, -1).T).T
-            if self.bias is not None:
-                y = y + self.bias
-        return y.reshape(*x.shape[:-1], -1)
-
-
-def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [R <= 8, K] @ weight[N, K]^T (+ bias) by the native kernel; None where it does not apply
-    (not available, not fp32, not contiguous, or gradients wanted)."""
-    from engine import native
-
-    lib = native.lib()
-    if lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return None
-    if not weight.is_contiguous() or x.stride(-1) != 1 or (bias is not None and not bias.is_contiguous()):
-        return None
-    rows, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(rows, n, dtype=torch.float32)
-    rc = lib.specache_skinny_linear(x.data_ptr(), x.stride(0), rows, weight.data_ptr(), n, k,
-                                    bias.data_ptr() if bias is not None else None, y.data_ptr(), n, native.threads())
-    return y if rc == 0 else None
-
-
-def use_skinny_linears(model: torch.nn.Module) -> None:
-    """Make every plain nn.Linear of the model a SkinnyLinear (same parameters, new forward)."""
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.__class__ = SkinnyLinear
-
-
 def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     """Switch an already built model (e.g. a test's random one) to the engine's attention function
-    and, on the CPU, to linears that are fast for decode steps."""
+    and, on the CPU, to linears that are fast for decode steps (engine/linears.py)."""
     import engine.attention  # noqa: F401
+    from engine.linears import use_skinny_linears
 
     model.set_attn_implementation(ATTENTION_NAME)
     use_skinny_linears(model)

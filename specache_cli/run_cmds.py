@@ -33,11 +33,12 @@ class Session:
     documents are reported before any model load)."""
 
     def __init__(self, model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                 temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store=False, cache_max_gb=None):
+                 temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store=False, cache_max_gb=None,
+                 prefetch=None):
         if strategy not in STRATEGIES:
             raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
         self.overrides = dict(bits=bits, group=group, k=k, residual=residual, sinks=sinks, chunk_size=chunk_size,
-                              measure_hits=hit_rate or None)
+                              measure_hits=hit_rate or None, prefetch=prefetch)
         CacheConfig(mode=cache).with_overrides(**self.overrides)  # validate now
         self.mode, self.model, self.device, self.dtype = cache, model, device, dtype
         self.gen = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -108,6 +109,9 @@ K = typer.Option(None, "--k", help="Exact positions fetched per layer and KV hea
 RESIDUAL = typer.Option(None, help="Newest tokens kept exact on the device (default 64).")
 SINKS = typer.Option(None, help="First tokens kept exact on the device (default 4).")
 CHUNK = typer.Option(None, "--chunk-size", help="Prefill chunk size in tokens (default 512).")
+PREFETCH = typer.Option(None, "--prefetch", help="specache: speculative (the method: two tokens per step, the next "
+                        "step's exact K/V fetched ahead) or current (one token per step picks its own; nothing to "
+                        "overlap on a CPU). Default: speculative.")
 BATCH = typer.Option("auto", "--batch", help="Sequences decoded together: auto (memory planner) or a number.")
 MAX_TOKENS = typer.Option(256, "--max-tokens", help="Most tokens to generate per answer.")
 TEMPERATURE = typer.Option(0.0, help="0 is greedy.")
@@ -178,14 +182,14 @@ def summarize_cmd(
     model: Optional[str] = MODEL, device: str = DEVICE, dtype: str = DTYPE, cache: str = CACHE,
     bits: Optional[int] = BITS, group: Optional[int] = GROUP, k: Optional[int] = K,
     residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
-    batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
+    prefetch: Optional[str] = PREFETCH, batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
     seed: int = SEED, strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL,
     password: Optional[str] = PASSWORD, quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
     no_store: bool = NO_STORE, cache_max_gb: Optional[float] = CACHE_MAX_GB, resume: Optional[str] = RESUME,
 ) -> None:
     """Summarize each document (several documents are decoded together in batches)."""
     session = Session(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                      temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store, cache_max_gb)
+                      temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store, cache_max_gb, prefetch)
     structured = json_out or jsonl
     many = len(files) > 1
     if resume is not None:
@@ -237,7 +241,7 @@ def ask_cmd(
     model: Optional[str] = MODEL, device: str = DEVICE, dtype: str = DTYPE, cache: str = CACHE,
     bits: Optional[int] = BITS, group: Optional[int] = GROUP, k: Optional[int] = K,
     residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
-    batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
+    prefetch: Optional[str] = PREFETCH, batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
     seed: int = SEED, strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL,
     password: Optional[str] = PASSWORD, quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
     no_store: bool = NO_STORE, cache_max_gb: Optional[float] = CACHE_MAX_GB,
@@ -251,7 +255,7 @@ def ask_cmd(
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
     session = Session(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                      temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store, cache_max_gb)
+                      temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store, cache_max_gb, prefetch)
     docs = [read_document(source, password, quiet) for source in doc]
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)
     source = ", ".join(d.source for d in docs)

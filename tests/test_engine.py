@@ -246,3 +246,53 @@ def test_resync_keeps_the_exactness_limit(tiny_model, reference):
     for resync in (True, False):
         config = CacheConfig(mode="specache", k=4096, group=32, residual=16, resync=resync)
         assert run(tiny_model, ps, config).tokens == refs
+
+
+def test_current_prefetch_keeps_the_limits_and_steps_one_token_at_a_time(tiny_model, reference, monkeypatch):
+    """prefetch "current": each pass picks its own fetched set, then attends. k >= context: the
+    output equals DynamicCache's; k small: not exact, but batched equals single and it differs
+    from the speculative decoder's output only through which positions were fetched."""
+    import engine.decode as decode
+
+    ps, refs = reference
+    exact = CacheConfig(mode="specache", k=4096, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current")
+    calls = []
+    original = decode.forward
+    monkeypatch.setattr(decode, "forward", lambda model, cache, ids, *a, **kw: calls.append(ids.shape[1]) or
+                        original(model, cache, ids, *a, **kw))
+    assert run(tiny_model, ps, exact).tokens == refs
+    assert set(calls[-(NEW - 1):]) == {1}  # decode passes feed one token each
+    small = CacheConfig(mode="specache", k=8, group=32, residual=16, sinks=2, chunk_size=64, prefetch="current")
+    batched = run(tiny_model, ps, small).tokens
+    assert batched == [run(tiny_model, [p], small).tokens[0] for p in ps]
+    assert batched != refs
+
+
+def test_current_prefetch_selects_the_guides_top_k(tiny_model):
+    """After a pass with prefetch "current", the fetched set of each KV head is the top-k of that
+    pass's own guide attention over [sinks, qend) (checked against a plain recomputation)."""
+    from engine.decode import forward
+    from engine.guided import GuidedLayer
+
+    config = CacheConfig(mode="specache", k=8, group=32, residual=16, sinks=2, chunk_size=64, prefetch="current")
+    (p,) = prompts_of((200,))
+    cache = make_cache(tiny_model.config, config, 1, 260, torch.float32, tiny_model.device)
+    *_, last = prefill(tiny_model, cache, p, 0, config.chunk_size)
+    seen = {}
+    original = GuidedLayer.select_current
+
+    def spy(self, scores, rscores, step, nq, qend):
+        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)[..., :nq].sum(dim=2)  # [1, H_kv, nq]
+        probs[..., : self.sinks] = -1
+        seen[id(self)] = set(probs[0, 0].topk(self.topk).indices.tolist())
+        return original(self, scores, rscores, step, nq, qend)
+
+    import engine.guided
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GuidedLayer, "select_current", spy)
+        mp.setattr(engine.guided, "fused_applies", lambda layer, q: False)
+        forward(tiny_model, cache, last.argmax(-1).view(1, 1), slice(0, 1))
+    assert len(seen) == len(cache.layers)
+    for layer in cache.layers:
+        assert set(layer.fidx[0, 0][layer.fvalid[0, 0]].tolist()) == seen[id(layer)]

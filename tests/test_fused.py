@@ -11,7 +11,7 @@ from engine import native
 from engine.config import CacheConfig, GenerationConfig
 from engine.decode import Finished, generate, teacher_forced
 from engine.kvcache import make_cache
-from engine.model import SkinnyLinear, native_linear
+from engine.linears import SkinnyLinear, native_linear
 
 needs_native = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
 
@@ -74,11 +74,12 @@ def counting_fused(monkeypatch) -> list[int]:
 CONFIGS = [CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64),
            CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=0, chunk_size=64),
            CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64),
-           CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, select_both=True)]
+           CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, select_both=True),
+           CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current")]
 
 
 @needs_native
-@pytest.mark.parametrize("config", CONFIGS, ids=["specache-2b", "specache-1b", "kivi", "select-both"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["specache-2b", "specache-1b", "kivi", "select-both", "current"])
 def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     (prompt,) = prompts_of((300,))
     forced = prompts_of((40,), seed=9)[0]  # forced tokens cross quantization boundaries as they go
@@ -92,9 +93,9 @@ def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
 
 
 @needs_native
-def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypatch):
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
+def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypatch, config):
     prompts = prompts_of((150, 97, 260))
-    config = CONFIGS[0]
     gen = GenerationConfig(max_tokens=24)
     fused = next(e for e in generate(tiny_model, prompts, config, gen) if isinstance(e, Finished))
     monkeypatch.setattr(engine.guided, "fused_applies", lambda layer, q: False)
@@ -103,12 +104,12 @@ def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypa
 
 
 @needs_native
-def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model):
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
+def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, config):
     """The fused path copies only newly selected rows into freed slots: every valid slot must still
     hold the host store's exact K/V at its position, and the positions must be distinct."""
     from engine.decode import decoder_for, prefill
 
-    config = CONFIGS[0]
     (prompt,) = prompts_of((280,))
     cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
     *_, last = prefill(tiny_model, cache, prompt, 0, config.chunk_size)

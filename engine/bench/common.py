@@ -7,7 +7,8 @@ Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode one of full, specache
 ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``both`` / ``spec`` (the fetch
 set is selected with the output token's attention as well as the speculative token's, or
 with the speculative token's alone), ``resync`` / ``noresync`` (re-sync a missed speculation by
-prompt lookup, or keep the paper's chain). Unset options keep the model's defaults (bits, group,
+prompt lookup, or keep the paper's chain), ``current`` / ``speculative`` (prefetch: each pass
+picks its own fetched set and feeds one token, or the design's two-token speculative steps). Unset options keep the model's defaults (bits, group,
 k: ``engine.profiles.model_defaults``, what ``summarize``/``ask`` use) when the benches pass
 them, else engine.config.CacheConfig's, so ``specache`` is the setting users get.
 ``window`` without ``w<n>`` is sized to the device bytes of specache with the same bits / k /
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from engine.config import CACHE_MODES, CacheConfig
+from engine.config import CACHE_MODES, PREFETCH, CacheConfig
 from engine.errors import BadArgument
 
 SCHEMA_VERSION = 1
@@ -68,13 +69,16 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
         return ModeSpec(label, HF_MODE, None)
     if mode not in CACHE_MODES:
         raise BadArgument(f"mode {label!r}: must start with one of {', '.join(CACHE_MODES + (HF_MODE,))}")
-    fields: dict[str, int] = {}
+    fields: dict[str, int | bool | str] = {}
     for opt in parts[1:]:
         if opt.lower() in ("both", "spec"):  # select with the output token's attention too, or not
             fields["select_both"] = opt.lower() == "both"
             continue
         if opt.lower() in ("resync", "noresync"):  # prompt-lookup re-sync after a missed speculation, or not
             fields["resync"] = opt.lower() == "resync"
+            continue
+        if opt.lower() in PREFETCH:
+            fields["prefetch"] = opt.lower()
             continue
         m = _OPTION.match(opt.lower())
         if not m:

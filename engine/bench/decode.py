@@ -1,7 +1,7 @@
 """`specache bench decode`: decode ms per step of several modes measured side by side.
 
-Every mode (and ``hf``: transformers' DynamicCache with SDPA attention, stepped the way
-``generate`` steps it: one forward per token, greedy) gets the same prompts and its own
+Every mode (and ``hf``: stock transformers, i.e. DynamicCache, SDPA attention and plain
+nn.Linear, stepped the way ``generate`` steps it: one forward per token, greedy) gets the same prompts and its own
 prefilled cache; then the modes take turns, `burst` steps each, `repeats` times, and the
 median of each mode's bursts is reported. A load change on a shared machine then hits all
 modes alike, which a one-mode-after-another bench (`bench speed`) cannot promise; the
@@ -38,33 +38,43 @@ def engine_steps(model, config, prompts: list[list[int]], extra: int) -> Iterato
 
 
 def hf_steps(model, prompts: list[list[int]], chunk: int = 512) -> Iterator[None]:
-    """transformers' DynamicCache + SDPA: chunked prefill, then one greedy forward per token."""
+    """Stock transformers (DynamicCache, SDPA, nn.Linear): chunked prefill, then one greedy forward per token."""
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
     ids = torch.tensor(prompts, device=dev)
     cache = DynamicCache(config=model.config)
-    with _attention(model, "sdpa"):
+    with _stock(model):
         for s in range(0, ids.shape[1], chunk):
             logits = model(ids[:, s: s + chunk], cache=cache, use_cache=True).logits[:, -1]
     while True:
         token = logits.argmax(-1, keepdim=True)
-        with _attention(model, "sdpa"):
+        with _stock(model):
             logits = model(token, cache=cache, use_cache=True).logits[:, -1]
         yield
 
 
-class _attention:
-    """Switch the model's attention implementation for a block (the engine's is restored after)."""
+class _stock:
+    """Run a block with stock transformers: SDPA attention and plain nn.Linear modules (the
+    engine's attention function and SkinnyLinears are restored after)."""
 
-    def __init__(self, model, name: str):
-        self.model, self.name = model, name
+    def __init__(self, model):
+        from engine.linears import SkinnyLinear
+
+        self.model = model
+        self.linears = [m for m in model.modules() if isinstance(m, SkinnyLinear)]
 
     def __enter__(self):
         self.previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(self.name)
+        self.model.set_attn_implementation("sdpa")
+        for m in self.linears:
+            m.__class__ = torch.nn.Linear
 
     def __exit__(self, *exc):
+        from engine.linears import SkinnyLinear
+
+        for m in self.linears:
+            m.__class__ = SkinnyLinear
         self.model.set_attn_implementation(self.previous)
 
 

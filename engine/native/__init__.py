@@ -30,7 +30,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"))
-ABI_VERSION = 3
+ABI_VERSION = 5
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_THREADS = "SPECACHE_NATIVE_THREADS"
@@ -47,13 +47,15 @@ _P = ctypes.c_void_p
 _KERNEL_ARGS = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P] + [_I64] * 8
 # (x, x_stride, rows, weight, N, K, bias, y, y_stride, threads)
 _LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64]
+# (x, x_stride, rows, packed, fmt, N, K, bias, y, y_stride, threads)
+_PACKED_LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64]
 
 
 class DecodeArgs(ctypes.Structure):
     """Mirror of the C struct DecodeArgs (guide_kernels.c, fused decode attention)."""
 
     _fields_ = ([(n, _I64) for n in ("B", "H", "G", "T", "D", "S", "K", "bits", "g", "gv", "row0", "select", "keep",
-                                     "residual", "nthreads", "select_both")]
+                                     "residual", "nthreads", "select_both", "current")]
                 + [("scaling", ctypes.c_float), ("q", _P), ("q_sb", _I64), ("q_sh", _I64), ("start", _P), ("qend", _P),
                    ("sink_k", _P), ("sink_v", _P), ("sk_sb", _I64), ("sk_sh", _I64),
                    ("res_k", _P), ("res_v", _P), ("rk_sb", _I64), ("rk_sh", _I64),
@@ -153,7 +155,7 @@ def build(force: bool = False) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=300)
+            res = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=300)
             if res.returncode == 0:
                 os.replace(tmp, path)
                 return path
@@ -178,6 +180,14 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.specache_decode_attention.restype = ctypes.c_int
     lib.specache_skinny_linear.argtypes = _LINEAR_ARGS
     lib.specache_skinny_linear.restype = ctypes.c_int
+    lib.specache_packed_linear.argtypes = _PACKED_LINEAR_ARGS
+    lib.specache_packed_linear.restype = ctypes.c_int
+    for name in ("specache_pack_affine4", "specache_pack_scaled8"):  # (W, N, K, out)
+        fn = getattr(lib, name)
+        fn.argtypes = [_P, _I64, _I64, _P]
+        fn.restype = ctypes.c_int
+    lib.specache_unpack.argtypes = [_P, _I64, _I64, _I64, _I64, _P]  # (packed, fmt, n0, n1, K, W)
+    lib.specache_unpack.restype = ctypes.c_int
     return lib
 
 

@@ -53,7 +53,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 3; }
+EXPORT int specache_guide_abi_version(void) { return 5; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -633,9 +633,12 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
  * token `select`, summed over the G query heads, choose the top-k positions in [S, next_q)
  * (next_q: the quantized boundary after this pass), which become the new fidx / fvalid, and
  * their exact K/V are copied from the host store into the fetched buffers fk / fv.
+ * With current (non-speculative prefetch, T = 1), the same selection is made first, from the
+ * new token's own probabilities with guide scores (sinks and residual exact) over [S, n), and
+ * the pass then attends with that fetched set.
  * Arrays indexed by cache row use row0 + b; q, out, start use b. All strides in elements. */
 typedef struct {
-    int64_t B, H, G, T, D, S, K, bits, g, gv, row0, select, keep, residual, nthreads, select_both;
+    int64_t B, H, G, T, D, S, K, bits, g, gv, row0, select, keep, residual, nthreads, select_both, current;
     float scaling;
     const float *q; /* [B, H, G*T, D]: (b, h, i, d) at b*q_sb + h*q_sh + i*D + d */
     int64_t q_sb, q_sh;
@@ -786,6 +789,63 @@ static size_t decode_scratch_floats(const DecodeArgs *a, int64_t L) {
     return (size_t)Q * L + 4 * (size_t)L + (size_t)Q * D + 3 * (size_t)a->K + (size_t)a->K / 4 + 1 + big + 64;
 }
 
+/* The K positions of [S, hi) with the largest weights agg[l] (all of them if there are fewer)
+ * become the fetched set of (row r, head h): slots of positions that stay selected are kept,
+ * the new positions' exact K/V are copied from the host store into the freed slots. */
+static void fetch_top(const DecodeArgs *a, int64_t r, int64_t h, const float *agg, int64_t hi, int64_t Lmax,
+                      int32_t *cidx, uint32_t *spill_u, int32_t *spill_i, uint8_t *keep, float *work) {
+    const int64_t D = a->D;
+    int64_t *fidx = a->fidx + r * a->fi_sb + h * a->fi_sh;
+    uint8_t *fvalid = a->fvalid + r * a->fi_sb + h * a->fi_sh;
+    float *fk = a->fk + r * a->fk_sb + h * a->fk_sh, *fv = a->fv + r * a->fk_sb + h * a->fk_sh;
+    const int64_t lo = a->S, m = hi - lo; /* candidates: positions lo .. hi - 1 */
+    const int64_t chosen = m <= 0 ? 0 : m < a->K ? m : a->K;
+    if (m > a->K) {
+        top_k(agg + lo, m, a->K, cidx, (int32_t *)work, spill_u, spill_i);
+    } else {
+        for (int64_t j = 0; j < chosen; j++) cidx[j] = (int32_t)j;
+    }
+    for (int64_t j = 0; j < chosen; j++) cidx[j] += (int32_t)lo;
+    /* Consecutive steps select mostly the same positions: keep the slots of positions that
+     * stay selected and copy only the new ones from the host store (scattered rows, bound
+     * by memory latency), into the slots that were freed. */
+    const float *stk = a->store_k + r * a->st_sb + h * a->st_sh, *stv = a->store_v + r * a->st_sb + h * a->st_sh;
+    int32_t *slot_of = (int32_t *)spill_u; /* [Lmax] position -> old slot (the spill is free now) */
+    memset(slot_of, 0xFF, (size_t)Lmax * sizeof(int32_t));
+    for (int64_t j = 0; j < a->K; j++)
+        if (fvalid[j] && fidx[j] < Lmax) slot_of[fidx[j]] = (int32_t)j;
+    memset(keep, 0, (size_t)a->K);
+    int64_t nnew = 0;
+    for (int64_t j = 0; j < chosen; j++) {
+        const int32_t s0 = slot_of[cidx[j]];
+        if (s0 >= 0) keep[s0] = 1;
+        else cidx[nnew++] = cidx[j]; /* to fetch (compacted in place: nnew <= j) */
+    }
+    int64_t next = 0; /* the next new position to place */
+    for (int64_t j = 0; j < a->K; j++) {
+        if (keep[j]) continue;
+        if (next < nnew) {
+            const int32_t pos = cidx[next++];
+            if (next + 3 < nnew) /* ask for a row a few ahead */
+                for (int64_t d = 0; d < D; d += 16) {
+                    __builtin_prefetch(stk + (int64_t)cidx[next + 3] * D + d);
+                    __builtin_prefetch(stv + (int64_t)cidx[next + 3] * D + d);
+                }
+            fidx[j] = pos;
+            fvalid[j] = 1;
+            const float *ks_ = stk + (int64_t)pos * D, *vs_ = stv + (int64_t)pos * D;
+            float *kd = fk + j * D, *vd = fv + j * D;
+            for (int64_t d = 0; d < D; d++) {
+                kd[d] = ks_[d];
+                vd[d] = vs_[d];
+            }
+        } else {
+            fidx[j] = 0;
+            fvalid[j] = 0;
+        }
+    }
+}
+
 static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratch, int64_t Lmax) {
     const int64_t Q = a->G * a->T, D = a->D, T = a->T, r = a->row0 + b;
     const int64_t n = a->qend[r], start = a->start[b], nres = start + T - n, L = n + nres;
@@ -826,11 +886,27 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         float *row = scores + i * Lmax;
         const float *qi = q + i * D;
         for (int64_t s = 0; s < S; s++) row[s] = dot(qi, sk + s * D, D);
-        for (int64_t j = 0; j < a->K; j++)
-            if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
         const int64_t last = start + i % T; /* the newest position this query sees */
         for (int64_t j = 0; j < nres; j++)
             row[n + j] = n + j <= last ? dot(qi, rk + j * D, D) : -__builtin_inff();
+    }
+    if (a->current && a->K > 0) { /* select this pass's fetched set from its own guide attention */
+        float *tmp = (float *)cidx; /* [Lmax], free until fetch_top */
+        for (int64_t l = 0; l < n; l++) agg[l] = 0.0f;
+        for (int64_t i = 0; i < Q; i++) {
+            memcpy(tmp, scores + i * Lmax, (size_t)L * sizeof(float));
+            exp_shifted(tmp, L, reduce16(tmp, L, 1));
+            const float inv = 1.0f / reduce16(tmp, L, 0);
+            for (int64_t l = 0; l < n; l++) agg[l] += tmp[l] * inv;
+        }
+        fetch_top(a, r, h, agg, n, Lmax, cidx, spill_u, spill_i, keep, work);
+        for (int64_t j = 0; j < a->K; j++) fpos[j] = fvalid[j] && fidx[j] >= S && fidx[j] < n ? fidx[j] : -1;
+    }
+    for (int64_t i = 0; i < Q; i++) {
+        float *row = scores + i * Lmax;
+        const float *qi = q + i * D;
+        for (int64_t j = 0; j < a->K; j++)
+            if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
         /* 2. softmax */
         softmax_row(row, L);
     }
@@ -877,52 +953,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     /* 5. next fetched set and its prefetch from the host store */
     if (a->select >= 0 && a->K > 0) {
         const int64_t len = start + a->keep, nq = (len - a->residual) > 0 ? (len - a->residual) / a->g * a->g : 0;
-        const int64_t lo = a->S, m = nq - lo; /* candidates: positions lo .. nq - 1 (nq <= L) */
-        const int64_t chosen = m <= 0 ? 0 : m < a->K ? m : a->K;
-        if (m > a->K) {
-            top_k(agg + lo, m, a->K, cidx, (int32_t *)work, spill_u, spill_i);
-        } else {
-            for (int64_t j = 0; j < chosen; j++) cidx[j] = (int32_t)j;
-        }
-        for (int64_t j = 0; j < chosen; j++) cidx[j] += (int32_t)lo;
-        /* Consecutive steps select mostly the same positions: keep the slots of positions that
-         * stay selected and copy only the new ones from the host store (scattered rows, bound
-         * by memory latency), into the slots that were freed. */
-        const float *stk = a->store_k + r * a->st_sb + h * a->st_sh, *stv = a->store_v + r * a->st_sb + h * a->st_sh;
-        int32_t *slot_of = (int32_t *)spill_u; /* [Lmax] position -> old slot (the spill is free now) */
-        memset(slot_of, 0xFF, (size_t)Lmax * sizeof(int32_t));
-        for (int64_t j = 0; j < a->K; j++)
-            if (fvalid[j] && fidx[j] < Lmax) slot_of[fidx[j]] = (int32_t)j;
-        memset(keep, 0, (size_t)a->K);
-        int64_t nnew = 0;
-        for (int64_t j = 0; j < chosen; j++) {
-            const int32_t s0 = slot_of[cidx[j]];
-            if (s0 >= 0) keep[s0] = 1;
-            else cidx[nnew++] = cidx[j]; /* to fetch (compacted in place: nnew <= j) */
-        }
-        int64_t next = 0; /* the next new position to place */
-        for (int64_t j = 0; j < a->K; j++) {
-            if (keep[j]) continue;
-            if (next < nnew) {
-                const int32_t pos = cidx[next++];
-                if (next + 3 < nnew) /* ask for a row a few ahead */
-                    for (int64_t d = 0; d < D; d += 16) {
-                        __builtin_prefetch(stk + (int64_t)cidx[next + 3] * D + d);
-                        __builtin_prefetch(stv + (int64_t)cidx[next + 3] * D + d);
-                    }
-                fidx[j] = pos;
-                fvalid[j] = 1;
-                const float *ks_ = stk + (int64_t)pos * D, *vs_ = stv + (int64_t)pos * D;
-                float *kd = fk + j * D, *vd = fv + j * D;
-                for (int64_t d = 0; d < D; d++) {
-                    kd[d] = ks_[d];
-                    vd[d] = vs_[d];
-                }
-            } else {
-                fidx[j] = 0;
-                fvalid[j] = 0;
-            }
-        }
+        fetch_top(a, r, h, agg, nq, Lmax, cidx, spill_u, spill_i, keep, work);
     }
 }
 

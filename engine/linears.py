@@ -1,0 +1,159 @@
+"""Decode-step linears on the CPU: native kernels for a few rows, and exactly packed weights.
+
+A decode step multiplies 1-8 activation rows by every weight matrix, so its linears are bound
+by reading the weights. `SkinnyLinear` sends such calls to engine/native/linear_kernels.c. When
+a weight matrix is exactly a block format (the embedded SmolLM2 ships as a GGUF with Q4_1
+linears and a Q8_0 embedding, and its fp32 weights are their exact dequantization), it is also
+kept packed (`PackedWeight`: 5 or 9 bits per weight) and the kernel rebuilds every weight bit
+for bit from the blocks: same result as the fp32 kernel, 3.6-6.4x fewer bytes read. Prefill
+chunks (many rows) and weights without an exact packing use the fp32 weights.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
+BLOCK = 32
+FORMATS = {4: 24, 8: 36}  # fmt -> bytes per block of 32 weights (affine4, scaled8)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [N, K] kept as blocks of 32 that rebuild it exactly (layout: linear_kernels.c)."""
+
+    fmt: int  # 4: affine4, w = fma(d, q, m), q in 0..15; 8: scaled8, w = d * q, q int8
+    data: torch.Tensor  # uint8 [N, K / 32 * FORMATS[fmt]]
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def unpack(self) -> torch.Tensor:
+        """The fp32 weight it stands for [N, K] (tests and checks)."""
+        from engine import native
+
+        n, k = self.shape
+        out = torch.empty(n, k, dtype=torch.float32)
+        rc = native.lib().specache_unpack(self.data.data_ptr(), self.fmt, 0, n, k, out.data_ptr())
+        assert rc == 0
+        return out
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """Pack an fp32 CPU weight [N, K] whose values are exactly affine4 (tried first) or scaled8
+    blocks; None if neither fits, K is not a multiple of 32, or the native kernels are missing."""
+    from engine import native
+
+    lib = native.lib()
+    if (lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+            or not weight.is_contiguous() or weight.shape[1] % BLOCK or weight.shape[1] < BLOCK):
+        return None
+    n, k = weight.shape
+    for fmt, packer in ((4, lib.specache_pack_affine4), (8, lib.specache_pack_scaled8)):
+        data = torch.empty(n, k // BLOCK * FORMATS[fmt], dtype=torch.uint8)
+        if packer(weight.data_ptr(), n, k, data.data_ptr()) == 0:
+            return PackedWeight(fmt, data, (n, k))
+    return None
+
+
+class SkinnyLinear(torch.nn.Linear):
+    """nn.Linear that is fast for a few rows of input (decode steps) on the CPU.
+
+    For 1-8 fp32 rows it calls the native kernel, on the packed weight when there is one
+    (`packed`, set by `use_skinny_linears`). Without the native library, W @ x^T: the BLAS's
+    x @ W^T path packs the weight matrix for 2-8 rows, so a speculative step (2 tokens) cost
+    about twice a 1-token step. Prefill chunks (many rows) keep the ordinary path. Same result
+    up to float rounding order."""
+
+    SKINNY_ROWS = 8
+    packed: PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > self.SKINNY_ROWS or x.device.type != "cpu":
+            return super().forward(x)
+        flat = x.reshape(rows, -1)
+        y = None
+        if self.packed is not None:
+            y = packed_linear(flat, self.packed, self.bias)
+        if y is None:
+            y = native_linear(flat, self.weight, self.bias)
+        if y is None:
+            y = (self.weight @ flat.T).T
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def _native_ready(x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None = None):
+    """The native library if it can take x (and weight/bias) as they are, else None."""
+    from engine import native
+
+    lib = native.lib()
+    if lib is None or x.dtype != torch.float32 or x.stride(-1) != 1:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return None
+    if bias is not None and (not bias.is_contiguous() or bias.dtype != torch.float32):
+        return None
+    return lib
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [R <= 8, K] @ weight[N, K]^T (+ bias) by the native kernel; None where it does not apply
+    (not available, not fp32, not contiguous, or gradients wanted)."""
+    from engine import native
+
+    lib = _native_ready(x, bias, weight)
+    if lib is None or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    rc = lib.specache_skinny_linear(x.data_ptr(), x.stride(0), rows, weight.data_ptr(), n, k,
+                                    bias.data_ptr() if bias is not None else None, y.data_ptr(), n, native.threads())
+    return y if rc == 0 else None
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """native_linear for a packed weight: the same numbers, fewer bytes read."""
+    from engine import native
+
+    lib = _native_ready(x, bias)
+    rows, k = x.shape
+    if lib is None or k != packed.shape[1]:
+        return None
+    n = packed.shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    rc = lib.specache_packed_linear(x.data_ptr(), x.stride(0), rows, packed.data.data_ptr(), packed.fmt, n, k,
+                                    bias.data_ptr() if bias is not None else None, y.data_ptr(), n, native.threads())
+    return y if rc == 0 else None
+
+
+def packing_enabled() -> bool:
+    raw = os.environ.get(ENV_PACK)
+    return raw is None or raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def use_skinny_linears(model: torch.nn.Module) -> None:
+    """Make every plain nn.Linear of the model a SkinnyLinear (same parameters, new forward) and
+    pack the weights that pack exactly (unless $SPECACHE_PACK_WEIGHTS is 0)."""
+    pack = packing_enabled()
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = SkinnyLinear
+            if pack:
+                module.packed = pack_weight(module.weight.detach())
+
+
+def packed_summary(model: torch.nn.Module) -> dict:
+    """How many linears are packed and the bytes their packed and fp32 weights take."""
+    linears = [m for m in model.modules() if isinstance(m, SkinnyLinear)]
+    packed = [m for m in linears if m.packed is not None]
+    return {"linears": len(linears), "packed": len(packed),
+            "packed_bytes": sum(m.packed.nbytes for m in packed),
+            "fp32_bytes": sum(m.weight.numel() * 4 for m in packed)}

@@ -1,0 +1,64 @@
+"""Micro-benchmark of a decode step's linears on the embedded model (engine/linears.py).
+
+For 1, 2, 4 and 8 activation rows, times all 211 linears of SmolLM2-135M once each (what one
+decode step of a batch does) three ways, taking turns: torch's ``x @ W^T`` (stock nn.Linear),
+the native fp32 kernel, and the native kernel on the exactly packed weights (Q4_1 linears,
+Q8_0 embedding/lm_head). Checks that the packed and fp32 kernels return the same floats.
+Prints medians in ms per step and the machine's load average.
+
+    python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.linears import SkinnyLinear, native_linear, packed_linear, packed_summary  # noqa: E402
+from engine.model import load_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    lm = load_model(device="cpu")
+    mods = [m for m in lm.model.modules() if isinstance(m, SkinnyLinear)]
+    info = packed_summary(lm.model)
+    print(f"{info['packed']} of {info['linears']} linears packed: {info['packed_bytes'] / 2**20:.0f} MiB "
+          f"instead of {info['fp32_bytes'] / 2**20:.0f} MiB of fp32 weights")
+    if not info["packed"]:
+        sys.exit("no packed weights (native kernels unavailable or SPECACHE_PACK_WEIGHTS=0)")
+    ways = {"torch x@W^T": lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias),
+            "native fp32": lambda m, x: native_linear(x, m.weight, m.bias),
+            "native packed": lambda m, x: packed_linear(x, m.packed, m.bias)}
+    print(f"{'rows':>4} " + " ".join(f"{w:>14}" for w in ways) + "   packed vs fp32 / torch   same floats")
+    for rows in args.rows:
+        xs = {m.in_features: torch.randn(rows, m.in_features) for m in mods}
+        times = {w: [] for w in ways}
+        for _ in range(args.repeats):
+            for name, fn in ways.items():
+                t = time.perf_counter()
+                for m in mods:
+                    fn(m, xs[m.in_features])
+                times[name].append(time.perf_counter() - t)
+        med = {w: statistics.median(v) * 1000 for w, v in times.items()}
+        same = all(torch.equal(packed_linear(xs[m.in_features], m.packed, m.bias),
+                               native_linear(xs[m.in_features], m.weight, m.bias)) for m in mods if m.packed)
+        print(f"{rows:>4} " + " ".join(f"{med[w]:>11.1f} ms" for w in ways)
+              + f"   {med['native fp32'] / med['native packed']:.2f}x / {med['torch x@W^T'] / med['native packed']:.2f}x"
+              + f"   {same}")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

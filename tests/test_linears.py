@@ -1,0 +1,83 @@
+"""Packed weights (engine/linears.py): a weight that is exactly a block format is packed, rebuilds
+bit for bit, and the packed kernel gives the fp32 kernel's result bit for bit; anything else is
+left alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import native
+from engine.linears import SkinnyLinear, native_linear, pack_weight, packed_linear, use_skinny_linears
+
+pytestmark = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+
+
+def affine4_weight(n, k, seed=0):
+    """Weights that are exactly m + d * q per block of 32 (d, m fp16 values, q in 0..15), like Q4_1."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the block's min and max codes, as a quantizer makes them
+    return torch.addcmul(m, d, q).reshape(n, k)
+
+
+def scaled8_weight(n, k, seed=0):
+    """Weights that are exactly d * q per block of 32 (d fp16, q int8 with |q| max 127), like Q8_0."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127
+    return (d * q).reshape(n, k)
+
+
+@pytest.mark.parametrize("make, fmt, ratio", [(affine4_weight, 4, 24 / 128), (scaled8_weight, 8, 36 / 128)])
+def test_exact_block_weights_pack_and_rebuild_bit_for_bit(make, fmt, ratio):
+    w = make(70, 192)
+    packed = pack_weight(w)
+    assert packed is not None and packed.fmt == fmt
+    assert packed.nbytes == pytest.approx(w.numel() * 4 * ratio)
+    assert torch.equal(packed.unpack(), w)
+
+
+@pytest.mark.parametrize("make", [affine4_weight, scaled8_weight])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_packed_kernel_equals_fp32_kernel_bit_for_bit(make, rows):
+    w = make(300, 576, seed=rows)
+    bias = torch.randn(300)
+    x = torch.randn(rows, 576)
+    packed = pack_weight(w)
+    with torch.no_grad():
+        for b in (None, bias):
+            got = packed_linear(x, packed, b)
+            assert got is not None
+            assert torch.equal(got, native_linear(x, w, b))
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_weights_that_are_not_exact_blocks_stay_unpacked():
+    assert pack_weight(torch.randn(64, 128)) is None  # ordinary float weights
+    w = affine4_weight(64, 128)
+    w[10, 37] += 1e-4  # one weight off its block's grid
+    assert pack_weight(w) is None
+    assert pack_weight(affine4_weight(8, 96)[:, :80].contiguous()) is None  # K not a multiple of 32
+    assert pack_weight(affine4_weight(8, 64).double()) is None  # not fp32
+
+
+def test_use_skinny_linears_packs_exact_weights_and_the_module_output_is_unchanged(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(affine4_weight(64, 128))
+        model[1].weight.copy_(torch.randn(32, 64))
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        want = model(x)
+        use_skinny_linears(model)
+        assert isinstance(model[0], SkinnyLinear) and model[0].packed is not None and model[1].packed is None
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    fresh = torch.nn.Linear(128, 64)
+    with torch.no_grad():
+        fresh.weight.copy_(affine4_weight(64, 128))
+    monkeypatch.setenv("SPECACHE_PACK_WEIGHTS", "0")
+    use_skinny_linears(fresh)
+    assert fresh.packed is None
