@@ -108,7 +108,7 @@ def test_needle_prompt_plants_the_key_at_the_depth(tiny_model_dir):
 # ---- fidelity ----------------------------------------------------------------------------
 
 def test_fidelity_quick(bench):
-    labels = ["full", "specache", EXACT, "kivi-1b", "window"]
+    labels = ["full", "specache", EXACT, "kivi-1b", "window", "specache-current"]
     result, md, _ = bench("fidelity", "--modes", ",".join(labels))
     check_envelope(result, "fidelity", labels)
     doc = result["settings"]["documents"][0]
@@ -138,6 +138,11 @@ def test_fidelity_quick(bench):
     assert raw["samples"] > 0 and 0.0 <= raw["speculation_hit_rate"] <= 1.0 and 0 < raw["region_mass"] <= 1.0
     assert len(raw["per_layer"]) == 2
     assert per["kivi-1b"].get("selection") is None and rows["window"]["selection"] is None
+    # prefetch current: each pass fetched its own set (no speculative token to score)
+    cur = rows["specache-current"]["selection"]
+    assert cur["samples"] > 0 and cur["speculation_hit_rate"] is None
+    assert cur["selectors"]["guide_spec"]["coverage"] is None and cur["selectors"]["guide_own"]["coverage"] > 0
+    assert 0 < cur["selectors"]["fetched"]["coverage"] <= cur["selectors"]["oracle"]["coverage"] + 1e-6
     assert per["kivi-1b"]["device_bytes"] < per["specache"]["device_bytes"] < per["full"]["device_bytes"]
     assert {t["name"].split(" ")[0] for t in result["targets"]} == {"specache"}
     assert "## Agreement" in md and "## Selection quality" in md and "## Targets" in md
@@ -233,6 +238,8 @@ def test_mode_labels():
     assert not parse_mode("specache-1b").is_default_specache
     assert parse_mode("specache-both").config.select_both and not parse_mode("specache-spec").config.select_both
     assert parse_mode("specache-resync").config.resync and not parse_mode("specache-noresync").config.resync
+    assert parse_mode("specache-current").config.prefetch == "current"
+    assert parse_mode("specache-speculative").config.prefetch == "speculative"
     model = {"bits": 2, "group": 64, "k": 512}  # a model profile's defaults (engine.profiles.model_defaults)
     assert parse_mode("specache", model).config.k == 512 and parse_mode("specache", model).is_default_specache
     assert parse_mode("specache-k64", model).config.k == 64 and parse_mode("kivi", model).config.k == 0

@@ -75,7 +75,8 @@ def _probe_attention(module, query, key, value, attention_mask, **kwargs):
         step, layer = cache.step, cache.layers[module.layer_idx]
         rec = {"q": query[0].detach().float().clone(), "start": int(step.start[0]), "n_new": step.n_new,
                "ids": probe.last_ids[0].tolist() if probe.last_ids is not None else None}
-        if step.select is not None and getattr(layer, "topk", 0):
+        own = getattr(getattr(layer, "config", None), "prefetch", None) == "current"  # a pass's set is its own
+        if (step.select is not None or own) and getattr(layer, "topk", 0):
             rec["fidx"], rec["fvalid"] = layer.fidx[0].clone(), layer.fvalid[0].clone()
         probe.records[module.layer_idx].append(rec)
         probe.cache = cache
@@ -176,6 +177,7 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
     """See the module docstring. ref_keys[layer] [H_kv, L, D] exact; ref_queries[layer][j] [H, D] is the
     exact query of forced token j at position prompt_len + j."""
     s, r, g, k = config.sinks, config.residual, config.group, config.k
+    current = config.prefetch == "current"
     sums: dict[str, list[float]] = defaultdict(list)
     per_layer = []
     for layer, keys in enumerate(ref_keys):
@@ -185,8 +187,14 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
         for j in range(1, min(len(ref_queries[layer]), len(recs))):
             pos = prompt_len + j
             rec = recs[j]
-            if rec["start"] != pos - 1 or rec["n_new"] != 2 or "fidx" not in rec:
-                raise RuntimeError(f"probe pass {j} of layer {layer} is not the expected speculative pair")
+            if current:  # pass j feeds forced token j itself and fetches its own set
+                if rec["start"] != pos or rec["n_new"] != 1 or "fidx" not in rec:
+                    raise RuntimeError(f"probe pass {j} of layer {layer} is not the expected one-token pass")
+                q_out, q_spec = recs[j - 1]["q"][:, 0], None
+            else:  # pass j feeds [forced token j - 1, speculative guess of j] and fetches for j
+                if rec["start"] != pos - 1 or rec["n_new"] != 2 or "fidx" not in rec:
+                    raise RuntimeError(f"probe pass {j} of layer {layer} is not the expected speculative pair")
+                q_out, q_spec = rec["q"][:, 0], rec["q"][:, 1]
             qb = int(quant_boundary(torch.tensor(pos), r, g))
             if qb - s <= 0:
                 continue
@@ -197,7 +205,7 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
                 kg[:, :s] = keys[:, :s]
                 guided = {qb: kg}
             kg = guided[qb]
-            q_own, q_out, q_spec = ref_queries[layer][j], rec["q"][:, 0], rec["q"][:, 1]
+            q_own = ref_queries[layer][j]
             target = _mass(q_own, keys, scaling, pos)[:, s:qb]  # [H_kv, n]
             region = target.sum(-1)  # [H_kv]
             total = _mass(q_own, keys, scaling, pos).sum(-1)
@@ -209,11 +217,12 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
             masks = {
                 "oracle": oracle, "fetched": fetched,
                 "guide_own": _topk_mask(_mass(q_own, kg, scaling, pos)[:, s:qb], kk),
-                "guide_spec": _topk_mask(_mass(q_spec, kg, scaling, pos)[:, s:qb], kk),
-                "exact_spec": _topk_mask(_mass(q_spec, keys, scaling, pos)[:, s:qb], kk),
                 "guide_output": _topk_mask(_mass(q_out, kg, scaling, pos - 1)[:, s:qb], kk),
                 "exact_output": _topk_mask(_mass(q_out, keys, scaling, pos - 1)[:, s:qb], kk),
             }
+            if q_spec is not None:
+                masks["guide_spec"] = _topk_mask(_mass(q_spec, kg, scaling, pos)[:, s:qb], kk)
+                masks["exact_spec"] = _topk_mask(_mass(q_spec, keys, scaling, pos)[:, s:qb], kk)
             for name, mask in masks.items():
                 cov = ((target * mask).sum(-1) / region.clamp(min=1e-30)).tolist()
                 rec_ = ((mask & oracle).sum(-1).double() / kk).tolist()
@@ -226,7 +235,8 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
         per_layer.append({"layer": layer, "oracle_coverage": mean(layer_cov["oracle"]),
                           "fetched_coverage": mean(layer_cov["fetched"])})
     passes = probe.records.get(0, [])[1:len(ref_tokens)]
-    hits = [float(rec["ids"][1] == ref_tokens[j]) for j, rec in enumerate(passes, start=1) if rec.get("ids")]
+    hits = [float(rec["ids"][1] == ref_tokens[j]) for j, rec in enumerate(passes, start=1)
+            if rec.get("ids") and len(rec["ids"]) > 1]
     out: dict = {"samples": len(sums.get("oracle.coverage", [])), "k": k,
                  "speculation_hit_rate": mean(hits),
                  "region_mass": mean(sums.get("region_mass", [])), "selectors": {}}
