@@ -285,3 +285,18 @@ def test_bench_store_reports_the_entry_and_the_same_answer(tiny_model_dir, tmp_p
     assert (tmp_path / "store.json").exists() and (tmp_path / "store.md").exists()
     bad = CliRunner().invoke(cli_app, ["bench", "store", "--modes", "nope", "--quiet"])
     assert bad.exit_code == 2
+
+
+def test_stock_transformers_switches_the_engine_off_and_back(tiny_model):
+    """The hf baseline runs stock transformers: SDPA and plain nn.Linear during the block only."""
+    from engine.bench.common import stock_transformers
+    from engine.linears import SkinnyLinear
+
+    skinny = sum(isinstance(m, SkinnyLinear) for m in tiny_model.modules())
+    engine_attn = tiny_model.config._attn_implementation
+    assert skinny > 0 and engine_attn == "specache"
+    with stock_transformers(tiny_model):
+        assert not any(isinstance(m, SkinnyLinear) for m in tiny_model.modules())
+        assert tiny_model.config._attn_implementation == "sdpa"
+    assert sum(isinstance(m, SkinnyLinear) for m in tiny_model.modules()) == skinny
+    assert tiny_model.config._attn_implementation == engine_attn

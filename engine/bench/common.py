@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from engine.config import CACHE_MODES, PREFETCH, CacheConfig
 from engine.errors import BadArgument
 
@@ -294,3 +296,27 @@ def md_header(title: str, result: dict) -> str:
     if result.get("seconds") is not None:
         lines.append(f"- wall time: {result['seconds']:.1f} s")
     return "\n".join(lines) + "\n"
+
+
+class stock_transformers:
+    """Run a block as stock transformers would (the ``hf`` baseline): SDPA attention and plain
+    nn.Linear modules; the engine's attention function and SkinnyLinears are restored after."""
+
+    def __init__(self, model):
+        from engine.linears import SkinnyLinear
+
+        self.model = model
+        self.linears = [m for m in model.modules() if isinstance(m, SkinnyLinear)]
+
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation("sdpa")
+        for m in self.linears:
+            m.__class__ = torch.nn.Linear
+
+    def __exit__(self, *exc):
+        from engine.linears import SkinnyLinear
+
+        for m in self.linears:
+            m.__class__ = SkinnyLinear
+        self.model.set_attn_implementation(self.previous)

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine.bench.common import HF_MODE, BenchProgress, BenchResult, ModeSpec, envelope, target
+from engine.bench.common import HF_MODE, BenchProgress, BenchResult, ModeSpec, envelope, stock_transformers, target
 from engine.bench.speed import _sync, make_prompts
 
 TARGET_VS_FULL = 1.5
@@ -44,38 +44,14 @@ def hf_steps(model, prompts: list[list[int]], chunk: int = 512) -> Iterator[None
     dev = next(model.parameters()).device
     ids = torch.tensor(prompts, device=dev)
     cache = DynamicCache(config=model.config)
-    with _stock(model):
+    with stock_transformers(model):
         for s in range(0, ids.shape[1], chunk):
             logits = model(ids[:, s: s + chunk], cache=cache, use_cache=True).logits[:, -1]
     while True:
         token = logits.argmax(-1, keepdim=True)
-        with _stock(model):
+        with stock_transformers(model):
             logits = model(token, cache=cache, use_cache=True).logits[:, -1]
         yield
-
-
-class _stock:
-    """Run a block with stock transformers: SDPA attention and plain nn.Linear modules (the
-    engine's attention function and SkinnyLinears are restored after)."""
-
-    def __init__(self, model):
-        from engine.linears import SkinnyLinear
-
-        self.model = model
-        self.linears = [m for m in model.modules() if isinstance(m, SkinnyLinear)]
-
-    def __enter__(self):
-        self.previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation("sdpa")
-        for m in self.linears:
-            m.__class__ = torch.nn.Linear
-
-    def __exit__(self, *exc):
-        from engine.linears import SkinnyLinear
-
-        for m in self.linears:
-            m.__class__ = SkinnyLinear
-        self.model.set_attn_implementation(self.previous)
 
 
 @torch.inference_mode()

@@ -127,8 +127,8 @@ def decode_markdown(r: dict) -> str:
     out = [md_header("Decode, modes side by side", r),
            f"Documents: {', '.join(s['documents'])}; context {s['length']} tokens. Each mode prefilled its own cache, "
            f"then the modes took turns: {s['burst']} greedy steps each, {s['repeats']} rounds; median ms per step "
-           "(a step gives every row one output token). hf = transformers' DynamicCache with SDPA, one forward per "
-           "token as `generate` does it.\n", "## Results\n"]
+           "(a step gives every row one output token). hf = stock transformers (DynamicCache, SDPA, nn.Linear), one "
+           "forward per token as `generate` does it.\n", "## Results\n"]
     rows = [[x["mode"], x["batch"], fmt(x["ms_per_step"], 1), fmt(x["tokens_per_s"], 1), fmt(x["speedup_vs_full"], 2),
              fmt(x["speedup_vs_hf"], 2), " ".join(fmt(v, 1) for v in x["ms_per_step_all"])] for x in r["rows"]]
     out.append(md_table(["mode", "batch", "ms/step (median)", "tokens/s (all rows)", "x full", "x hf",

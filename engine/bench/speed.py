@@ -29,6 +29,7 @@ from typing import Iterator, Sequence
 import torch
 
 from engine.bench.common import (HF_MODE, BenchProgress, BenchResult, ModeSpec, encode, envelope, median,
+                                 stock_transformers,
                                  parse_mode, target)
 from engine.config import CacheConfig
 from engine.errors import BadArgument, SpecacheError
@@ -106,23 +107,19 @@ class _Stamps:
 
 @torch.inference_mode()
 def time_hf(model, prompts: list[list[int]], steps: int) -> dict:
-    """transformers' generate (greedy, DynamicCache, SDPA attention) on equal-length prompts."""
+    """Stock transformers' generate (greedy, DynamicCache, SDPA attention, nn.Linear) on equal-length prompts."""
     from transformers import DynamicCache, StoppingCriteriaList
 
     dev = next(model.parameters()).device
     ids = torch.tensor(prompts, device=dev)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
     stamps = _Stamps(dev)
     cache = DynamicCache(config=model.config)
-    try:
+    with stock_transformers(model):
         t0 = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
                        do_sample=False, past_key_values=cache, stopping_criteria=StoppingCriteriaList([stamps]),
                        pad_token_id=model.config.eos_token_id if model.config.pad_token_id is None
                        else model.config.pad_token_id)
-    finally:
-        model.set_attn_implementation(previous)
     t = stamps.times
     device_bytes = None
     try:

@@ -8,10 +8,9 @@ then ``os.replace``), so concurrent first uses are safe. It is built lazily on t
 call of ``native_available()`` / ``lib()`` (``python -m engine.native`` builds it ahead
 of time). No torch headers and no ninja are involved.
 
-``SPECACHE_NATIVE=0`` disables the native path (read once, at its first use in a process);
-``SPECACHE_NATIVE_THREADS=N`` sets its
-thread count (default 1, see ``threads()``). Any build or load failure makes
-``native_available()`` return False, so engine.quant falls back to its torch kernels; the
+``SPECACHE_NATIVE=0`` disables the native path and ``SPECACHE_NATIVE_THREADS=N`` sets its
+thread count (default 1, see ``threads()``); both are read once, at their first use in a
+process. Any build or load failure makes ``native_available()`` return False, so engine.quant falls back to its torch kernels; the
 reason is logged once at debug level and kept in ``native_error()``.
 """
 from __future__ import annotations
@@ -40,6 +39,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
+_threads: int | None = None
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -74,17 +74,21 @@ def disabled() -> bool:
 
 
 def threads() -> int:
-    """Threads for one kernel call: $SPECACHE_NATIVE_THREADS, else 1.
+    """Threads for one kernel call: $SPECACHE_NATIVE_THREADS, else 1 (read once per process: this
+    is asked for every linear of every decode step).
 
     On the 2-core machines this was tuned on, a second thread gained little and lost a lot
     whenever another process used the other core (scripts/bench_quant.py --threads)."""
-    raw = os.environ.get(ENV_THREADS)
-    if raw:
-        try:
-            return max(1, int(raw))
-        except ValueError:
-            pass
-    return DEFAULT_THREADS
+    global _threads
+    if _threads is None:
+        _threads = DEFAULT_THREADS
+        raw = os.environ.get(ENV_THREADS)
+        if raw:
+            try:
+                _threads = max(1, int(raw))
+            except ValueError:
+                pass
+    return _threads
 
 
 def compiler() -> str | None:
@@ -229,6 +233,6 @@ def openmp() -> bool:
 
 def _reset_for_tests() -> None:
     """Forget the loaded library so that the next call tries again (tests only)."""
-    global _lib, _tried, _error
+    global _lib, _tried, _error, _threads
     with _lock:
-        _lib, _tried, _error = None, False, None
+        _lib, _tried, _error, _threads = None, False, None, None
