@@ -32,6 +32,23 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x [R <= 8, K] fp32 @ W^T (+ bias) by the native kernel; None where it does not apply.
+        (The per-call checks are few: a decode step makes ~200 of these calls.)"""
+        from engine import native
+
+        lib = native.lib()
+        if (lib is None or x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[1] != self.shape[1]
+                or (x.requires_grad and torch.is_grad_enabled())
+                or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+            return None
+        rows, n = x.shape[0], self.shape[0]
+        y = torch.empty(rows, n, dtype=torch.float32)
+        rc = lib.specache_packed_linear(x.data_ptr(), x.stride(0), rows, self.data.data_ptr(), self.fmt, n,
+                                        self.shape[1], bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                        n, native.threads())
+        return y if rc == 0 else None
+
     def unpack(self) -> torch.Tensor:
         """The fp32 weight it stands for [N, K] (tests and checks)."""
         from engine import native
@@ -77,9 +94,7 @@ class SkinnyLinear(torch.nn.Linear):
         if rows > self.SKINNY_ROWS or x.device.type != "cpu":
             return super().forward(x)
         flat = x.reshape(rows, -1)
-        y = None
-        if self.packed is not None:
-            y = packed_linear(flat, self.packed, self.bias)
+        y = self.packed(flat, self.bias) if self.packed is not None else None
         if y is None:
             y = native_linear(flat, self.weight, self.bias)
         if y is None:
@@ -89,27 +104,18 @@ class SkinnyLinear(torch.nn.Linear):
         return y.reshape(*x.shape[:-1], -1)
 
 
-def _native_ready(x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None = None):
-    """The native library if it can take x (and weight/bias) as they are, else None."""
-    from engine import native
-
-    lib = native.lib()
-    if lib is None or x.dtype != torch.float32 or x.stride(-1) != 1:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return None
-    if bias is not None and (not bias.is_contiguous() or bias.dtype != torch.float32):
-        return None
-    return lib
-
-
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [R <= 8, K] @ weight[N, K]^T (+ bias) by the native kernel; None where it does not apply
     (not available, not fp32, not contiguous, or gradients wanted)."""
     from engine import native
 
-    lib = _native_ready(x, bias, weight)
-    if lib is None or weight.dtype != torch.float32 or not weight.is_contiguous():
+    lib = native.lib()
+    if lib is None or x.dtype != torch.float32 or x.stride(-1) != 1 or weight.dtype != torch.float32 \
+            or not weight.is_contiguous():
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    if bias is not None and (not bias.is_contiguous() or bias.dtype != torch.float32):
         return None
     rows, k = x.shape
     n = weight.shape[0]
@@ -121,17 +127,7 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """native_linear for a packed weight: the same numbers, fewer bytes read."""
-    from engine import native
-
-    lib = _native_ready(x, bias)
-    rows, k = x.shape
-    if lib is None or k != packed.shape[1]:
-        return None
-    n = packed.shape[0]
-    y = torch.empty(rows, n, dtype=torch.float32)
-    rc = lib.specache_packed_linear(x.data_ptr(), x.stride(0), rows, packed.data.data_ptr(), packed.fmt, n, k,
-                                    bias.data_ptr() if bias is not None else None, y.data_ptr(), n, native.threads())
-    return y if rc == 0 else None
+    return packed(x, bias)
 
 
 def packing_enabled() -> bool:

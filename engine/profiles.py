@@ -344,7 +344,10 @@ def match_cuda_device(device_name: str) -> HardwareProfile | None:
 
 
 def model_defaults(lm) -> dict:
-    """bits, group and k for this model: its profile if there is one, else by size (engine.profiles)."""
+    """bits, group and k for this model (its profile if there is one, else by size), and the
+    prefetch for its device: speculative on a GPU, where the fetch crosses PCIe and must overlap
+    the step (the method as designed); current on a CPU, where the host store is the device's
+    own RAM, so there is no transfer to hide and the speculative token only costs (docs/engine.md)."""
     from engine.model import EMBEDDED_NAME
 
     if lm.name == EMBEDDED_NAME:
@@ -352,4 +355,5 @@ def model_defaults(lm) -> dict:
     else:
         profile = model_profile_from_config(lm.model.config, name=lm.name,
                                             parameters=sum(p.numel() for p in lm.model.parameters()))
-    return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.default_k}
+    return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.default_k,
+            "prefetch": "current" if lm.device.type == "cpu" else "speculative"}

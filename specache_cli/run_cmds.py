@@ -109,9 +109,9 @@ K = typer.Option(None, "--k", help="Exact positions fetched per layer and KV hea
 RESIDUAL = typer.Option(None, help="Newest tokens kept exact on the device (default 64).")
 SINKS = typer.Option(None, help="First tokens kept exact on the device (default 4).")
 CHUNK = typer.Option(None, "--chunk-size", help="Prefill chunk size in tokens (default 512).")
-PREFETCH = typer.Option(None, "--prefetch", help="specache: speculative (the method: two tokens per step, the next "
-                        "step's exact K/V fetched ahead) or current (one token per step picks its own; nothing to "
-                        "overlap on a CPU). Default: speculative.")
+PREFETCH = typer.Option(None, "--prefetch", help="specache: speculative (two tokens per step, the next step's exact "
+                        "K/V fetched while this one computes; default on a GPU) or current (one token per step "
+                        "fetches its own; default on a CPU, where there is no transfer to hide).")
 BATCH = typer.Option("auto", "--batch", help="Sequences decoded together: auto (memory planner) or a number.")
 MAX_TOKENS = typer.Option(256, "--max-tokens", help="Most tokens to generate per answer.")
 TEMPERATURE = typer.Option(0.0, help="0 is greedy.")

@@ -240,6 +240,9 @@ def test_mode_labels():
     assert parse_mode("specache-resync").config.resync and not parse_mode("specache-noresync").config.resync
     assert parse_mode("specache-current").config.prefetch == "current"
     assert parse_mode("specache-speculative").config.prefetch == "speculative"
+    cpu = {"prefetch": "current"}  # a CPU's default; the speculative decoder's own options imply it
+    assert parse_mode("specache-noresync", cpu).config.prefetch == "speculative"
+    assert parse_mode("specache", cpu).config.prefetch == "current"
     model = {"bits": 2, "group": 64, "k": 512}  # a model profile's defaults (engine.profiles.model_defaults)
     assert parse_mode("specache", model).config.k == 512 and parse_mode("specache", model).is_default_specache
     assert parse_mode("specache-k64", model).config.k == 64 and parse_mode("kivi", model).config.k == 0

@@ -54,6 +54,17 @@ def test_every_cache_mode_runs(cli, mode):
     assert json.loads(r.stdout)["cache"]["mode"] == mode
 
 
+def test_prefetch_defaults_to_current_on_the_cpu_and_can_be_speculative(cli):
+    args = ("ask", "--doc", str(DATA / "sample.txt"), "What is this about?", "--max-tokens", "5", "--json",
+            "--group", "32")
+    r = cli(*args)
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["cache"]["prefetch"] == "current"  # the host store is this device's own RAM
+    r = cli(*args, "--prefetch", "speculative")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["cache"]["prefetch"] == "speculative"
+
+
 def test_jsonl_one_line_per_document_and_stdin(cli):
     text = (DATA / "sample.txt").read_text()
     r = cli("summarize", "-", str(DATA / "short.md"), "--max-tokens", "4", "--jsonl", input=text)
@@ -97,6 +108,7 @@ def test_ask_several_questions(cli):
     (["summarize", str(DATA / "sample.txt"), "--bits", "3"], 2, "--bits"),
     (["summarize", str(DATA / "sample.txt"), "--cache", "nope"], 2, "--cache"),
     (["summarize", str(DATA / "sample.txt"), "--strategy", "nope"], 2, "--strategy"),
+    (["summarize", str(DATA / "sample.txt"), "--prefetch", "later"], 2, "--prefetch"),
     (["summarize", str(DATA / "sample.txt"), "--max-tokens", "0"], 2, "--max-tokens"),
     (["ask", "--doc", str(DATA / "sample.txt")], 2, "question"),
 ])

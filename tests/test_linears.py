@@ -81,3 +81,13 @@ def test_use_skinny_linears_packs_exact_weights_and_the_module_output_is_unchang
     monkeypatch.setenv("SPECACHE_PACK_WEIGHTS", "0")
     use_skinny_linears(fresh)
     assert fresh.packed is None
+
+
+def test_packed_kernel_declines_what_it_cannot_do():
+    packed = pack_weight(affine4_weight(16, 64))
+    x = torch.randn(2, 64)
+    assert packed_linear(x.double(), packed, None) is None  # not fp32
+    assert packed_linear(torch.randn(2, 96), packed, None) is None  # wrong width
+    assert packed_linear(torch.randn(64, 2).t(), packed, None) is None  # rows not contiguous
+    with torch.enable_grad():
+        assert packed_linear(x.requires_grad_(), packed, None) is None  # autograd wants torch

@@ -2,17 +2,19 @@
 writes, the default documents and small statistics helpers.
 
 Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode one of full, specache, kivi, window
-(and ``hf`` = transformers' ``generate`` with DynamicCache, speed bench only), options
-``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual window,
-``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``both`` / ``spec`` (the fetch
-set is selected with the output token's attention as well as the speculative token's, or
-with the speculative token's alone), ``resync`` / ``noresync`` (re-sync a missed speculation by
-prompt lookup, or keep the paper's chain), ``current`` / ``speculative`` (prefetch: each pass
-picks its own fetched set and feeds one token, or the design's two-token speculative steps). Unset options keep the model's defaults (bits, group,
-k: ``engine.profiles.model_defaults``, what ``summarize``/``ask`` use) when the benches pass
-them, else engine.config.CacheConfig's, so ``specache`` is the setting users get.
-``window`` without ``w<n>`` is sized to the device bytes of specache with the same bits / k /
-group (``window-1b`` matches ``specache-1b``); ``kivi`` never fetches (k = 0).
+(and ``hf`` = stock transformers ``generate`` with DynamicCache, speed and decode benches),
+options ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual
+window, ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``current`` /
+``speculative`` (prefetch: each pass picks its own fetched set and feeds one token, or the
+design's two-token speculative steps), ``both`` / ``spec`` (the fetch set is selected with the
+output token's attention as well as the speculative token's, or with the speculative token's
+alone), ``resync`` / ``noresync`` (re-sync a missed speculation by prompt lookup, or keep the
+paper's chain); these last four imply ``speculative``. Unset options keep the model's defaults
+(bits, group, k, and the prefetch for the device: ``engine.profiles.model_defaults``, what
+``summarize``/``ask`` use) when the benches pass them, else engine.config.CacheConfig's, so
+``specache`` is the setting users get. ``window`` without ``w<n>`` is sized to the device
+bytes of specache with the same bits / k / group (``window-1b`` matches ``specache-1b``);
+``kivi`` never fetches (k = 0).
 """
 from __future__ import annotations
 
@@ -89,6 +91,8 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
             fields["bits"] = int(m.group("bits"))
         else:
             fields[_OPTION_FIELDS[m.group("key")]] = int(m.group("val"))
+    if ("select_both" in fields or "resync" in fields) and "prefetch" not in fields:
+        fields["prefetch"] = "speculative"  # options of the speculative decoder imply it
     if "window" in fields and mode != "window":
         raise BadArgument(f"mode {label!r}: w<n> only applies to window")
     if mode == "kivi":
