@@ -89,9 +89,13 @@ class GuidedLayer:
             self.res_k[r, :, p0 - q0 : p0 - q0 + t] = k[i]
             self.res_v[r, :, p0 - q0 : p0 - q0 + t] = v[i]
 
+    def boundaries(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Each row's quantized prefix for these lengths [B] (what qend becomes after after_step)."""
+        return quant_boundary(lengths, self.residual, self.group)
+
     def after_step(self, step: Step, lengths: torch.Tensor) -> None:
         """After a pass is committed: quantize the groups that left the residual window."""
-        new_q = quant_boundary(lengths, self.residual, self.group)
+        new_q = self.boundaries(lengths)
         for row in range(step.rows.start, step.rows.stop):
             old, new = int(self.qend[row]), int(new_q[row])
             if new <= old:

@@ -170,6 +170,7 @@ class KVCache(Cache):
         self.max_len = max_len
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
         self.step: Step | None = None
+        self._bounds: list[int] | None = None  # the layers' quantization boundaries after the last commit
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
               prefill: bool = False) -> Step:
@@ -181,13 +182,22 @@ class KVCache(Cache):
         return self.step
 
     def commit(self) -> None:
-        """Advance the lengths of the step's rows by the kept tokens."""
+        """Advance the lengths of the step's rows by the kept tokens; let the layers act on it
+        (guided layers quantize the groups that left the residual window). Most decode steps
+        move no boundary: then the layers are not called (the boundary rule is the same in every
+        layer, so one check per step does)."""
         step = self.step
         self.lengths[step.rows] += step.keep
-        for layer in self.layers:
-            if hasattr(layer, "after_step"):
-                layer.after_step(step, self.lengths)
         self.step = None
+        acting = [layer for layer in self.layers if hasattr(layer, "after_step")]
+        if not acting:
+            return
+        bounds = acting[0].boundaries(self.lengths).tolist()
+        if bounds == self._bounds:
+            return
+        for layer in acting:
+            layer.after_step(step, self.lengths)
+        self._bounds = bounds
 
     def copy_row(self, src: int, dst: int) -> None:
         """Row dst starts as a copy of row src (prefill a shared prefix once, then copy it)."""
@@ -195,6 +205,7 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.copy_row(src, dst, length)
         self.lengths[dst] = length
+        self._bounds = None
 
     def export_row(self, row: int) -> dict[str, torch.Tensor]:
         """Row `row`'s whole state (its length and every layer's tensors, views into the cache):
@@ -224,6 +235,7 @@ class KVCache(Cache):
             for layer, own in zip(self.layers, per_layer):
                 layer.import_row(row, length, own, check=check)
         self.lengths[row] = length
+        self._bounds = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.layers[layer_idx].update(key_states, value_states, self.step)

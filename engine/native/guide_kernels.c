@@ -36,6 +36,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -735,6 +736,56 @@ static void add_weighted_rows(float *restrict o, const float *restrict rows, con
     }
 }
 
+typedef float v16sf __attribute__((vector_size(64)));
+INLINE v16sf vload16u(const float *p) { v16sf v; memcpy(&v, p, sizeof v); return v; }
+
+/* Exact parts over scattered store rows (prefetch "current"): each row is read once, a few rows
+ * ahead are prefetched, and every query uses it while it is in L1.
+ * ex[i * ld + j] = q[i * D + .] . base[idx[j] * D + .] for i < nq, j < m. */
+static void dots_gather(const float *q, int64_t nq, const float *base, const int32_t *idx, int64_t m, int64_t D,
+                        float *ex, int64_t ld) {
+    for (int64_t j = 0; j < m; j++) {
+        if (j + 8 < m)
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(base + (int64_t)idx[j + 8] * D + d);
+        const float *r = base + (int64_t)idx[j] * D;
+        for (int64_t i = 0; i < nq; i++) ex[i * ld + j] = dot(q + i * D, r, D);
+    }
+}
+
+/* o[i * D + .] += sum_{j < m} w[i * ld + j] * base[idx[j] * D + .] for i < nq (same reading order). */
+static void add_weighted_gather(float *o, int64_t nq, const float *base, const int32_t *idx, const float *w,
+                                int64_t ld, int64_t m, int64_t D) {
+    if (D == 64) { /* four queries at a time, their outputs in 16 vector registers */
+        for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+            const int64_t ni = nq - i0 < 4 ? nq - i0 : 4;
+            v16sf acc[4][4];
+            for (int64_t i = 0; i < 4; i++)
+                for (int c = 0; c < 4; c++) acc[i][c] = i < ni ? vload16u(o + (i0 + i) * 64 + 16 * c) : (v16sf){0};
+            for (int64_t j = 0; j < m; j++) {
+                if (j + 8 < m)
+                    for (int d = 0; d < 64; d += 16) __builtin_prefetch(base + (int64_t)idx[j + 8] * 64 + d);
+                const float *r = base + (int64_t)idx[j] * 64;
+                const v16sf r0 = vload16u(r), r1 = vload16u(r + 16), r2 = vload16u(r + 32), r3 = vload16u(r + 48);
+                for (int64_t i = 0; i < 4; i++) {
+                    if (i >= ni) break;
+                    const float wi = w[(i0 + i) * ld + j];
+                    acc[i][0] += wi * r0;
+                    acc[i][1] += wi * r1;
+                    acc[i][2] += wi * r2;
+                    acc[i][3] += wi * r3;
+                }
+            }
+            for (int64_t i = 0; i < ni; i++) memcpy(o + (i0 + i) * 64, acc[i], 64 * sizeof(float));
+        }
+        return;
+    }
+    for (int64_t j = 0; j < m; j++) {
+        const float *r = base + (int64_t)idx[j] * D;
+        for (int64_t i = 0; i < nq; i++)
+            for (int64_t d = 0; d < D; d++) o[i * D + d] += w[i * ld + j] * r[d];
+    }
+}
+
 /* Indices (into val) of the k largest of val[0, m) (k < m, every val >= 0) written to idx
  * (in no particular order; ties at the threshold go to the lowest positions). Radix select
  * on the float bits, which order non-negative floats: a histogram of the top 11 bits finds
@@ -786,7 +837,23 @@ static size_t decode_scratch_floats(const DecodeArgs *a, int64_t L) {
     const size_t vals = values_scratch_floats(ng) + 4 * (size_t)D + (size_t)(D + ng) * LANES; /* + acc, zacc */
     size_t big = keys > vals ? keys : vals;
     big = big > 2048 ? big : 2048; /* top_k's histogram */
-    return (size_t)Q * L + 4 * (size_t)L + (size_t)Q * D + 3 * (size_t)a->K + (size_t)a->K / 4 + 1 + big + 64;
+    return (size_t)Q * L + 4 * (size_t)L + (size_t)Q * D + 3 * (size_t)a->K + 2 * (size_t)Q + (size_t)Q * a->K
+           + (size_t)a->K / 4 + 1 + big + 64;
+}
+
+/* The (at most) K positions of [S, hi) with the largest weights agg[l], into cidx (unordered);
+ * returns how many. */
+static int64_t select_top(const DecodeArgs *a, const float *agg, int64_t hi, int32_t *cidx, uint32_t *spill_u,
+                          int32_t *spill_i, float *work) {
+    const int64_t lo = a->S, m = hi - lo; /* candidates: positions lo .. hi - 1 */
+    const int64_t chosen = m <= 0 ? 0 : m < a->K ? m : a->K;
+    if (m > a->K) {
+        top_k(agg + lo, m, a->K, cidx, (int32_t *)work, spill_u, spill_i);
+    } else {
+        for (int64_t j = 0; j < chosen; j++) cidx[j] = (int32_t)j;
+    }
+    for (int64_t j = 0; j < chosen; j++) cidx[j] += (int32_t)lo;
+    return chosen;
 }
 
 /* The K positions of [S, hi) with the largest weights agg[l] (all of them if there are fewer)
@@ -798,14 +865,7 @@ static void fetch_top(const DecodeArgs *a, int64_t r, int64_t h, const float *ag
     int64_t *fidx = a->fidx + r * a->fi_sb + h * a->fi_sh;
     uint8_t *fvalid = a->fvalid + r * a->fi_sb + h * a->fi_sh;
     float *fk = a->fk + r * a->fk_sb + h * a->fk_sh, *fv = a->fv + r * a->fk_sb + h * a->fk_sh;
-    const int64_t lo = a->S, m = hi - lo; /* candidates: positions lo .. hi - 1 */
-    const int64_t chosen = m <= 0 ? 0 : m < a->K ? m : a->K;
-    if (m > a->K) {
-        top_k(agg + lo, m, a->K, cidx, (int32_t *)work, spill_u, spill_i);
-    } else {
-        for (int64_t j = 0; j < chosen; j++) cidx[j] = (int32_t)j;
-    }
-    for (int64_t j = 0; j < chosen; j++) cidx[j] += (int32_t)lo;
+    const int64_t chosen = select_top(a, agg, hi, cidx, spill_u, spill_i, work);
     /* Consecutive steps select mostly the same positions: keep the slots of positions that
      * stay selected and copy only the new ones from the host store (scattered rows, bound
      * by memory latency), into the slots that were freed. */
@@ -858,7 +918,9 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     float *q = (float *)(spill_i + Lmax);       /* [Q][D] queries times the score scaling */
     int64_t *fpos = (int64_t *)(q + Q * D);     /* [K] position of each fetched slot, -1 if unused */
     float *fw = (float *)(fpos + a->K);         /* [K] a query's weights of the fetched slots */
-    uint8_t *keep = (uint8_t *)(fw + a->K);     /* [K] fetched slots that stay selected */
+    float *mx = fw + a->K, *zs = mx + Q;        /* [Q] each query's row maximum and sum of exponentials */
+    float *exq = zs + Q;                        /* [Q][K] exact scores, then weights, of the chosen rows */
+    uint8_t *keep = (uint8_t *)(exq + Q * a->K); /* [K] fetched slots that stay selected */
     float *work = (float *)keep + a->K / 4 + 1; /* kernels' scratch, 64-byte aligned below */
     work = (float *)(((uintptr_t)work + ALIGN - 1) / ALIGN * ALIGN);
     const float *q_in = a->q + b * a->q_sb + h * a->q_sh;
@@ -890,25 +952,53 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         for (int64_t j = 0; j < nres; j++)
             row[n + j] = n + j <= last ? dot(qi, rk + j * D, D) : -__builtin_inff();
     }
-    if (a->current && a->K > 0) { /* select this pass's fetched set from its own guide attention */
-        float *tmp = (float *)cidx; /* [Lmax], free until fetch_top */
+    /* With current (the host store is this memory): the pass selects its own set from its guide
+     * attention and reads those rows straight from the store, without copying them into the
+     * fetched buffers; the exponentials of the selection pass are reused for the softmax. */
+    const int direct = a->current && a->K > 0 && n > 0;
+    int64_t chosen = 0;
+    if (direct) {
         for (int64_t l = 0; l < n; l++) agg[l] = 0.0f;
         for (int64_t i = 0; i < Q; i++) {
-            memcpy(tmp, scores + i * Lmax, (size_t)L * sizeof(float));
-            exp_shifted(tmp, L, reduce16(tmp, L, 1));
-            const float inv = 1.0f / reduce16(tmp, L, 0);
-            for (int64_t l = 0; l < n; l++) agg[l] += tmp[l] * inv;
+            float *row = scores + i * Lmax;
+            mx[i] = reduce16(row, L, 1);
+            exp_shifted(row, L, mx[i]);
+            zs[i] = reduce16(row, L, 0);
+            const float inv = 1.0f / zs[i];
+            for (int64_t l = 0; l < n; l++) agg[l] += row[l] * inv;
         }
-        fetch_top(a, r, h, agg, n, Lmax, cidx, spill_u, spill_i, keep, work);
-        for (int64_t j = 0; j < a->K; j++) fpos[j] = fvalid[j] && fidx[j] >= S && fidx[j] < n ? fidx[j] : -1;
-    }
-    for (int64_t i = 0; i < Q; i++) {
-        float *row = scores + i * Lmax;
-        const float *qi = q + i * D;
-        for (int64_t j = 0; j < a->K; j++)
-            if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
-        /* 2. softmax */
-        softmax_row(row, L);
+        chosen = select_top(a, agg, n, cidx, spill_u, spill_i, work);
+        for (int64_t j = 0; j < a->K; j++) {
+            fidx[j] = j < chosen ? cidx[j] : 0;
+            fvalid[j] = j < chosen;
+        }
+        dots_gather(q, Q, a->store_k + r * a->st_sb + h * a->st_sh, cidx, chosen, D, exq, a->K);
+        for (int64_t i = 0; i < Q; i++) {
+            float *row = scores + i * Lmax, *ex = exq + i * a->K;
+            float emax = mx[i], z = zs[i];
+            for (int64_t j = 0; j < chosen; j++) emax = ex[j] > emax ? ex[j] : emax;
+            if (emax > mx[i]) { /* an exact score above the row's maximum: rescale (rare) */
+                const float c = expf(mx[i] - emax);
+                for (int64_t l = 0; l < L; l++) row[l] *= c;
+                z *= c;
+            }
+            exp_shifted(ex, chosen, emax);
+            for (int64_t j = 0; j < chosen; j++) {
+                z += ex[j] - row[cidx[j]];
+                row[cidx[j]] = ex[j];
+            }
+            const float inv = 1.0f / z;
+            for (int64_t l = 0; l < L; l++) row[l] *= inv;
+        }
+    } else {
+        for (int64_t i = 0; i < Q; i++) {
+            float *row = scores + i * Lmax;
+            const float *qi = q + i * D;
+            for (int64_t j = 0; j < a->K; j++)
+                if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
+            /* 2. softmax */
+            softmax_row(row, L);
+        }
     }
     /* 3. selection weights (before the exact positions are taken out of the guide's share) */
     if (a->select >= 0)
@@ -927,13 +1017,19 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         add_weighted_rows(o, rv, row + n, nres, D);
         add_weighted_rows(o, sv, row, S, D);
         for (int64_t s = 0; s < S; s++) row[s] = 0.0f;
-        if (use_fetched) {
+        if (direct) { /* the chosen rows' weights, added below for all queries at once */
+            for (int64_t j = 0; j < chosen; j++) {
+                exq[i * a->K + j] = row[cidx[j]];
+                row[cidx[j]] = 0.0f;
+            }
+        } else if (use_fetched) {
             for (int64_t j = 0; j < a->K; j++) fw[j] = fpos[j] >= 0 ? row[fpos[j]] : 0.0f;
             add_weighted_rows(o, fv, fw, a->K, D);
             for (int64_t j = 0; j < a->K; j++)
                 if (fpos[j] >= 0) row[fpos[j]] = 0.0f;
         }
     }
+    if (direct) add_weighted_gather(out, Q, a->store_v + r * a->st_sb + h * a->st_sh, cidx, exq, a->K, chosen, D);
     if (n > 0) {
         const int64_t ng = D / a->gv;
         float *acc = work, *zacc = acc + (size_t)D * LANES, *vscr = zacc + (size_t)ng * LANES;
