@@ -77,7 +77,7 @@ class GuidedLayer:
         """Store the new tokens' K/V [b, H_kv, T, D]: host store, sinks, residual buffer.
         Each row's new positions are contiguous, so every write is a slice copy."""
         t = k.shape[2]
-        starts, qends = step.start.tolist(), self.qend[step.rows].tolist()
+        starts, qends = step.starts, self.qend[step.rows].tolist()
         for i, (p0, q0) in enumerate(zip(starts, qends)):
             r = step.rows.start + i
             if self.store is not None and step.keep:  # only committed tokens enter the exact store
@@ -170,7 +170,7 @@ class GuidedLayer:
     def attend_prefill(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
         """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk."""
         row = step.rows.start
-        start, t = int(step.start[0]), step.n_new
+        start, t = step.starts[0], step.n_new
         qg = grouped_query(q, self.shape.kv_heads)
         if self.store is not None:
             k_past, v_past = self.store.read(row, 0, int(self.qend[row]))

@@ -7,7 +7,7 @@ different lengths: each row's committed length lives in `cache.lengths`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
@@ -52,6 +52,11 @@ class Step:
     keep: int
     select: int | None = None  # index of the new token whose attention row picks the next fetch set
     prefill: bool = False  # prompt tokens: attention over the exact past
+    starts: list[int] = field(default_factory=list)  # start as Python ints (read by every layer)
+
+    def __post_init__(self) -> None:
+        if not self.starts:
+            self.starts = self.start.tolist()
 
     def positions(self) -> torch.Tensor:
         """Absolute positions of the new tokens. -> [b, T]"""
@@ -74,7 +79,7 @@ def causal_mask(step: Step, group: int, length: int) -> torch.Tensor | None:
     """Boolean mask [b, 1, G*T, length]: query t of row r sees positions <= start_r + t.
 
     None when every row sees every position (one new token, equal lengths)."""
-    if step.n_new == 1 and bool((step.start == step.start[0]).all()) and int(step.start[0]) + 1 == length:
+    if step.n_new == 1 and min(step.starts) == max(step.starts) and step.starts[0] + 1 == length:
         return None
     pos = step.positions()  # [b, T]
     cols = torch.arange(length, device=pos.device)
@@ -96,7 +101,7 @@ class FullLayer:
 
     def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
         """Exact attention of q [b, H, T, D] over each row's past and new tokens -> [b, T, H, D]."""
-        length = int(step.start.max()) + step.n_new
+        length = max(step.starts) + step.n_new
         keys = self.k[step.rows, :, :length]
         values = self.v[step.rows, :, :length]
         qg = grouped_query(q, self.shape.kv_heads)
@@ -127,8 +132,8 @@ class FullLayer:
 def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
     """Store new K/V [b, H_kv, T, D] into [B, H_kv, L, D] buffers at each row's positions."""
     b, t = k.shape[0], k.shape[2]
-    if b == 1 or bool((step.start == step.start[0]).all()):
-        s = int(step.start[0])
+    if b == 1 or min(step.starts) == max(step.starts):
+        s = step.starts[0]
         dst_k[step.rows, :, s : s + t] = k
         dst_v[step.rows, :, s : s + t] = v
         return
@@ -176,9 +181,10 @@ class KVCache(Cache):
               prefill: bool = False) -> Step:
         """Start a forward pass over `rows` feeding n_new tokens each."""
         start = self.lengths[rows].clone()
-        if int(start.max()) + n_new > self.max_len:
-            raise RuntimeError(f"cache overflow: {int(start.max()) + n_new} > planned {self.max_len} tokens")
-        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select, prefill)
+        starts = start.tolist()
+        if max(starts) + n_new > self.max_len:
+            raise RuntimeError(f"cache overflow: {max(starts) + n_new} > planned {self.max_len} tokens")
+        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select, prefill, starts)
         return self.step
 
     def commit(self) -> None:
