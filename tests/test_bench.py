@@ -21,7 +21,7 @@ from engine.config import CacheConfig
 from engine.errors import BadArgument
 from specache_cli.app import app
 
-EXACT = "specache-k4096"  # k >= every context here: every position exact, output equals full
+EXACT = "specache-k4096-speculative"  # k >= every context here: every position exact, output equals full
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -108,7 +108,7 @@ def test_needle_prompt_plants_the_key_at_the_depth(tiny_model_dir):
 # ---- fidelity ----------------------------------------------------------------------------
 
 def test_fidelity_quick(bench):
-    labels = ["full", "specache", EXACT, "kivi-1b", "window", "specache-current"]
+    labels = ["full", "specache-speculative", EXACT, "kivi-1b", "window", "specache"]
     result, md, _ = bench("fidelity", "--modes", ",".join(labels))
     check_envelope(result, "fidelity", labels)
     doc = result["settings"]["documents"][0]
@@ -128,18 +128,19 @@ def test_fidelity_quick(bench):
         assert sel[name]["recall"] == pytest.approx(1.0) and sel[name]["coverage"] == pytest.approx(1.0)
         assert sel[name]["coverage_total"] == pytest.approx(1.0)
     # a real setting: coverage of any k-set is at most the oracle's, recall within [0, 1]
-    sel = per["specache"]["selection"]
+    sel = per["specache-speculative"]["selection"]
     oracle = sel["oracle"]["coverage"]
     assert 0 < oracle <= 1.0 + 1e-9 and sel["oracle"]["recall"] == pytest.approx(1.0)
     for name, v in sel.items():
         assert 0.0 <= v["recall"] <= 1.0 + 1e-9 and 0.0 <= v["coverage"] <= oracle + 1e-6, name
         assert v["coverage"] - 1e-6 <= v["coverage_total"] <= sel["oracle"]["coverage_total"] + 1e-6, name
-    raw = rows["specache"]["selection"]
+    raw = rows["specache-speculative"]["selection"]
     assert raw["samples"] > 0 and 0.0 <= raw["speculation_hit_rate"] <= 1.0 and 0 < raw["region_mass"] <= 1.0
     assert len(raw["per_layer"]) == 2
     assert per["kivi-1b"].get("selection") is None and rows["window"]["selection"] is None
-    # prefetch current: each pass fetched its own set (no speculative token to score)
-    cur = rows["specache-current"]["selection"]
+    # on a CPU the default prefetch is current: each pass fetched its own set (no speculative token)
+    assert result["modes"][-1]["config"]["prefetch"] == "current"
+    cur = rows["specache"]["selection"]
     assert cur["samples"] > 0 and cur["speculation_hit_rate"] is None
     assert cur["selectors"]["guide_spec"]["coverage"] is None and cur["selectors"]["guide_own"]["coverage"] > 0
     assert 0 < cur["selectors"]["fetched"]["coverage"] <= cur["selectors"]["oracle"]["coverage"] + 1e-6
