@@ -5,8 +5,8 @@ truncated to fit the window) the full cache generates the reference: greedy toke
 and the next-token distribution before each. Then, per mode:
 
 - teacher-forced: engine.decode.teacher_forced feeds F through the mode's real step loop
-  (speculative for specache); each step's distribution is compared with the reference: top-1
-  agreement and mean KL(full || mode);
+  (speculative or one-token steps, per the prefetch); each step's distribution is compared
+  with the reference: top-1 agreement and mean KL(full || mode);
 - free-running: the mode's own greedy output; length of the prefix identical to F, and the
   share of positions with equal tokens;
 - selection quality (specache modes): during the teacher-forced run a probe attention

@@ -44,7 +44,8 @@ def fidelity_markdown(r: dict) -> str:
                      for d in s["documents"])
     out = [md_header("Fidelity against the full cache", r),
            f"Documents: {docs}. Up to {s['forced_tokens']} tokens of the full cache's greedy summary, "
-           "teacher-forced through each mode's real step loop (speculative for specache).\n",
+           "teacher-forced through each mode's real step loop (two-token speculative steps or one-token steps, as the "
+           "mode's prefetch says).\n",
            "## Agreement\n"]
     rows = []
     for m in r["modes"]:
