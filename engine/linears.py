@@ -28,6 +28,13 @@ class PackedWeight:
     data: torch.Tensor  # uint8 [N, K / 32 * FORMATS[fmt]]
     shape: tuple[int, int]
 
+    def __post_init__(self) -> None:
+        from engine import native
+
+        # the kernel and the arguments that never change, bound once (a decode step makes ~200 calls)
+        object.__setattr__(self, "_kernel", native.lib().specache_packed_linear)
+        object.__setattr__(self, "_fixed", (self.data.data_ptr(), self.fmt, self.shape[0], self.shape[1]))
+
     @property
     def nbytes(self) -> int:
         return self.data.numel()
@@ -37,16 +44,14 @@ class PackedWeight:
         (The per-call checks are few: a decode step makes ~200 of these calls.)"""
         from engine import native
 
-        lib = native.lib()
-        if (lib is None or x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[1] != self.shape[1]
+        if (x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[1] != self.shape[1]
                 or (x.requires_grad and torch.is_grad_enabled())
                 or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
             return None
         rows, n = x.shape[0], self.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
-        rc = lib.specache_packed_linear(x.data_ptr(), x.stride(0), rows, self.data.data_ptr(), self.fmt, n,
-                                        self.shape[1], bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                        n, native.threads())
+        rc = self._kernel(x.data_ptr(), x.stride(0), rows, *self._fixed, bias.data_ptr() if bias is not None else None,
+                          y.data_ptr(), n, native.threads())
         return y if rc == 0 else None
 
     def unpack(self) -> torch.Tensor:
@@ -91,7 +96,7 @@ class SkinnyLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > self.SKINNY_ROWS or x.device.type != "cpu":
+        if rows > self.SKINNY_ROWS or not x.is_cpu:
             return super().forward(x)
         flat = x.reshape(rows, -1)
         y = self.packed(flat, self.bias) if self.packed is not None else None
