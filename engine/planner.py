@@ -462,6 +462,8 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     if hardware.kind == "cpu":
         notes.append("CPU step times are a roofline; measured CPU decode is dominated by per-layer framework "
                      "overhead (docs/planner.md)")
+        notes.append("on a CPU specache runs with --prefetch current by default: the chosen rows are read in place "
+                     "from the store, so the transfer row (the speculative prefetch's copy) does not apply")
     return Plan(hardware, model, context, bits, group, residual, sinks, k, reference, prefill_chunk, eb, budget,
                 host_ram_bytes, tuple(modes), tuple(notes))
 
