@@ -9,8 +9,8 @@ call of ``native_available()`` / ``lib()`` (``python -m engine.native`` builds i
 of time). No torch headers and no ninja are involved.
 
 ``SPECACHE_NATIVE=0`` disables the native path and ``SPECACHE_NATIVE_THREADS=N`` sets its
-thread count (default 1, see ``threads()``); both are read once, at their first use in a
-process. Any build or load failure makes ``native_available()`` return False, so engine.quant falls back to its torch kernels; the
+thread count (default: torch's, see ``threads()``); both are read once, at their first use in
+a process. Any build or load failure makes ``native_available()`` return False, so engine.quant falls back to its torch kernels; the
 reason is logged once at debug level and kept in ``native_error()``.
 """
 from __future__ import annotations
@@ -33,7 +33,6 @@ ABI_VERSION = 5
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_THREADS = "SPECACHE_NATIVE_THREADS"
-DEFAULT_THREADS = 1
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -74,21 +73,25 @@ def disabled() -> bool:
 
 
 def threads() -> int:
-    """Threads for one kernel call: $SPECACHE_NATIVE_THREADS, else 1 (read once per process: this
-    is asked for every linear of every decode step).
-
-    On the 2-core machines this was tuned on, a second thread gained little and lost a lot
-    whenever another process used the other core (scripts/bench_quant.py --threads)."""
+    """Threads for one kernel call: $SPECACHE_NATIVE_THREADS (read once per process), else torch's
+    own thread count, so that the native decode path uses the cores the torch ops of the same
+    step use (with 1 native thread against torch's 2, a batch-1 specache step on a 2-core
+    machine measured 36.0 ms against 26.9 ms with 2; `--threads` of the benches sets both).
+    On a loaded machine fewer threads can be faster: set either."""
     global _threads
     if _threads is None:
-        _threads = DEFAULT_THREADS
+        _threads = 0  # 0: follow torch
         raw = os.environ.get(ENV_THREADS)
         if raw:
             try:
                 _threads = max(1, int(raw))
             except ValueError:
                 pass
-    return _threads
+    if _threads:
+        return _threads
+    import torch
+
+    return max(1, torch.get_num_threads())
 
 
 def compiler() -> str | None:
