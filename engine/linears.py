@@ -89,7 +89,8 @@ class SkinnyLinear(torch.nn.Linear):
     (`packed`, set by `use_skinny_linears`). Without the native library, W @ x^T: the BLAS's
     x @ W^T path packs the weight matrix for 2-8 rows, so a speculative step (2 tokens) cost
     about twice a 1-token step. Prefill chunks (many rows) keep the ordinary path. Same result
-    up to float rounding order."""
+    up to float rounding order. The packed copy is taken when the model is prepared: weights
+    changed in place afterwards need `use_skinny_linears` again."""
 
     SKINNY_ROWS = 8
     packed: PackedWeight | None = None
