@@ -146,10 +146,9 @@ def use_skinny_linears(model: torch.nn.Module) -> None:
     pack the weights that pack exactly (unless $SPECACHE_PACK_WEIGHTS is 0)."""
     pack = packing_enabled()
     for module in model.modules():
-        if type(module) is torch.nn.Linear:
+        if type(module) in (torch.nn.Linear, SkinnyLinear):  # again: packs the weights anew
             module.__class__ = SkinnyLinear
-            if pack:
-                module.packed = pack_weight(module.weight.detach())
+            module.packed = pack_weight(module.weight.detach()) if pack else None
 
 
 def packed_summary(model: torch.nn.Module) -> dict:

@@ -75,6 +75,10 @@ def test_use_skinny_linears_packs_exact_weights_and_the_module_output_is_unchang
         use_skinny_linears(model)
         assert isinstance(model[0], SkinnyLinear) and model[0].packed is not None and model[1].packed is None
         torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # weights changed after preparing: preparing again packs them anew
+        model[0].weight.copy_(affine4_weight(64, 128, seed=5))
+        use_skinny_linears(model)
+        assert torch.equal(model[0].packed.unpack(), model[0].weight)
     fresh = torch.nn.Linear(128, 64)
     with torch.no_grad():
         fresh.weight.copy_(affine4_weight(64, 128))
