@@ -56,7 +56,7 @@ def test_every_cache_mode_runs(cli, mode):
 
 def test_prefetch_defaults_to_current_on_the_cpu_and_can_be_speculative(cli):
     args = ("ask", "--doc", str(DATA / "sample.txt"), "What is this about?", "--max-tokens", "5", "--json",
-            "--group", "32")
+            "--group", "32", "--device", "cpu")
     r = cli(*args)
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["cache"]["prefetch"] == "current"  # the host store is this device's own RAM
