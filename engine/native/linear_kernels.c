@@ -93,29 +93,6 @@ static void linear_range(const float *x, int64_t x_s, int64_t R, const float *W,
     }
 }
 
-/* y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]) for r < R <= 8.
- * x: fp32, row r at x + r * x_s (contiguous along k); W: fp32 [N, K] contiguous;
- * bias: fp32 [N] or NULL; y: fp32, row r at y + r * y_s. Returns 0, or -1 for bad arguments. */
-EXPORT int specache_skinny_linear(const float *x, int64_t x_s, int64_t R, const float *W, int64_t N, int64_t K,
-                                  const float *bias, float *y, int64_t y_s, int64_t nthreads) {
-    if (R < 1 || R > MAX_ROWS || N < 0 || K < 1) return -1;
-    if (nthreads <= 1 || N < 256) {
-        linear_range(x, x_s, R, W, K, bias, y, y_s, 0, N);
-        return 0;
-    }
-#pragma omp parallel num_threads((int)nthreads)
-    {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        const int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
-        linear_range(x, x_s, R, W, K, bias, y, y_s, n0, n1);
-    }
-    return 0;
-}
-
 /* ---- packed weights -------------------------------------------------------------------
  * Blocks of QB = 32 consecutive weights of one row (along K). Each block is stored as one
  * record, so a row is a single sequential stream:
@@ -277,13 +254,30 @@ static void packed_range(const float *x, int64_t x_s, int64_t R, const uint8_t *
     }
 }
 
-/* specache_skinny_linear for a packed weight (fmt 4: affine4, 8: scaled8; P as the packers wrote it). */
-EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int64_t fmt, int64_t N,
-                                  int64_t K, const float *bias, float *y, int64_t y_s, int64_t nthreads) {
-    if (R < 1 || R > MAX_ROWS || N < 0 || K < QB || K % QB || (fmt != 4 && fmt != 8)) return -1;
+/* One call's operands: W (fp32, fmt 0) or P (a packed weight, fmt 4 or 8), as the entry points
+ * below take them. */
+typedef struct {
+    const float *x;
+    int64_t x_s, R;
+    const float *W;
+    const uint8_t *P;
+    int fmt;
+    int64_t K;
+    const float *bias;
+    float *y;
+    int64_t y_s;
+} Linear;
+
+static void linear_columns(const Linear *L, int64_t n0, int64_t n1) {
+    if (L->fmt == 0) linear_range(L->x, L->x_s, L->R, L->W, L->K, L->bias, L->y, L->y_s, n0, n1);
+    else packed_range(L->x, L->x_s, L->R, L->P, L->fmt, L->K, L->bias, L->y, L->y_s, n0, n1);
+}
+
+/* Output columns [0, N), split evenly over the threads when there are enough of them. */
+static void run_linear(const Linear *L, int64_t N, int64_t nthreads) {
     if (nthreads <= 1 || N < 256) {
-        packed_range(x, x_s, R, P, (int)fmt, K, bias, y, y_s, 0, N);
-        return 0;
+        linear_columns(L, 0, N);
+        return;
     }
 #pragma omp parallel num_threads((int)nthreads)
     {
@@ -292,8 +286,27 @@ EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const 
 #else
         const int64_t t = 0, nt = 1;
 #endif
-        packed_range(x, x_s, R, P, (int)fmt, K, bias, y, y_s, N * t / nt, N * (t + 1) / nt);
+        linear_columns(L, N * t / nt, N * (t + 1) / nt);
     }
+}
+
+/* y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]) for r < R <= 8.
+ * x: fp32, row r at x + r * x_s (contiguous along k); W: fp32 [N, K] contiguous;
+ * bias: fp32 [N] or NULL; y: fp32, row r at y + r * y_s. Returns 0, or -1 for bad arguments. */
+EXPORT int specache_skinny_linear(const float *x, int64_t x_s, int64_t R, const float *W, int64_t N, int64_t K,
+                                  const float *bias, float *y, int64_t y_s, int64_t nthreads) {
+    if (R < 1 || R > MAX_ROWS || N < 0 || K < 1) return -1;
+    const Linear L = {x, x_s, R, W, NULL, 0, K, bias, y, y_s};
+    run_linear(&L, N, nthreads);
+    return 0;
+}
+
+/* specache_skinny_linear for a packed weight (fmt 4: affine4, 8: scaled8; P as the packers wrote it). */
+EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int64_t fmt, int64_t N,
+                                  int64_t K, const float *bias, float *y, int64_t y_s, int64_t nthreads) {
+    if (R < 1 || R > MAX_ROWS || N < 0 || K < QB || K % QB || (fmt != 4 && fmt != 8)) return -1;
+    const Linear L = {x, x_s, R, NULL, P, (int)fmt, K, bias, y, y_s};
+    run_linear(&L, N, nthreads);
     return 0;
 }
 
