@@ -44,9 +44,7 @@ class PackedWeight:
         (The per-call checks are few: a decode step makes ~200 of these calls.)"""
         from engine import native
 
-        if (x.dtype != torch.float32 or x.stride(-1) != 1 or x.shape[1] != self.shape[1]
-                or (x.requires_grad and torch.is_grad_enabled())
-                or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        if x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
             return None
         rows, n = x.shape[0], self.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
@@ -110,18 +108,21 @@ class SkinnyLinear(torch.nn.Linear):
         return y.reshape(*x.shape[:-1], -1)
 
 
+def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the native linear kernels can read x [R, K] and bias as they are: fp32, rows
+    contiguous along K, no gradient wanted."""
+    return (x.dtype == torch.float32 and x.stride(-1) == 1 and not (x.requires_grad and torch.is_grad_enabled())
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+
+
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [R <= 8, K] @ weight[N, K]^T (+ bias) by the native kernel; None where it does not apply
     (not available, not fp32, not contiguous, or gradients wanted)."""
     from engine import native
 
     lib = native.lib()
-    if lib is None or x.dtype != torch.float32 or x.stride(-1) != 1 or weight.dtype != torch.float32 \
-            or not weight.is_contiguous():
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return None
-    if bias is not None and (not bias.is_contiguous() or bias.dtype != torch.float32):
+    if lib is None or weight.dtype != torch.float32 or not weight.is_contiguous() or not _kernel_takes(x, bias) \
+            or (weight.requires_grad and torch.is_grad_enabled()):
         return None
     rows, k = x.shape
     n = weight.shape[0]
