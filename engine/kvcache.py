@@ -58,6 +58,11 @@ class Step:
         if not self.starts:
             self.starts = self.start.tolist()
 
+    @property
+    def aligned(self) -> bool:
+        """Every row's new tokens start at the same position."""
+        return min(self.starts) == max(self.starts)
+
     def positions(self) -> torch.Tensor:
         """Absolute positions of the new tokens. -> [b, T]"""
         return self.start[:, None] + torch.arange(self.n_new, device=self.start.device)
@@ -79,7 +84,7 @@ def causal_mask(step: Step, group: int, length: int) -> torch.Tensor | None:
     """Boolean mask [b, 1, G*T, length]: query t of row r sees positions <= start_r + t.
 
     None when every row sees every position (one new token, equal lengths)."""
-    if step.n_new == 1 and min(step.starts) == max(step.starts) and step.starts[0] + 1 == length:
+    if step.n_new == 1 and step.aligned and step.starts[0] + 1 == length:
         return None
     pos = step.positions()  # [b, T]
     cols = torch.arange(length, device=pos.device)
@@ -132,7 +137,7 @@ class FullLayer:
 def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
     """Store new K/V [b, H_kv, T, D] into [B, H_kv, L, D] buffers at each row's positions."""
     b, t = k.shape[0], k.shape[2]
-    if b == 1 or min(step.starts) == max(step.starts):
+    if b == 1 or step.aligned:
         s = step.starts[0]
         dst_k[step.rows, :, s : s + t] = k
         dst_v[step.rows, :, s : s + t] = v

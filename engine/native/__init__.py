@@ -10,8 +10,9 @@ of time). No torch headers and no ninja are involved.
 
 ``SPECACHE_NATIVE=0`` disables the native path and ``SPECACHE_NATIVE_THREADS=N`` sets its
 thread count (default: torch's, see ``threads()``); both are read once, at their first use in
-a process. Any build or load failure makes ``native_available()`` return False, so engine.quant falls back to its torch kernels; the
-reason is logged once at debug level and kept in ``native_error()``.
+a process. Any build or load failure makes ``native_available()`` return False, so engine.quant
+falls back to its torch kernels; the reason is logged once at debug level and kept in
+``native_error()``.
 """
 from __future__ import annotations
 
