@@ -181,6 +181,7 @@ class KVCache(Cache):
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
         self.step: Step | None = None
         self._bounds: list[int] | None = None  # the layers' quantization boundaries after the last commit
+        self._acting = [layer for layer in layers if hasattr(layer, "after_step")]  # layers that act on a commit
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
               prefill: bool = False) -> Step:
@@ -200,13 +201,12 @@ class KVCache(Cache):
         step = self.step
         self.lengths[step.rows] += step.keep
         self.step = None
-        acting = [layer for layer in self.layers if hasattr(layer, "after_step")]
-        if not acting:
+        if not self._acting:
             return
-        bounds = acting[0].boundaries(self.lengths).tolist()
+        bounds = self._acting[0].boundaries(self.lengths).tolist()
         if bounds == self._bounds:
             return
-        for layer in acting:
+        for layer in self._acting:
             layer.after_step(step, self.lengths)
         self._bounds = bounds
 
