@@ -286,12 +286,170 @@ static inline void gather_bit_planes(const uint8_t *src, uint64_t out[8]) {
 /* The byte (channel within 64) whose bit lands in bit e of a gathered word. */
 static inline int chan_of_bit(int e) { return BIT_REVERSED ? (e & ~7) | (7 - (e & 7)) : e; }
 
+/* ------------------------------------------- few-query kernels (AVX-512 permutes) */
+
+/* With at most PERM_MAX queries (decode with one new token: a GQA group of 3) the 8-lane
+ * tables above leave most lanes idle. Here the tables are turned around: one table of 16
+ * floats per query and run of 4 reduction elements sits in one 512-bit register, and one
+ * permute (vpermps: the low 4 bits of each 32-bit index lane pick an entry) looks up 16
+ * outputs at once (16 tokens for keys, 16 channels for values); the index lanes hold 32
+ * code bits each, shifted by 4 per run. Same sums as the tables above, in another order. */
+#if defined(__AVX512F__)
+#define PERM_MAX 3 /* 4 queries cost more than the 8-lane tables (measured on Zen 4) */
+#define HAVE_PERM 1
+
+/* The 16 subset sums of w0..w3 (bit b of the entry index -> w_b) in one register. */
+INLINE __m512 perm_table(float w0, float w1, float w2, float w3) {
+    __m512 t = _mm512_maskz_mov_ps(0xAAAA, _mm512_set1_ps(w0));
+    t = _mm512_mask_add_ps(t, 0xCCCC, t, _mm512_set1_ps(w1));
+    t = _mm512_mask_add_ps(t, 0xF0F0, t, _mm512_set1_ps(w2));
+    return _mm512_mask_add_ps(t, 0xFF00, t, _mm512_set1_ps(w3));
+}
+
+/* The 32-bit halves of 16 consecutive 64-bit words: lo[i] = bits 0..31, hi[i] = bits 32..63. */
+INLINE void split_words(const uint64_t *w, __m512i *lo, __m512i *hi) {
+    const __m512i a = _mm512_loadu_si512((const void *)w), b = _mm512_loadu_si512((const void *)(w + 8));
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    *lo = _mm512_permutex2var_epi32(a, even, b);
+    *hi = _mm512_permutex2var_epi32(a, odd, b);
+}
+
+/* a_l += the entries that the nibbles c of each lane of x select in tables T[c][l], and b_l +=
+ * those of y in tables T[8 + c][l], c < 8, l < nl (tables PERM_MAX * 16 floats apart per run;
+ * two sets of accumulators: shorter dependency chains). nl is a constant where this is expanded,
+ * so the accumulators stay in registers. */
+#define PERM_LOOKUP(a0, a1, a2, b0, b1, b2, x, y, T, nl)                                   \
+    do {                                                                                            \
+        for (int c_ = 0; c_ < 8; c_++) {                                                            \
+            const __m512i i_ = c_ ? _mm512_srli_epi32((x), 4 * c_) : (x);                           \
+            const __m512i j_ = c_ ? _mm512_srli_epi32((y), 4 * c_) : (y);                           \
+            const float *t_ = (T) + (size_t)c_ * PERM_MAX * 16, *u_ = t_ + 8 * PERM_MAX * 16;       \
+            a0 = _mm512_add_ps(a0, _mm512_permutexvar_ps(i_, _mm512_load_ps(t_)));                  \
+            b0 = _mm512_add_ps(b0, _mm512_permutexvar_ps(j_, _mm512_load_ps(u_)));                  \
+            if ((nl) > 1) {                                                                         \
+                a1 = _mm512_add_ps(a1, _mm512_permutexvar_ps(i_, _mm512_load_ps(t_ + 16)));         \
+                b1 = _mm512_add_ps(b1, _mm512_permutexvar_ps(j_, _mm512_load_ps(u_ + 16)));         \
+            }                                                                                       \
+            if ((nl) > 2) {                                                                         \
+                a2 = _mm512_add_ps(a2, _mm512_permutexvar_ps(i_, _mm512_load_ps(t_ + 32)));         \
+                b2 = _mm512_add_ps(b2, _mm512_permutexvar_ps(j_, _mm512_load_ps(u_ + 32)));         \
+            }                                                                                       \
+        }                                                                                           \
+    } while (0)
+
+/* The sums of 16 outputs over a run of 64-bit code words (one per plane), for nl queries:
+ * res[l] = plane 0 + 2 * plane 1. */
+#define PERM_SUMS(res, w0, w1, T, bits, nl)                                                         \
+    __m512 res[PERM_MAX];                                                                           \
+    do {                                                                                            \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;               \
+        __m512 c0 = a0, c1 = a0, c2 = a0, d0 = a0, d1 = a0, d2 = a0;                                \
+        __m512i lo_, hi_;                                                                           \
+        split_words((w0), &lo_, &hi_);                                                              \
+        PERM_LOOKUP(a0, a1, a2, b0, b1, b2, lo_, hi_, (T), nl);                             \
+        if ((bits) == 2) {                                                                          \
+            split_words((w1), &lo_, &hi_);                                                          \
+            PERM_LOOKUP(c0, c1, c2, d0, d1, d2, lo_, hi_, (T), nl);                         \
+        }                                                                                           \
+        const __m512 p_[PERM_MAX] = {_mm512_add_ps(a0, b0), _mm512_add_ps(a1, b1), _mm512_add_ps(a2, b2)}; \
+        const __m512 q_[PERM_MAX] = {_mm512_add_ps(c0, d0), _mm512_add_ps(c1, d1), _mm512_add_ps(c2, d2)}; \
+        for (int l_ = 0; l_ < PERM_MAX; l_++) res[l_] = _mm512_add_ps(p_[l_], _mm512_add_ps(q_[l_], q_[l_])); \
+    } while (0)
+
+/* keys_item for nl <= PERM_MAX queries, D % 64 == 0, g % 16 == 0 (same arguments). The words
+ * of a group are gathered in token order, [bits][words][g]; tables [D/4][PERM_MAX][16]. */
+INLINE void keys_perm_body(const float *q, int64_t q_sq, const int nl, const uint8_t *codes, const uint16_t *sc,
+                           const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
+                           int bits, float *scratch, uint64_t *wbuf) {
+    const int words = D / 64, R = g / 8, nchunk = D / 4;
+    float *T = scratch;                                /* nchunk * PERM_MAX * 16 */
+    float *sz = T + (size_t)nchunk * PERM_MAX * 16;    /* 2 * D: the group's scale and zero */
+    float *qs = sz + 2 * (size_t)D;                    /* [PERM_MAX][D] */
+    const size_t plane = (size_t)R * D, gbytes = plane * (size_t)bits, wplane = (size_t)g * words;
+    uint64_t bitw[8];
+    for (int64_t j = j0; j <= j1; j++) {
+        if (j < j1) { /* gather group j (one ahead of the lookups) */
+            const uint8_t *cj = codes + (size_t)j * gbytes;
+            uint64_t *wb = wbuf + (size_t)(j & 1) * bits * wplane;
+            for (int k = 0; k < bits; k++)
+                for (int r = 0; r < R; r++)
+                    for (int w = 0; w < words; w++) {
+                        gather_bit_planes(cj + (size_t)k * plane + (size_t)r * D + 64 * w, bitw);
+                        uint64_t *dst = wb + k * wplane + (size_t)w * g + r;
+                        for (int i = 0; i < 8; i++) dst[i * R] = bitw[i]; /* token i*R + r */
+                    }
+        }
+        if (j == j0) continue;
+        const int64_t jj = j - 1; /* the previous group, whose words are ready */
+        const uint64_t *wb = wbuf + (size_t)(jj & 1) * bits * wplane;
+        halves_to_floats(sc + jj * D, sz, D);
+        halves_to_floats(zr + jj * D, sz + D, D);
+        float zq[PERM_MAX];
+        for (int l = 0; l < nl; l++) { /* qs[l] = q[l] * s[j]; zq[l] = q[l] . z[j] */
+            const float *ql = q + l * q_sq;
+            __m512 z = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                const __m512 x = _mm512_loadu_ps(ql + d);
+                _mm512_store_ps(qs + l * D + d, _mm512_mul_ps(x, _mm512_load_ps(sz + d)));
+                z = _mm512_fmadd_ps(x, _mm512_load_ps(sz + D + d), z);
+            }
+            zq[l] = _mm512_reduce_add_ps(z);
+        }
+        for (int c = 0; c < nchunk; c++) {
+            const int e = 4 * c, base = 64 * (e / 64);
+            const int d0 = base + chan_of_bit(e % 64), d1 = base + chan_of_bit(e % 64 + 1);
+            const int d2 = base + chan_of_bit(e % 64 + 2), d3 = base + chan_of_bit(e % 64 + 3);
+            for (int l = 0; l < nl; l++) {
+                const float *w = qs + l * D;
+                _mm512_store_ps(T + ((size_t)c * PERM_MAX + l) * 16, perm_table(w[d0], w[d1], w[d2], w[d3]));
+            }
+        }
+        for (int t = 0; t < g; t += 16) {
+            if (words == 1) {
+                PERM_SUMS(res, wb + t, wb + wplane + t, T, bits, nl);
+                for (int l = 0; l < nl; l++)
+                    _mm512_storeu_ps(out + l * n + jj * g + t, _mm512_add_ps(res[l], _mm512_set1_ps(zq[l])));
+            } else {
+                __m512 tot[PERM_MAX];
+                for (int l = 0; l < nl; l++) tot[l] = _mm512_set1_ps(zq[l]);
+                for (int w = 0; w < words; w++) {
+                    const size_t o = (size_t)w * g + t;
+                    PERM_SUMS(res, wb + o, wb + wplane + o, T + (size_t)w * 16 * PERM_MAX * 16, bits, nl);
+                    for (int l = 0; l < nl; l++) tot[l] = _mm512_add_ps(tot[l], res[l]);
+                }
+                for (int l = 0; l < nl; l++) _mm512_storeu_ps(out + l * n + jj * g + t, tot[l]);
+            }
+        }
+    }
+}
+
+static void keys_item_perm(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
+                           const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
+                           int bits, float *scratch, uint64_t *wbuf) {
+    switch (nl) { /* a constant query count: the compiler unrolls the lookups */
+    case 1: keys_perm_body(q, q_sq, 1, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    case 2: keys_perm_body(q, q_sq, 2, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    default: keys_perm_body(q, q_sq, 3, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    }
+}
+#else
+#define HAVE_PERM 0
+#define PERM_MAX 0
+#endif
+
 /* --------------------------------------------------------------------------- keys */
 
 /* Scores of query block [nl <= 8 queries] against key groups [j0, j1) of one (b, h). */
 static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
                       const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
                       int bits, float *scratch, uint64_t *wbuf /* [bits][g][words] */) {
+#if HAVE_PERM
+    if (nl <= PERM_MAX && D % 64 == 0 && g % 16 == 0) {
+        keys_item_perm(q, q_sq, nl, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf);
+        return;
+    }
+#endif
     const int nw = D / 64, nchunk = D / 4, tail = D % 64; /* full words, channels of a last partial one */
     const int words = nw + (tail > 0), R = g / 8;
     float *T = scratch;                          /* nchunk * 16 * 8 */
@@ -481,6 +639,92 @@ static void transpose_rows(const uint8_t *rows, int D, uint64_t *out) {
     }
 }
 
+#if HAVE_PERM
+/* values_item for nl <= PERM_MAX queries and gv % 16 == 0 (same arguments and outputs). Tables
+ * [16 runs][PERM_MAX][16] per channel group; the channels' code words come from transpose_rows
+ * (word bit 8r + i is token i*8 + r); the sums are kept per query, [PERM_MAX][D], and written in
+ * values_item's layout at the end. */
+INLINE void values_perm_body(const float *p, int64_t p_sq, const int nl, int64_t n, const uint8_t *codes,
+                             const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
+                             int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
+    const int ng = D / gv;
+    float *T = scratch;                       /* 16 * PERM_MAX * 16 */
+    float *pw = T + 16 * PERM_MAX * 16;       /* [PERM_MAX][64] probabilities of the block */
+    float *s = pw + PERM_MAX * VB;            /* 64 * ng */
+    float *z = s + (size_t)VB * ng;           /* 64 * ng */
+    float *sum = z + (size_t)VB * ng;         /* [PERM_MAX][D] */
+    float zs[PERM_MAX * MAX_WORDS * 4];       /* [PERM_MAX][ng], ng <= D / 16 */
+    const size_t plane = (size_t)8 * D, bbytes = plane * (size_t)bits;
+    memset(sum, 0, (size_t)PERM_MAX * D * sizeof(float));
+    memset(zs, 0, sizeof zs);
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t t0 = k * VB;
+        const int cnt = (int)(n - t0 < VB ? n - t0 : VB);
+        for (int l = 0; l < nl; l++) { /* tokens past n weigh 0 */
+            memcpy(pw + l * VB, p + l * p_sq + t0, (size_t)cnt * sizeof(float));
+            if (cnt < VB) memset(pw + l * VB + cnt, 0, (size_t)(VB - cnt) * sizeof(float));
+        }
+        halves_to_floats(sc + t0 * ng, s, (int64_t)cnt * ng);
+        halves_to_floats(zr + t0 * ng, z, (int64_t)cnt * ng);
+        if (cnt < VB) {
+            memset(s + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
+            memset(z + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
+        }
+        const uint8_t *ck = codes + (size_t)k * bbytes;
+        for (int pl = 0; pl < bits; pl++)
+            transpose_rows(ck + (size_t)pl * plane, D, words + (size_t)pl * D);
+        for (int jv = 0; jv < ng; jv++) {
+            for (int l = 0; l < nl; l++) {
+                const float *pl_ = pw + l * VB;
+                __m512 za = _mm512_setzero_ps();
+                if (ng == 1) {
+                    for (int t = 0; t < VB; t += 16)
+                        za = _mm512_fmadd_ps(_mm512_load_ps(pl_ + t), _mm512_loadu_ps(z + t), za);
+                } else {
+                    for (int t = 0; t < VB; t += 16) {
+                        const __m512i ix = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(t),
+                            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), _mm512_set1_epi32(ng));
+                        za = _mm512_fmadd_ps(_mm512_load_ps(pl_ + t), _mm512_i32gather_ps(ix, z + jv, 4), za);
+                    }
+                }
+                zs[l * ng + jv] += _mm512_reduce_add_ps(za);
+            }
+            for (int c = 0; c < 16; c++) { /* run c: byte r = c / 2, bits i = 4 (c % 2) .. +3: tokens i*8 + r */
+                const int r = c >> 1, i = 4 * (c & 1);
+                const int u0 = i * 8 + r, u1 = u0 + 8, u2 = u0 + 16, u3 = u0 + 24;
+                const float s0 = s[u0 * ng + jv], s1 = s[u1 * ng + jv], s2 = s[u2 * ng + jv], s3 = s[u3 * ng + jv];
+                for (int l = 0; l < nl; l++) {
+                    const float *pl_ = pw + l * VB;
+                    _mm512_store_ps(T + ((size_t)c * PERM_MAX + l) * 16,
+                                    perm_table(pl_[u0] * s0, pl_[u1] * s1, pl_[u2] * s2, pl_[u3] * s3));
+                }
+            }
+            for (int d = jv * gv; d < (jv + 1) * gv; d += 16) {
+                PERM_SUMS(res, words + d, words + D + d, T, bits, nl);
+                for (int l = 0; l < nl; l++) {
+                    float *o = sum + l * D + d;
+                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), res[l]));
+                }
+            }
+        }
+    }
+    for (int d = 0; d < D; d++)
+        for (int l = 0; l < LANES; l++) acc[d * LANES + l] = l < nl ? sum[l * D + d] : 0.0f;
+    for (int jv = 0; jv < ng; jv++)
+        for (int l = 0; l < LANES; l++) zacc[jv * LANES + l] = l < nl ? zs[l * ng + jv] : 0.0f;
+}
+
+static void values_item_perm(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes,
+                             const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
+                             int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
+    switch (nl) {
+    case 1: values_perm_body(p, p_sq, 1, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    case 2: values_perm_body(p, p_sq, 2, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    default: values_perm_body(p, p_sq, 3, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    }
+}
+#endif
+
 /* values_item's scratch: floats for its tables, transposed probabilities and scale/zero,
  * followed by its transposed code words ([2][D] uint64, 4 D floats) at values_words(). */
 static size_t values_scratch_floats(int64_t ng) { return 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng; }
@@ -493,6 +737,12 @@ static uint64_t *values_words(float *scratch, int64_t ng) {
 static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes, const uint16_t *sc,
                         const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv, int bits, float *acc,
                         float *zacc, float *scratch, uint64_t *words /* [2][D] */) {
+#if HAVE_PERM
+    if (nl <= PERM_MAX && gv % 16 == 0 && D <= 256) {
+        values_item_perm(p, p_sq, nl, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words);
+        return;
+    }
+#endif
     const int ng = D / gv;
     float *T = scratch;               /* 16 * 16 * 8 */
     float *pT = T + 16 * 16 * LANES;  /* 64 * 8 */
