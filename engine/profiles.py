@@ -113,7 +113,8 @@ class ModelProfile:
     parameters: int
     default_bits: int = 1
     default_group: int = 64
-    default_k: int = 64
+    default_k: int = 64  # with speculative prefetch (the GPU default)
+    default_k_current: int | None = None  # with current prefetch (the CPU default); None: default_k
     hf_id: str = ""
     aliases: tuple[str, ...] = ()
     source: str = "<built-in>"
@@ -123,12 +124,18 @@ class ModelProfile:
                   "vocab_size", "max_context", "parameters", "default_k")
         _check(self.heads % self.kv_heads == 0, self.source, "kv_heads",
                f"({self.kv_heads}) must divide heads ({self.heads})")
+        _check(self.default_k_current is None or self.default_k_current > 0, self.source, "default_k_current",
+               f"must be > 0, not {self.default_k_current}")
         _check(self.default_bits in (1, 2), self.source, "default_bits", f"must be 1 or 2, not {self.default_bits}")
         _check(self.default_group in (32, 64), self.source, "default_group",
                f"must be 32 or 64, not {self.default_group}")
         embed = self.vocab_size * self.hidden_size
         _check(self.parameters > embed, self.source, "parameters",
                f"({self.parameters}) is smaller than the embedding table alone ({embed})")
+
+    def k_for(self, prefetch: str) -> int:
+        """The default k for a prefetch mode (the two select differently, so they need different k)."""
+        return self.default_k_current if prefetch == "current" and self.default_k_current else self.default_k
 
 
 # --- YAML / dict loading ------------------------------------------------------------------------
@@ -343,11 +350,12 @@ def match_cuda_device(device_name: str) -> HardwareProfile | None:
     return None
 
 
-def model_defaults(lm) -> dict:
+def model_defaults(lm, prefetch: str | None = None) -> dict:
     """bits, group and k for this model (its profile if there is one, else by size), and the
     prefetch for its device: speculative on a GPU, where the fetch crosses PCIe and must overlap
     the step (the method as designed); current on a CPU, where the host store is the device's
-    own RAM, so there is no transfer to hide and the speculative token only costs (docs/engine.md)."""
+    own RAM, so there is no transfer to hide and the speculative token only costs (docs/engine.md).
+    prefetch: the mode asked for instead (k follows it: the profile keeps one k per mode)."""
     from engine.model import EMBEDDED_NAME
 
     if lm.name == EMBEDDED_NAME:
@@ -355,5 +363,6 @@ def model_defaults(lm) -> dict:
     else:
         profile = model_profile_from_config(lm.model.config, name=lm.name,
                                             parameters=sum(p.numel() for p in lm.model.parameters()))
-    return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.default_k,
-            "prefetch": "current" if lm.device.type == "cpu" else "speculative"}
+    prefetch = prefetch or ("current" if lm.device.type == "cpu" else "speculative")
+    return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.k_for(prefetch),
+            "prefetch": prefetch}

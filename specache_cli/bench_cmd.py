@@ -13,6 +13,7 @@ from rich.table import Table
 
 from engine.bench.common import BenchProgress, BenchResult, default_doc, fmt, parse_floats, parse_ints, parse_mode, \
     parse_modes, write_atomic
+from engine.config import PREFETCH
 from engine.errors import BadArgument
 from engine.profiles import model_defaults
 from specache_cli.console import err_console, guarded
@@ -63,6 +64,7 @@ def _with_model_defaults(specs: list, lm) -> list:
     """The mode labels again (validated before the model load), now over the model's defaults:
     what `summarize` and `ask` would use for it."""
     defaults = model_defaults(lm)
+    defaults["k_for"] = {p: model_defaults(lm, p)["k"] for p in PREFETCH}
     return [parse_mode(spec.label, defaults) for spec in specs]
 
 

@@ -63,7 +63,8 @@ class Session:
 
             lm = load_model(self.model, device=self.device, dtype=self.dtype, on_status=self.status)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
-            cache = CacheConfig(mode=self.mode, **model_defaults(lm)).with_overrides(**self.overrides)
+            defaults = model_defaults(lm, self.overrides.get("prefetch"))
+            cache = CacheConfig(mode=self.mode, **defaults).with_overrides(**self.overrides)
             self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
         return self._runner
 

@@ -248,6 +248,13 @@ def test_mode_labels():
     assert parse_mode("specache", model).config.k == 512 and parse_mode("specache", model).is_default_specache
     assert parse_mode("specache-k64", model).config.k == 64 and parse_mode("kivi", model).config.k == 0
     assert parse_mode("specache-1b", {**model, "bits": 2}).config.bits == 1
+    # a label that names (or implies) the other prefetch gets that mode's k; an explicit k wins
+    per_mode = {**model, "k": 128, "prefetch": "current", "k_for": {"current": 128, "speculative": 512}}
+    assert parse_mode("specache", per_mode).config.k == 128
+    assert parse_mode("specache-speculative", per_mode).config.k == 512
+    assert parse_mode("specache-noresync", per_mode).config.k == 512
+    assert parse_mode("specache-speculative-k64", per_mode).config.k == 64
+    assert parse_mode("kivi", per_mode).config.k == 0 and "k_for" in per_mode  # the caller's dict is not changed
     assert [m.label for m in parse_modes("full,specache,full", allow_hf=True)] == ["full", "specache"]
     for bad in ("fast", "specache-3b", "specache-x1", "full-w10", "hf-1b"):
         with pytest.raises(BadArgument):

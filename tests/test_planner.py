@@ -199,6 +199,29 @@ def test_model_profile_from_hf_config(tmp_path, mistral):
     assert (small.default_bits, small.default_k) == (2, 256)
 
 
+def test_default_k_per_prefetch():
+    """The embedded model's profile keeps one k per prefetch mode (they select differently);
+    model_defaults gives the device's mode with its k, or the mode asked for with its k."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.model import EMBEDDED_NAME
+    from engine.profiles import model_defaults
+
+    smol = load_model_profile("smollm2-135m")
+    assert smol.default_k_current is not None and smol.default_k_current != smol.default_k
+    assert smol.k_for("current") == smol.default_k_current and smol.k_for("speculative") == smol.default_k
+    cpu = SimpleNamespace(name=EMBEDDED_NAME, device=torch.device("cpu"))
+    assert model_defaults(cpu) == {"bits": smol.default_bits, "group": smol.default_group,
+                                   "k": smol.default_k_current, "prefetch": "current"}
+    assert model_defaults(cpu, "speculative")["k"] == smol.default_k
+    gpu = SimpleNamespace(name=EMBEDDED_NAME, device=torch.device("cuda"))
+    assert (model_defaults(gpu)["prefetch"], model_defaults(gpu)["k"]) == ("speculative", smol.default_k)
+    other = load_model_profile("mistral-7b")  # no k of its own for current: default_k serves both
+    assert other.k_for("current") == other.k_for("speculative") == other.default_k
+
+
 def write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
@@ -243,6 +266,9 @@ def test_malformed_model_profile_and_yaml(tmp_path):
     broken = write(tmp_path, "broken.yaml", "name: [unclosed\n")
     with pytest.raises(ProfileError, match=r"broken\.yaml: not valid YAML"):
         load_model_profile(broken)
+    zero_k = write(tmp_path, "k.yaml", good + "default_k_current: 0\n")
+    with pytest.raises(ProfileError, match=r"k\.yaml: field 'default_k_current' must be > 0, not 0"):
+        load_model_profile(zero_k)
     listing = write(tmp_path, "list.yaml", "- 1\n- 2\n")
     with pytest.raises(ProfileError, match=r"list\.yaml: expected a mapping"):
         load_hardware(listing)

@@ -63,8 +63,11 @@ class ModeSpec:
 
 
 def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
-    """``specache-1b-k128`` -> ModeSpec (see the module docstring); defaults: bits/group/k of the model."""
+    """``specache-1b-k128`` -> ModeSpec (see the module docstring); defaults: bits/group/k/prefetch of
+    the model, and optionally k_for: its k for each prefetch (a label that names a prefetch gets its k)."""
     label = label.strip()
+    defaults = dict(defaults or {})
+    k_for = defaults.pop("k_for", None)
     parts = label.split("-")
     mode = parts[0].lower()
     if mode == HF_MODE:
@@ -99,7 +102,9 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
         if fields.get("k"):
             raise BadArgument(f"mode {label!r}: kivi never fetches (k = 0)")
         fields["k"] = 0
-    base = CacheConfig(mode=mode).with_overrides(**(defaults or {}))
+    if k_for and "k" not in fields:
+        fields["k"] = k_for[fields.get("prefetch", defaults.get("prefetch", "speculative"))]
+    base = CacheConfig(mode=mode).with_overrides(**defaults)
     return ModeSpec(label, mode, base.with_overrides(**fields), tuple(parts[1:]))
 
 
