@@ -105,6 +105,20 @@ def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypa
 
 @needs_native
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
+def test_fused_results_do_not_depend_on_the_thread_count(tiny_model, monkeypatch, config):
+    """Each (row, head) item of a pass runs whole in one thread: the logits are the same floats for
+    1, 2 and 3 threads (2 KV heads: 3 threads leave one idle, 2 give one item each)."""
+    (prompt,) = prompts_of((1200,))
+    forced = prompts_of((12,), seed=9)[0]
+    runs = {}
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(native, "_threads", threads)
+        runs[threads] = torch.stack(list(teacher_forced(tiny_model, prompt, forced, config)))
+    assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3])
+
+
+@needs_native
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
 def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, config):
     """The fused path copies only newly selected rows into freed slots: every valid slot must still
     hold the host store's exact K/V at its position, and the positions must be distinct. With

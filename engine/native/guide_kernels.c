@@ -1181,8 +1181,14 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     int64_t *fidx = a->fidx + r * a->fi_sb + h * a->fi_sh;
     uint8_t *fvalid = a->fvalid + r * a->fi_sb + h * a->fi_sh;
     float *out = a->out + ((b * a->H + h) * Q) * D;
-    const int use_fetched = n > 0 && a->K > 0;
-    for (int64_t j = 0; j < a->K; j++) fpos[j] = use_fetched && fvalid[j] && fidx[j] >= S && fidx[j] < n ? fidx[j] : -1;
+    /* With current (the host store is this memory): the pass selects its own set from its guide
+     * attention and reads those rows straight from the store, without copying them into the
+     * fetched buffers; the exponentials of the selection pass are reused for the softmax.
+     * Otherwise the fetched slots hold the positions fpos (-1: unused). */
+    const int direct = a->current && a->K > 0 && n > 0;
+    const int use_fetched = n > 0 && a->K > 0 && !direct;
+    if (use_fetched)
+        for (int64_t j = 0; j < a->K; j++) fpos[j] = fvalid[j] && fidx[j] >= S && fidx[j] < n ? fidx[j] : -1;
 
     /* 1. scores */
     if (n > 0) {
@@ -1202,10 +1208,6 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         for (int64_t j = 0; j < nres; j++)
             row[n + j] = n + j <= last ? dot(qi, rk + j * D, D) : -__builtin_inff();
     }
-    /* With current (the host store is this memory): the pass selects its own set from its guide
-     * attention and reads those rows straight from the store, without copying them into the
-     * fetched buffers; the exponentials of the selection pass are reused for the softmax. */
-    const int direct = a->current && a->K > 0 && n > 0;
     int64_t chosen = 0;
     if (direct) {
         for (int64_t l = 0; l < n; l++) agg[l] = 0.0f;
@@ -1244,8 +1246,9 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         for (int64_t i = 0; i < Q; i++) {
             float *row = scores + i * Lmax;
             const float *qi = q + i * D;
-            for (int64_t j = 0; j < a->K; j++)
-                if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
+            if (use_fetched)
+                for (int64_t j = 0; j < a->K; j++)
+                    if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
             /* 2. softmax */
             softmax_row(row, L);
         }
