@@ -1,0 +1,89 @@
+"""Micro-benchmark of the fused native decode attention (engine/fused.py) of one layer.
+
+Builds a randomly initialised 2-layer model of SmolLM2-135M's attention shape (9 query heads,
+3 KV heads, head dim 64), prefills random prompts of --length tokens, decodes --steps tokens
+with the engine's real step loop and times every ``specache_decode_attention`` call. Prints the
+median microseconds per layer call. With --lib given twice (two builds of the native library,
+e.g. before and after a change to guide_kernels.c, built with engine/native's flags), the two
+take turns in one process, --rounds times each: an A/B that a noisy shared machine cannot bias.
+
+    python scripts/bench_fused.py [--threads 1] [--batch 1] [--length 6400] [--k 128]
+                                  [--prefetch current] [--lib A.so --lib B.so] [--rounds 4]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import engine.fused  # noqa: E402
+from engine import native  # noqa: E402
+from engine.config import CacheConfig, GenerationConfig  # noqa: E402
+from engine.decode import generate  # noqa: E402
+from engine.model import prepare_model  # noqa: E402
+
+
+def smollm2_shaped(layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # peaky attention, like a trained model's
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    return prepare_model(model)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the native kernels follow)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--length", type=int, default=6400, help="prompt tokens per row")
+    ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--prefetch", choices=("current", "speculative"), default="current")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--lib", action="append", default=[], help="a native library build to time (repeat to A/B)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not native.native_available():
+        sys.exit(f"native kernels unavailable: {native.native_error()}")
+    libs = {path: native._load(Path(path)) for path in args.lib} or {"built": native.lib()}
+    model = smollm2_shaped()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (args.length,), generator=gen).tolist() for _ in range(args.batch)]
+    config = CacheConfig(prefetch=args.prefetch, k=args.k)
+    times: list[float] = []
+    call = engine.fused.FusedDecode.__call__
+
+    def timed(self, *a, **kw):
+        t0 = time.perf_counter()
+        out = call(self, *a, **kw)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    engine.fused.FusedDecode.__call__ = timed
+    results: dict[str, list[float]] = {name: [] for name in libs}
+    for _ in range(args.rounds):
+        for name, lib in libs.items():
+            native._lib = lib
+            times.clear()
+            for _event in generate(model, prompts, config, GenerationConfig(max_tokens=args.steps)):
+                pass
+            results[name].append(statistics.median(times) * 1e6)
+    print(f"fused decode attention, {args.prefetch} k {args.k}, batch {args.batch}, {args.length} tokens, "
+          f"{args.threads} thread(s): median us per layer call (each round)")
+    for name, values in results.items():
+        print(f"  {name}: {statistics.median(values):.0f}  ({' '.join(f'{v:.0f}' for v in values)})")
+
+
+if __name__ == "__main__":
+    main()
