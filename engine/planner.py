@@ -425,7 +425,8 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
          prefill_chunk: int = DEFAULT_PREFILL_CHUNK, element_bytes: int | None = None) -> Plan:
     """Plan full cache, KIVI and SpeCache for `context` tokens per sequence.
 
-    bits / group / k default to the model profile's defaults. host_ram_bytes defaults to the RAM
+    bits / group / k default to the model profile's defaults (k: its k for the prefetch the engine
+    uses on this device, current on a CPU, speculative on a GPU). host_ram_bytes defaults to the RAM
     detected with the hardware (None: the host check is skipped). reference "engine" models this
     project's engine: rows prefilled one at a time in chunks, so prefill activations are paid once.
     "paper" models the paper's throughput setup: the whole batch is prefilled together, the full
@@ -434,7 +435,8 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     """
     bits = model.default_bits if bits is None else bits
     group = model.default_group if group is None else group
-    k = model.default_k if k is None else k
+    if k is None:  # the k of the prefetch the engine uses on this device (engine.profiles.model_defaults)
+        k = model.k_for("current" if hardware.kind == "cpu" else "speculative")
     host_ram_bytes = hardware.host_ram_bytes if host_ram_bytes is None else host_ram_bytes
     check_settings(context, bits, group, residual, sinks, k, host_ram_bytes, batch_limit, reference, prefill_chunk)
     eb = element_bytes or hardware.element_bytes

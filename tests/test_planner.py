@@ -222,6 +222,14 @@ def test_default_k_per_prefetch():
     assert other.k_for("current") == other.k_for("speculative") == other.default_k
 
 
+def test_plan_takes_the_k_of_the_devices_prefetch(a6000):
+    """specache plan uses the k the engine would use there: current's on a CPU, speculative's on a GPU."""
+    smol = load_model_profile("smollm2-135m")
+    assert P.plan(load_hardware("cpu"), smol, 4096).k == smol.default_k_current
+    assert P.plan(a6000, smol, 4096).k == smol.default_k
+    assert P.plan(load_hardware("cpu"), smol, 4096, k=300).k == 300
+
+
 def write(tmp_path: Path, name: str, text: str) -> str:
     path = tmp_path / name
     path.write_text(text)
