@@ -21,7 +21,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.fused import FusedDecode, fused_applies
-from engine.kvcache import ModelShape, Step, grouped_query, ungroup_output
+from engine.kvcache import ModelShape, Step, additive_mask, grouped_query, ungroup_output
 from engine.transfer import HostStore
 
 NEG_INF = float("-inf")
@@ -180,11 +180,16 @@ class GuidedLayer:
         n_res = start + t - int(self.qend[row])
         keys = torch.cat([k_past, self.res_k[row : row + 1, :, :n_res]], dim=2)
         values = torch.cat([v_past, self.res_v[row : row + 1, :, :n_res]], dim=2)
-        past = keys.shape[2] - n_res
-        cols = torch.arange(keys.shape[2], device=q.device)
-        col_pos = torch.where(cols < past, cols, cols - past + int(self.qend[row]))
-        qpos = start + torch.arange(t, device=q.device)
-        mask = (col_pos[None, :] <= qpos[:, None]).repeat(self.shape.group, 1)[None, None]  # [1, 1, G*T, n]
+        past, qend = keys.shape[2] - n_res, int(self.qend[row])
+
+        def allowed() -> torch.Tensor:  # [1, 1, G*T, n]: the past all visible, the recent part causal
+            cols = torch.arange(keys.shape[2], device=q.device)
+            col_pos = torch.where(cols < past, cols, cols - past + qend)
+            qpos = start + torch.arange(t, device=q.device)
+            return (col_pos[None, :] <= qpos[:, None]).repeat(self.shape.group, 1)[None, None]
+
+        mask = step.shared_value(("prefill", row, past, qend, n_res, self.shape.group, q.dtype),
+                                 lambda: additive_mask(allowed(), q.dtype))
         out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
         return ungroup_output(out, self.shape.heads, t)
 

@@ -53,10 +53,17 @@ class Step:
     select: int | None = None  # index of the new token whose attention row picks the next fetch set
     prefill: bool = False  # prompt tokens: attention over the exact past
     starts: list[int] = field(default_factory=list)  # start as Python ints (read by every layer)
+    shared: dict = field(default_factory=dict, repr=False)  # values built once per pass (shared_value)
 
     def __post_init__(self) -> None:
         if not self.starts:
             self.starts = self.start.tolist()
+
+    def shared_value(self, key: tuple, build):
+        """A value every layer of this pass needs alike (an attention mask), built by the first that asks."""
+        if key not in self.shared:
+            self.shared[key] = build()
+        return self.shared[key]
 
     @property
     def aligned(self) -> bool:
@@ -92,6 +99,15 @@ def causal_mask(step: Step, group: int, length: int) -> torch.Tensor | None:
     return allowed.repeat(1, group, 1)[:, None]  # rows ordered (g, t) like grouped_query
 
 
+def additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Boolean mask -> 0 where allowed, -inf elsewhere: what scaled_dot_product_attention makes of a
+    boolean mask on every call; made once per pass and shared by the layers (Step.shared_value),
+    it saves each layer that conversion (a prefill chunk's mask is G*T x past floats)."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 class FullLayer:
     """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
 
@@ -110,7 +126,8 @@ class FullLayer:
         keys = self.k[step.rows, :, :length]
         values = self.v[step.rows, :, :length]
         qg = grouped_query(q, self.shape.kv_heads)
-        mask = causal_mask(step, self.shape.group, length)
+        mask = step.shared_value(("causal", self.shape.group, length, q.dtype),
+                                 lambda: additive_mask(causal_mask(step, self.shape.group, length), q.dtype))
         out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
         return ungroup_output(out, self.shape.heads, step.n_new)
 

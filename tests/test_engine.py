@@ -92,6 +92,32 @@ def test_chunk_size_does_not_change_prefill(tiny_model):
             torch.testing.assert_close(other, outs[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["full", "specache"])
+def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_model, monkeypatch, mode):
+    """The layers of a pass share one additive mask (0 / -inf); each layer used to build a boolean
+    one that attention converted again. Same logits as attention with the boolean mask."""
+    import engine.guided
+    import engine.kvcache
+    from engine.kvcache import additive_mask
+
+    allowed = torch.tensor([[True, False], [True, True]])
+    assert additive_mask(None, torch.float32) is None
+    assert torch.equal(additive_mask(allowed, torch.float32), torch.tensor([[0.0, float("-inf")], [0.0, 0.0]]))
+    (p,) = prompts_of((200,))
+    config = CacheConfig(mode=mode, chunk_size=64, group=32, residual=16)
+    built = []
+    for module in (engine.guided, engine.kvcache):
+        monkeypatch.setattr(module, "additive_mask", lambda a, dtype: built.append(1) or additive_mask(a, dtype))
+    cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
+    *_, shared = prefill(tiny_model, cache, p, 0, 64)
+    assert len(built) == 4  # 4 chunks, 3 layers each
+    monkeypatch.setattr(engine.guided, "additive_mask", lambda a, dtype: a)  # boolean masks, as before
+    monkeypatch.setattr(engine.kvcache, "additive_mask", lambda a, dtype: a)
+    cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
+    *_, boolean = prefill(tiny_model, cache, p, 0, 64)
+    torch.testing.assert_close(shared, boolean, rtol=1e-5, atol=1e-5)
+
+
 def test_sampling_is_seeded(tiny_model):
     (p,) = prompts_of((120,))
     config = CacheConfig(mode="specache", k=16, group=32, residual=16)
