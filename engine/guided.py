@@ -172,15 +172,16 @@ class GuidedLayer:
         row = step.rows.start
         start, t = step.starts[0], step.n_new
         qg = grouped_query(q, self.shape.kv_heads)
+        qend = int(self.qend[row])
         if self.store is not None:
-            k_past, v_past = self.store.read(row, 0, int(self.qend[row]))
+            k_past, v_past = self.store.read(row, 0, qend)
         else:  # window mode keeps no store: sinks and the window are all there is
-            k_past, v_past = self.sink_k[row : row + 1, :, : min(self.sinks, int(self.qend[row]))], \
-                self.sink_v[row : row + 1, :, : min(self.sinks, int(self.qend[row]))]
-        n_res = start + t - int(self.qend[row])
+            k_past, v_past = self.sink_k[row : row + 1, :, : min(self.sinks, qend)], \
+                self.sink_v[row : row + 1, :, : min(self.sinks, qend)]
+        n_res = start + t - qend
         keys = torch.cat([k_past, self.res_k[row : row + 1, :, :n_res]], dim=2)
         values = torch.cat([v_past, self.res_v[row : row + 1, :, :n_res]], dim=2)
-        past, qend = keys.shape[2] - n_res, int(self.qend[row])
+        past = keys.shape[2] - n_res
 
         def allowed() -> torch.Tensor:  # [1, 1, G*T, n]: the past all visible, the recent part causal
             cols = torch.arange(keys.shape[2], device=q.device)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.errors import BadArgument, DoesNotFit
-from engine.profiles import HardwareProfile, ModelProfile, load_hardware, match_cuda_device, model_profile_from_config
+from engine.profiles import (HardwareProfile, ModelProfile, device_prefetch, load_hardware, match_cuda_device,
+                             model_profile_from_config)
 from engine.quant import guide_bits_per_element
 
 MIB = 1024**2
@@ -435,8 +436,8 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     """
     bits = model.default_bits if bits is None else bits
     group = model.default_group if group is None else group
-    if k is None:  # the k of the prefetch the engine uses on this device (engine.profiles.model_defaults)
-        k = model.k_for("current" if hardware.kind == "cpu" else "speculative")
+    if k is None:  # the k of the prefetch the engine uses on this device
+        k = model.k_for(device_prefetch(hardware.kind))
     host_ram_bytes = hardware.host_ram_bytes if host_ram_bytes is None else host_ram_bytes
     check_settings(context, bits, group, residual, sinks, k, host_ram_bytes, batch_limit, reference, prefill_chunk)
     eb = element_bytes or hardware.element_bytes

@@ -350,19 +350,29 @@ def match_cuda_device(device_name: str) -> HardwareProfile | None:
     return None
 
 
-def model_defaults(lm, prefetch: str | None = None) -> dict:
-    """bits, group and k for this model (its profile if there is one, else by size), and the
-    prefetch for its device: speculative on a GPU, where the fetch crosses PCIe and must overlap
-    the step (the method as designed); current on a CPU, where the host store is the device's
-    own RAM, so there is no transfer to hide and the speculative token only costs (docs/engine.md).
-    prefetch: the mode asked for instead (k follows it: the profile keeps one k per mode)."""
+def device_prefetch(kind: str) -> str:
+    """The prefetch the engine uses on a device kind ("cpu" or "cuda"): speculative on a GPU, where
+    the fetch crosses PCIe and must overlap the step (the method as designed); current on a CPU,
+    where the host store is the device's own RAM, so there is no transfer to hide and the
+    speculative token only costs (docs/engine.md)."""
+    return "current" if kind == "cpu" else "speculative"
+
+
+def loaded_model_profile(lm) -> ModelProfile:
+    """A loaded model's profile: the embedded model's own, else one derived from its config."""
     from engine.model import EMBEDDED_NAME
 
     if lm.name == EMBEDDED_NAME:
-        profile = load_model_profile("smollm2-135m")
-    else:
-        profile = model_profile_from_config(lm.model.config, name=lm.name,
-                                            parameters=sum(p.numel() for p in lm.model.parameters()))
-    prefetch = prefetch or ("current" if lm.device.type == "cpu" else "speculative")
+        return load_model_profile("smollm2-135m")
+    return model_profile_from_config(lm.model.config, name=lm.name,
+                                     parameters=sum(p.numel() for p in lm.model.parameters()))
+
+
+def model_defaults(lm, prefetch: str | None = None, profile: ModelProfile | None = None) -> dict:
+    """bits, group and k for this model (its profile if there is one, else by size), and the
+    prefetch for its device (device_prefetch). prefetch: the mode asked for instead (k follows
+    it: the profile keeps one k per mode). profile: the model's, if already at hand."""
+    profile = profile or loaded_model_profile(lm)
+    prefetch = prefetch or device_prefetch(lm.device.type)
     return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.k_for(prefetch),
             "prefetch": prefetch}

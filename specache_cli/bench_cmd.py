@@ -15,7 +15,7 @@ from engine.bench.common import BenchProgress, BenchResult, default_doc, fmt, pa
     parse_modes, write_atomic
 from engine.config import PREFETCH
 from engine.errors import BadArgument
-from engine.profiles import model_defaults
+from engine.profiles import loaded_model_profile, model_defaults
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json
 
@@ -63,8 +63,9 @@ def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optiona
 def _with_model_defaults(specs: list, lm) -> list:
     """The mode labels again (validated before the model load), now over the model's defaults:
     what `summarize` and `ask` would use for it."""
-    defaults = model_defaults(lm)
-    defaults["k_for"] = {p: model_defaults(lm, p)["k"] for p in PREFETCH}
+    profile = loaded_model_profile(lm)
+    defaults = model_defaults(lm, profile=profile)
+    defaults["k_for"] = {p: profile.k_for(p) for p in PREFETCH}
     return [parse_mode(spec.label, defaults) for spec in specs]
 
 

@@ -102,9 +102,9 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
         if fields.get("k"):
             raise BadArgument(f"mode {label!r}: kivi never fetches (k = 0)")
         fields["k"] = 0
-    if k_for and "k" not in fields:
-        fields["k"] = k_for[fields.get("prefetch", defaults.get("prefetch", "speculative"))]
     base = CacheConfig(mode=mode).with_overrides(**defaults)
+    if k_for and "k" not in fields:
+        fields["k"] = k_for[fields.get("prefetch", base.prefetch)]
     return ModeSpec(label, mode, base.with_overrides(**fields), tuple(parts[1:]))
 
 

@@ -435,7 +435,6 @@ static void keys_item_perm(const float *q, int64_t q_sq, int nl, const uint8_t *
 }
 #else
 #define HAVE_PERM 0
-#define PERM_MAX 0
 #endif
 
 /* --------------------------------------------------------------------------- keys */
