@@ -1,1 +1,1 @@
-"""YAML hardware and model profiles, loaded by engine.profiles."""
+"""YAML hardware and model profiles, loaded by engine.plan.profiles."""

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engine.fused  # noqa: E402
+import engine.kvcache.fused  # noqa: E402
 from engine import native  # noqa: E402
 from engine.config import CacheConfig, GenerationConfig  # noqa: E402
-from engine.decode import generate  # noqa: E402
-from engine.model import prepare_model  # noqa: E402
+from engine.generate.engine import generate  # noqa: E402
+from engine.model.loading import prepare_model  # noqa: E402
 
 
 def smollm2_shaped(layers: int = 2):
@@ -62,7 +62,7 @@ def main() -> None:
     prompts = [torch.randint(3, 512, (args.length,), generator=gen).tolist() for _ in range(args.batch)]
     config = CacheConfig(prefetch=args.prefetch, k=args.k)
     times: list[float] = []
-    call = engine.fused.FusedDecode.__call__
+    call = engine.kvcache.fused.FusedDecode.__call__
 
     def timed(self, *a, **kw):
         t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         return out
 
-    engine.fused.FusedDecode.__call__ = timed
+    engine.kvcache.fused.FusedDecode.__call__ = timed
     results: dict[str, list[float]] = {name: [] for name in libs}
     for _ in range(args.rounds):
         for name, lib in libs.items():

@@ -20,8 +20,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.linears import SkinnyLinear, native_linear, packed_linear, packed_summary  # noqa: E402
-from engine.model import load_model  # noqa: E402
+from engine.model.linears import (  # noqa: E402
+    SkinnyLinear,
+    native_linear,
+    packed_linear,
+    packed_summary,
+)
+from engine.model.loading import load_model  # noqa: E402
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine import native, quant  # noqa: E402
+from engine import native  # noqa: E402
+from engine.kvcache import quant  # noqa: E402
 
 
 def median_us(fn, repeats: int) -> float:

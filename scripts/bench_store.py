@@ -26,8 +26,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from engine.bench.store import run_store_bench
-    from engine.documents import load_document
-    from engine.model import load_model
+    from engine.inputs.documents import load_document
+    from engine.model.loading import load_model
 
     report = run_store_bench(load_model(args.model, device=args.device), load_document(args.doc),
                              args.modes.split(","), args.max_tokens)

@@ -57,7 +57,7 @@ def random_model(config, device):
     """Random fp16 weights (std 0.02, norms 1) without materialising them on the CPU."""
     from transformers import LlamaForCausalLM
 
-    from engine.model import prepare_model
+    from engine.model.loading import prepare_model
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -74,9 +74,9 @@ def random_model(config, device):
 def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
     """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps."""
     from engine.config import CacheConfig
-    from engine.decode import decoder_for, prefill
+    from engine.generate.engine import decoder_for, prefill
     from engine.kvcache import make_cache
-    from engine.transfer import overlap_share
+    from engine.kvcache.transfer import overlap_share
 
     config = CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
     cache = make_cache(model.config, config, batch, context + steps + 4, torch.float16, torch.device("cuda"))
@@ -116,8 +116,8 @@ def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
     """The planner's largest batches for full and specache under the budget (host RAM checked)."""
     from dataclasses import replace
 
-    from engine.planner import detect_hardware, machine_ram_bytes, plan
-    from engine.profiles import load_model_profile
+    from engine.plan.planner import detect_hardware, machine_ram_bytes, plan
+    from engine.plan.profiles import load_model_profile
 
     hw = detect_hardware(measure=True)
     budget = int(budget_gb * 1e9)

@@ -11,11 +11,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.bench.common import BenchProgress, BenchResult, default_doc, fmt, parse_floats, parse_ints, parse_mode, \
-    parse_modes, write_atomic
+from engine.bench.common import (
+    BenchProgress,
+    BenchResult,
+    default_doc,
+    fmt,
+    parse_floats,
+    parse_ints,
+    parse_mode,
+    parse_modes,
+    write_atomic,
+)
 from engine.config import PREFETCH
 from engine.errors import BadArgument
-from engine.profiles import loaded_model_profile, model_defaults
+from engine.plan.profiles import loaded_model_profile, model_defaults
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json
 
@@ -45,7 +54,7 @@ DOCS_HELP = "Document(s) to build prompts from (PDF, .txt, .md); repeat for seve
 def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optional[int]):
     import torch
 
-    from engine.model import load_model
+    from engine.model.loading import load_model
 
     if threads is not None:
         if threads < 1:
@@ -333,7 +342,7 @@ def store_cmd(
 ) -> None:
     """Time to first token of an ask on a stored document against a cold one; on-disk bytes per token."""
     from engine.bench.store import run_store_bench
-    from engine.documents import load_document
+    from engine.inputs.documents import load_document
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if not mode_list or any(m not in ("full", "specache", "kivi", "window") for m in mode_list):

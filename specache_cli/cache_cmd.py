@@ -22,7 +22,7 @@ CAP = typer.Option(None, "--cache-max-gb", help="The size cap to show (default: 
 
 
 def _store(cache_max_gb: Optional[float] = None):
-    from engine.store import KVStore, max_bytes_from
+    from engine.docstore.store import KVStore, max_bytes_from
 
     try:
         return KVStore(max_bytes=max_bytes_from(cache_max_gb))

@@ -7,8 +7,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.planner import DEFAULT_PREFILL_CHUNK, GIB, MODES, REFERENCES, Plan, check_settings, detect_hardware, plan
-from engine.profiles import HardwareProfile, load_hardware, load_model_profile
+from engine.plan.planner import (
+    DEFAULT_PREFILL_CHUNK,
+    GIB,
+    MODES,
+    REFERENCES,
+    Plan,
+    check_settings,
+    detect_hardware,
+    plan,
+)
+from engine.plan.profiles import HardwareProfile, load_hardware, load_model_profile
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json
 

@@ -6,9 +6,15 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
-from engine.pipeline import Failed, Result, Stage, Status, TextDelta
+from engine.jobs.pipeline import Failed, Result, Stage, Status, TextDelta
 from specache_cli.console import err_console
 
 

@@ -10,9 +10,15 @@ from typing import Optional
 import typer
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.errors import BadArgument, BatchFailures, EmptyDocument, InputNotFound, SpecacheError
-from engine.pipeline import STRATEGIES, Failed, Runner, ask_many, summarize_many
-from engine.profiles import model_defaults
+from engine.errors import (
+    BadArgument,
+    BatchFailures,
+    EmptyDocument,
+    InputNotFound,
+    SpecacheError,
+)
+from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, summarize_many
+from engine.plan.profiles import model_defaults
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
 
@@ -44,7 +50,7 @@ class Session:
         self.gen = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
         self.strategy, self.batch, self.quiet = strategy, parse_batch(batch), quiet
         self.no_store = no_store
-        from engine.store import max_bytes_from
+        from engine.docstore.store import max_bytes_from
 
         try:
             self.store_max_bytes = max_bytes_from(cache_max_gb)
@@ -59,7 +65,7 @@ class Session:
     @property
     def runner(self) -> Runner:
         if self._runner is None:
-            from engine.model import load_model
+            from engine.model.loading import load_model
 
             lm = load_model(self.model, device=self.device, dtype=self.dtype, on_status=self.status)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
@@ -72,7 +78,7 @@ class Session:
         """The persistent document store, unless --no-store."""
         if self.no_store:
             return None
-        from engine.store import KVStore
+        from engine.docstore.store import KVStore
 
         warn = lambda m: err_console.print(f"[yellow]warning:[/] {m}", highlight=False, soft_wrap=True)  # noqa: E731
         return KVStore(max_bytes=self.store_max_bytes, warn=warn, note=self.status)
@@ -80,7 +86,7 @@ class Session:
 
 def read_document(source: str, password: Optional[str], quiet: bool):
     """Read one document, with a page progress bar for PDFs."""
-    from engine.documents import load_document
+    from engine.inputs.documents import load_document
 
     with progress_bar(quiet) as bar:
         task = bar.add_task(f"reading {Path(source).name}", total=None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.model import prepare_model
+from engine.model.loading import prepare_model
 
 # SPECACHE_TEST_DEVICE=cuda runs the tiny-model engine tests on a GPU (scripts/gpu_check.py does)
 TEST_DEVICE = os.environ.get("SPECACHE_TEST_DEVICE", "cpu")
@@ -41,7 +41,7 @@ def tiny_model() -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def embedded_dir():
     """The converted embedded model folder (converts once per machine, ~20 s)."""
-    from engine.model import resolve_model_dir
+    from engine.model.loading import resolve_model_dir
 
     return resolve_model_dir(None)[1]
 

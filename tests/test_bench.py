@@ -244,7 +244,7 @@ def test_mode_labels():
     cpu = {"prefetch": "current"}  # a CPU's default; the speculative decoder's own options imply it
     assert parse_mode("specache-noresync", cpu).config.prefetch == "speculative"
     assert parse_mode("specache", cpu).config.prefetch == "current"
-    model = {"bits": 2, "group": 64, "k": 512}  # a model profile's defaults (engine.profiles.model_defaults)
+    model = {"bits": 2, "group": 64, "k": 512}  # a model profile's defaults (engine.plan.profiles.model_defaults)
     assert parse_mode("specache", model).config.k == 512 and parse_mode("specache", model).is_default_specache
     assert parse_mode("specache-k64", model).config.k == 64 and parse_mode("kivi", model).config.k == 0
     assert parse_mode("specache-1b", {**model, "bits": 2}).config.bits == 1
@@ -301,7 +301,7 @@ def test_bench_store_reports_the_entry_and_the_same_answer(tiny_model_dir, tmp_p
 def test_stock_transformers_switches_the_engine_off_and_back(tiny_model):
     """The hf baseline runs stock transformers: SDPA and plain nn.Linear during the block only."""
     from engine.bench.common import stock_transformers
-    from engine.linears import SkinnyLinear
+    from engine.model.linears import SkinnyLinear
 
     skinny = sum(isinstance(m, SkinnyLinear) for m in tiny_model.modules())
     engine_attn = tiny_model.config._attn_implementation

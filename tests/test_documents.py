@@ -1,4 +1,4 @@
-"""Tests of engine.documents on the generated fixtures (scripts/make_fixtures.py)."""
+"""Tests of engine.inputs.documents on the generated fixtures (scripts/make_fixtures.py)."""
 from __future__ import annotations
 
 import io
@@ -8,13 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.documents import (
-    Document,
-    iter_pdf_pages,
-    load_corpus,
-    load_document,
-    normalise_pdf_text,
-)
 from engine.errors import (
     BadArgument,
     CorruptDocument,
@@ -24,6 +17,13 @@ from engine.errors import (
     NoExtractableText,
     SpecacheError,
     UnsupportedInput,
+)
+from engine.inputs.documents import (
+    Document,
+    iter_pdf_pages,
+    load_corpus,
+    load_document,
+    normalise_pdf_text,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,7 +242,7 @@ def test_normalise_pdf_text(raw: str, clean: str) -> None:
 
 
 def test_running_headers_and_footers_are_dropped():
-    from engine.documents import load_document, strip_running_lines
+    from engine.inputs.documents import load_document, strip_running_lines
 
     text = load_document(str(ROOT / "examples" / "report.pdf")).text
     assert "The Federalist Papers - page" not in text  # the fixture's footer on every page

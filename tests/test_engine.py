@@ -9,11 +9,10 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from engine import quant
 from engine.config import CacheConfig, GenerationConfig
-from engine.decode import Finished, forward, generate, prefill
-from engine.guided import quant_boundary
-from engine.kvcache import make_cache
+from engine.generate.engine import Finished, forward, generate, prefill
+from engine.kvcache import make_cache, quant
+from engine.kvcache.sizes import quant_boundary
 
 NEW = 24
 
@@ -96,9 +95,9 @@ def test_chunk_size_does_not_change_prefill(tiny_model):
 def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_model, monkeypatch, mode):
     """The layers of a pass share one additive mask (0 / -inf); each layer used to build a boolean
     one that attention converted again. Same logits as attention with the boolean mask."""
-    import engine.guided
-    import engine.kvcache
-    from engine.kvcache import additive_mask
+    import engine.kvcache.base
+    import engine.kvcache.guided
+    from engine.kvcache.base import additive_mask
 
     allowed = torch.tensor([[True, False], [True, True]])
     assert additive_mask(None, torch.float32) is None
@@ -106,13 +105,13 @@ def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_mo
     (p,) = prompts_of((200,))
     config = CacheConfig(mode=mode, chunk_size=64, group=32, residual=16)
     built = []
-    for module in (engine.guided, engine.kvcache):
+    for module in (engine.kvcache.guided, engine.kvcache.full):
         monkeypatch.setattr(module, "additive_mask", lambda a, dtype: built.append(1) or additive_mask(a, dtype))
     cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
     *_, shared = prefill(tiny_model, cache, p, 0, 64)
     assert len(built) == 4  # 4 chunks, 3 layers each
-    monkeypatch.setattr(engine.guided, "additive_mask", lambda a, dtype: a)  # boolean masks, as before
-    monkeypatch.setattr(engine.kvcache, "additive_mask", lambda a, dtype: a)
+    monkeypatch.setattr(engine.kvcache.guided, "additive_mask", lambda a, dtype: a)  # boolean masks, as before
+    monkeypatch.setattr(engine.kvcache.base, "additive_mask", lambda a, dtype: a)
     cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
     *_, boolean = prefill(tiny_model, cache, p, 0, 64)
     torch.testing.assert_close(shared, boolean, rtol=1e-5, atol=1e-5)
@@ -210,7 +209,7 @@ def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks):
 
 
 def test_teacher_forced_full_and_exact_specache_agree(tiny_model, reference):
-    from engine.decode import teacher_forced
+    from engine.generate.engine import teacher_forced
 
     ps, refs = reference
     full = torch.stack(list(teacher_forced(tiny_model, ps[0], refs[0], CacheConfig(mode="full"))))
@@ -247,7 +246,7 @@ def test_shared_prefix_batch_equals_separate_runs(tiny_model, mode):
 
 
 def test_resync_after_a_missed_speculation_uses_prompt_lookup():
-    from engine.decode import _follow_table, _resync
+    from engine.generate.engine import _follow_table, _resync
 
     prompt = [10, 11, 12, 10, 13]
     assert _follow_table(prompt) == {10: 13, 11: 12, 12: 10}  # the latest occurrence wins
@@ -278,7 +277,7 @@ def test_current_prefetch_keeps_the_limits_and_steps_one_token_at_a_time(tiny_mo
     """prefetch "current": each pass picks its own fetched set, then attends. k >= context: the
     output equals DynamicCache's; k small: not exact, but batched equals single and it differs
     from the speculative decoder's output only through which positions were fetched."""
-    import engine.decode as decode
+    import engine.generate.engine as decode
 
     ps, refs = reference
     exact = CacheConfig(mode="specache", k=4096, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current")
@@ -297,8 +296,8 @@ def test_current_prefetch_keeps_the_limits_and_steps_one_token_at_a_time(tiny_mo
 def test_current_prefetch_selects_the_guides_top_k(tiny_model):
     """After a pass with prefetch "current", the fetched set of each KV head is the top-k of that
     pass's own guide attention over [sinks, qend) (checked against a plain recomputation)."""
-    from engine.decode import forward
-    from engine.guided import GuidedLayer
+    from engine.generate.engine import forward
+    from engine.kvcache.specache import SpecacheLayer as GuidedLayer
 
     config = CacheConfig(mode="specache", k=8, group=32, residual=16, sinks=2, chunk_size=64, prefetch="current")
     (p,) = prompts_of((200,))
@@ -313,11 +312,11 @@ def test_current_prefetch_selects_the_guides_top_k(tiny_model):
         seen[id(self)] = set(probs[0, 0].topk(self.topk).indices.tolist())
         return original(self, scores, rscores, step, nq, qend)
 
-    import engine.guided
+    import engine.kvcache.guided
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(GuidedLayer, "select_current", spy)
-        mp.setattr(engine.guided, "fused_applies", lambda layer, q: False)
+        mp.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
         forward(tiny_model, cache, last.argmax(-1).view(1, 1), slice(0, 1))
     assert len(seen) == len(cache.layers)
     for layer in cache.layers:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.fused
-import engine.guided
+import engine.kvcache.fused
+import engine.kvcache.guided
 from engine import native
 from engine.config import CacheConfig, GenerationConfig
-from engine.decode import Finished, generate, teacher_forced
+from engine.generate.engine import Finished, generate, teacher_forced
 from engine.kvcache import make_cache
-from engine.linears import SkinnyLinear, native_linear
+from engine.model.linears import SkinnyLinear, native_linear
 
 needs_native = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
 
@@ -61,13 +61,13 @@ def test_skinny_linear_equals_linear_with_and_without_native(monkeypatch):
 def counting_fused(monkeypatch) -> list[int]:
     """Count the fused native calls (to show the test exercised them)."""
     calls = [0]
-    original = engine.fused.FusedDecode.__call__
+    original = engine.kvcache.fused.FusedDecode.__call__
 
     def wrapped(self, *args):
         calls[0] += 1
         return original(self, *args)
 
-    monkeypatch.setattr(engine.fused.FusedDecode, "__call__", wrapped)
+    monkeypatch.setattr(engine.kvcache.fused.FusedDecode, "__call__", wrapped)
     return calls
 
 
@@ -86,7 +86,7 @@ def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     calls = counting_fused(monkeypatch)
     fused = torch.stack(list(teacher_forced(tiny_model, prompt, forced, config)))
     assert calls[0] > 0, "the fused path did not run"
-    monkeypatch.setattr(engine.guided, "fused_applies", lambda layer, q: False)
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
     plain = torch.stack(list(teacher_forced(tiny_model, prompt, forced, config)))
     assert fused.shape == (len(forced), tiny_model.config.vocab_size)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
@@ -98,7 +98,7 @@ def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypa
     prompts = prompts_of((150, 97, 260))
     gen = GenerationConfig(max_tokens=24)
     fused = next(e for e in generate(tiny_model, prompts, config, gen) if isinstance(e, Finished))
-    monkeypatch.setattr(engine.guided, "fused_applies", lambda layer, q: False)
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
     plain = next(e for e in generate(tiny_model, prompts, config, gen) if isinstance(e, Finished))
     assert fused.tokens == plain.tokens
 
@@ -124,7 +124,7 @@ def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, 
     hold the host store's exact K/V at its position, and the positions must be distinct. With
     prefetch current it reads the selected rows from the store itself (nothing to copy on a
     CPU): the selection must still be k distinct positions of the guide region."""
-    from engine.decode import decoder_for, prefill
+    from engine.generate.engine import decoder_for, prefill
 
     (prompt,) = prompts_of((280,))
     cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from engine import native
-from engine.linears import SkinnyLinear, native_linear, pack_weight, packed_linear, use_skinny_linears
+from engine.model.linears import (
+    SkinnyLinear,
+    native_linear,
+    pack_weight,
+    packed_linear,
+    use_skinny_linears,
+)
 
 pytestmark = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engine import planner as P
 from engine.errors import BadArgument, DoesNotFit, ProfileError
-from engine.profiles import (
+from engine.plan import planner as P
+from engine.plan.profiles import (
     estimate_parameters,
     list_hardware,
     list_models,
@@ -206,8 +206,8 @@ def test_default_k_per_prefetch():
 
     import torch
 
-    from engine.model import EMBEDDED_NAME
-    from engine.profiles import model_defaults
+    from engine.model.loading import EMBEDDED_NAME
+    from engine.plan.profiles import model_defaults
 
     smol = load_model_profile("smollm2-135m")
     assert smol.default_k_current is not None and smol.default_k_current != smol.default_k

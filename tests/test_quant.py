@@ -1,4 +1,4 @@
-"""engine.quant: packing, KIVI 1/2-bit quantizers, packed-code kernels (native and torch),
+"""engine.kvcache.quant: packing, KIVI 1/2-bit quantizers, packed-code kernels (native and torch),
 storage accounting."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import native, quant
-from engine.quant import (
+from engine import native
+from engine.kvcache import quant
+from engine.kvcache.quant import (
     VALUE_BLOCK,
     dequantize_keys,
     dequantize_values,

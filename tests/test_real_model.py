@@ -10,10 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.decode import Finished, generate
-from engine.documents import load_document
-from engine.pipeline import Result, Runner, ask
-from engine.prompts import SUMMARIZE, build_prompt
+from engine.generate.engine import Finished, generate
+from engine.inputs.documents import load_document
+from engine.inputs.prompts import SUMMARIZE, build_prompt
+from engine.jobs.pipeline import Result, Runner, ask
 from specache_cli.app import app
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 @pytest.fixture(scope="module")
 def lm():
-    from engine.model import load_model
+    from engine.model.loading import load_model
 
     return load_model(None, device="cpu")
 

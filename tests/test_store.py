@@ -17,11 +17,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from engine import store as S
 from engine.config import CacheConfig, GenerationConfig
-from engine.decode import Finished, Progress, StoreUse, generate, store_settings
+from engine.docstore import store as S
+from engine.docstore.store import KVStore, make_key
+from engine.generate.engine import (
+    Finished,
+    Progress,
+    StoreUse,
+    generate,
+    store_settings,
+)
 from engine.kvcache import make_cache
-from engine.store import KVStore, make_key
 
 ROOT = Path(__file__).parent.parent
 DATA = Path(__file__).parent / "data"
@@ -136,7 +142,7 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
 KILLED_WRITER = r"""
 import sys, time, torch
 from pathlib import Path
-import engine.store as S
+import engine.docstore.store as S
 real = S.write
 S.write = lambda path, tensors, meta, on_piece=None: real(path, tensors, meta, on_piece=lambda: time.sleep(0.02))
 store = S.KVStore(Path(sys.argv[1]))
@@ -179,7 +185,7 @@ def test_killed_writer_leaves_no_valid_looking_entry(tmp_path, sig):
 CONCURRENT_WRITER = r"""
 import os, sys, time, torch
 from pathlib import Path
-from engine.store import KVStore
+from engine.docstore.store import KVStore
 root, go, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 bad = []
 store = KVStore(root, warn=bad.append)
@@ -294,7 +300,7 @@ def test_hit_gives_the_same_greedy_output_as_a_miss(tiny_model, tmp_path, mode):
 
 
 def test_export_import_reproduces_the_row_state(tiny_model):
-    from engine.decode import prefill
+    from engine.generate.engine import prefill
 
     doc = prompt_ids(203, 9)
     for mode in ("full", "specache", "window"):
@@ -319,7 +325,7 @@ def test_an_entry_that_does_not_fit_the_cache_is_never_used(tiny_model, tmp_path
     # an entry under the full cache's key holding another mode's state (as a hash collision would)
     other = make_cache(tiny_model.config, CacheConfig(mode="specache", group=32, residual=16), 1, 300,
                        torch.float32, torch.device("cpu"))
-    from engine.decode import prefill
+    from engine.generate.engine import prefill
 
     list(prefill(tiny_model, other, doc, 0, 64))
     cache = make_cache(tiny_model.config, full, 1, 300, torch.float32, torch.device("cpu"))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.transfer import HostStore, overlap_share
+from engine.kvcache.transfer import HostStore, Transfer, overlap_share
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -16,7 +16,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_gathers_the_selected_rows(device):
     dev = torch.device(device)
-    store = HostStore(batch=2, kv_heads=3, max_len=50, head_dim=8, k_max=5, dtype=torch.float32, device=dev)
+    store = HostStore(batch=2, kv_heads=3, max_len=50, head_dim=8, k_max=5, dtype=torch.float32, device=dev,
+                      transfer=Transfer(dev))
     k = torch.randn(2, 3, 40, 8, device=dev)
     v = torch.randn(2, 3, 40, 8, device=dev)
     for row in range(2):
@@ -34,13 +35,13 @@ def test_prefetch_gathers_the_selected_rows(device):
 
 
 def test_overlap_share_is_none_on_the_cpu():
-    store = HostStore(1, 1, 8, 8, 2, torch.float32, torch.device("cpu"))
+    store = HostStore(1, 1, 8, 8, 2, torch.float32, torch.device("cpu"), Transfer(torch.device("cpu")))
     assert overlap_share([store]) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_store_is_pinned_and_counts_overlap():
-    store = HostStore(1, 2, 64, 8, 4, torch.float16, torch.device("cuda"))
+    store = HostStore(1, 2, 64, 8, 4, torch.float16, torch.device("cuda"), Transfer(torch.device("cuda")))
     assert store.k.is_pinned()
     store.prefetch(slice(0, 1), torch.zeros(1, 2, 4, dtype=torch.long, device="cuda"))
     store.fetched(slice(0, 1))

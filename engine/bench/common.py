@@ -10,7 +10,7 @@ design's two-token speculative steps), ``both`` / ``spec`` (the fetch set is sel
 output token's attention as well as the speculative token's, or with the speculative token's
 alone), ``resync`` / ``noresync`` (re-sync a missed speculation by prompt lookup, or keep the
 paper's chain); these last four imply ``speculative``. Unset options keep the model's defaults
-(bits, group, k, and the prefetch for the device: ``engine.profiles.model_defaults``, what
+(bits, group, k, and the prefetch for the device: ``engine.plan.profiles.model_defaults``, what
 ``summarize``/``ask`` use) when the benches pass them, else engine.config.CacheConfig's, so
 ``specache`` is the setting users get. ``window`` without ``w<n>`` is sized to the device
 bytes of specache with the same bits / k / group (``window-1b`` matches ``specache-1b``);
@@ -33,6 +33,8 @@ import torch
 
 from engine.config import CACHE_MODES, PREFETCH, CacheConfig
 from engine.errors import BadArgument
+from engine.inputs.documents import load_document
+from engine.model.linears import SkinnyLinear
 
 SCHEMA_VERSION = 1
 HF_MODE = "hf"
@@ -237,8 +239,7 @@ def default_doc(name: str) -> str:
 
 
 def load_texts(paths: Sequence[str]) -> list[tuple[str, str]]:
-    """(source, text) of each document (engine.documents.load_document)."""
-    from engine.documents import load_document
+    """(source, text) of each document (engine.inputs.documents.load_document)."""
 
     out = []
     for p in paths:
@@ -312,7 +313,6 @@ class stock_transformers:
     nn.Linear modules; the engine's attention function and SkinnyLinears are restored after."""
 
     def __init__(self, model):
-        from engine.linears import SkinnyLinear
 
         self.model = model
         self.linears = [m for m in model.modules() if isinstance(m, SkinnyLinear)]
@@ -324,7 +324,6 @@ class stock_transformers:
             m.__class__ = torch.nn.Linear
 
     def __exit__(self, *exc):
-        from engine.linears import SkinnyLinear
 
         for m in self.linears:
             m.__class__ = SkinnyLinear

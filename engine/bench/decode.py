@@ -15,8 +15,19 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine.bench.common import HF_MODE, BenchProgress, BenchResult, ModeSpec, envelope, stock_transformers, target
+from engine.bench.common import (
+    HF_MODE,
+    BenchProgress,
+    BenchResult,
+    ModeSpec,
+    encode,
+    envelope,
+    stock_transformers,
+    target,
+)
 from engine.bench.speed import _sync, make_prompts
+from engine.generate.engine import decoder_for, prefill
+from engine.kvcache import make_cache
 
 TARGET_VS_FULL = 1.5
 TARGET_VS_HF = 2.5
@@ -24,8 +35,6 @@ TARGET_VS_HF = 2.5
 
 def engine_steps(model, config, prompts: list[list[int]], extra: int) -> Iterator[None]:
     """Prefill a cache for `prompts`, then yield after each decode step of the engine's loop."""
-    from engine.decode import decoder_for, prefill
-    from engine.kvcache import make_cache
 
     param = next(model.parameters())
     cache = make_cache(model.config, config, len(prompts), max(map(len, prompts)) + extra + 4, param.dtype,
@@ -58,7 +67,6 @@ def hf_steps(model, prompts: list[list[int]], chunk: int = 512) -> Iterator[None
 def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Sequence[int], burst: int, repeats: int,
                quick: bool) -> Iterator[BenchProgress | BenchResult]:
     """Interleaved decode timing per batch size; see the module docstring."""
-    from engine.bench.common import encode
 
     corpus = [t for _, text in texts for t in encode(lm.tokenizer, text)]
     settings = {"length": length, "batches": list(batches), "burst": burst, "repeats": repeats,

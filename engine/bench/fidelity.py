@@ -4,7 +4,7 @@ Per document (the model's chat template around a summarization instruction, the 
 truncated to fit the window) the full cache generates the reference: greedy tokens F_0..F_{N-1}
 and the next-token distribution before each. Then, per mode:
 
-- teacher-forced: engine.decode.teacher_forced feeds F through the mode's real step loop
+- teacher-forced: engine.generate.engine.teacher_forced feeds F through the mode's real step loop
   (speculative or one-token steps, per the prefetch); each step's distribution is compared
   with the reference: top-1 agreement and mean KL(full || mode);
 - free-running: the mode's own greedy output; length of the prefix identical to F, and the
@@ -30,13 +30,21 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine import quant
-from engine.bench.common import BenchProgress, BenchResult, ModeSpec, encode, envelope, mean, target
+from engine.bench.common import (
+    BenchProgress,
+    BenchResult,
+    ModeSpec,
+    encode,
+    envelope,
+    mean,
+    target,
+)
 from engine.config import CacheConfig
-from engine.decode import decoder_for, prefill, teacher_forced
-from engine.guided import quant_boundary
-from engine.kvcache import ModelShape, make_cache
-from engine.prompts import SUMMARIZE, build_prompt, stop_ids
+from engine.generate.engine import decoder_for, prefill, teacher_forced
+from engine.inputs.prompts import SUMMARIZE, build_prompt, stop_ids
+from engine.kvcache import ModelShape, make_cache, quant
+from engine.kvcache.sizes import quant_boundary
+from engine.model.attention import specache_attention
 
 PROBE_NAME = "specache_bench_probe"
 SELECTORS = ("fetched", "guide_own", "guide_spec", "exact_spec", "guide_output", "exact_output")
@@ -67,7 +75,6 @@ class Probe:
 
 
 def _probe_attention(module, query, key, value, attention_mask, **kwargs):
-    from engine.attention import specache_attention
 
     out = specache_attention(module, query, key, value, attention_mask, **kwargs)
     probe, cache = Probe.current, kwargs.get("kv_cache")

@@ -15,11 +15,19 @@ import re
 import time
 from typing import Iterator, Sequence
 
-from engine.bench.common import BenchProgress, BenchResult, ModeSpec, encode, envelope, mean, target
+from engine.bench.common import (
+    BenchProgress,
+    BenchResult,
+    ModeSpec,
+    encode,
+    envelope,
+    mean,
+    target,
+)
 from engine.config import GenerationConfig
-from engine.decode import Finished, generate
 from engine.errors import BadArgument
-from engine.prompts import build_prompt, stop_ids
+from engine.generate.engine import Finished, generate
+from engine.inputs.prompts import build_prompt, stop_ids
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer with the number only."

@@ -28,11 +28,23 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine.bench.common import (HF_MODE, BenchProgress, BenchResult, ModeSpec, encode, envelope, median,
-                                 stock_transformers,
-                                 parse_mode, target)
+from engine.bench.common import (
+    HF_MODE,
+    BenchProgress,
+    BenchResult,
+    ModeSpec,
+    encode,
+    envelope,
+    median,
+    parse_mode,
+    stock_transformers,
+    target,
+)
 from engine.config import CacheConfig
 from engine.errors import BadArgument, SpecacheError
+from engine.generate.engine import decoder_for, prefill
+from engine.kvcache import make_cache
+from engine.model.loading import load_model
 
 PROGRESS = "@progress "
 TARGET_VS_FULL, TARGET_VS_HF = 1.5, 2.5
@@ -62,8 +74,6 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def time_engine(model, config, prompts: list[list[int]], steps: int) -> dict:
     """Prefill seconds and the duration of each decode step (the engine's own step loop)."""
-    from engine.decode import decoder_for, prefill
-    from engine.kvcache import make_cache
 
     param = next(model.parameters())
     dev = param.device
@@ -189,7 +199,6 @@ def warm_up(model, spec: ModeSpec, corpus: list[int]) -> None:
 
 def worker_main(spec_path: str, out_path: str) -> int:
     """Entry point of the child: measure one mode, write its JSON result to out_path."""
-    from engine.model import load_model
 
     job = json.loads(Path(spec_path).read_text())
     spec = parse_mode(job["mode"])

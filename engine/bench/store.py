@@ -12,11 +12,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.config import CacheConfig, GenerationConfig
+from engine.docstore.store import KVStore
+from engine.generate.engine import Finished, StoreUse, Tokens, generate
+from engine.inputs import prompts as P
+from engine.kvcache.base import ModelShape
+from engine.kvcache.sizes import kv_bytes_per_token
+from engine.plan.profiles import model_defaults
+
 
 def first_token_seconds(lm, cache, gen, text: str, question: str, store) -> tuple[float, object]:
     """Seconds from building an ask prompt to its first generated token, and the Finished event."""
-    from engine import prompts as P
-    from engine.decode import Finished, StoreUse, Tokens, generate
 
     t0 = time.perf_counter()
     prompt = P.build_prompt(lm.tokenizer, text, P.ASK.format(question=question))
@@ -33,12 +39,6 @@ def first_token_seconds(lm, cache, gen, text: str, question: str, store) -> tupl
 def run_store_bench(lm, doc, modes: list[str], max_tokens: int = 8) -> dict:
     """Measure cold vs stored time to first token per cache mode; returns the JSON report."""
     import torch
-
-    from engine import prompts as P
-    from engine.config import CacheConfig, GenerationConfig
-    from engine.kvcache import ModelShape, kv_bytes_per_token
-    from engine.store import KVStore
-    from engine.profiles import model_defaults
 
     shape = ModelShape.from_config(lm.model.config)
     fp16_per_token = kv_bytes_per_token(shape, 2)

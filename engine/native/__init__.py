@@ -10,7 +10,7 @@ of time). No torch headers and no ninja are involved.
 
 ``SPECACHE_NATIVE=0`` disables the native path and ``SPECACHE_NATIVE_THREADS=N`` sets its
 thread count (default: torch's, see ``threads()``); both are read once, at their first use in
-a process. Any build or load failure makes ``native_available()`` return False, so engine.quant
+a process. Any build or load failure makes ``native_available()`` return False, so engine.kvcache.quant
 falls back to its torch kernels; the reason is logged once at debug level and kept in
 ``native_error()``.
 """
@@ -26,6 +26,8 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+from engine.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,6 @@ def _machine_id() -> str:
 
 def library_path(cc: str | None = None) -> Path:
     """Where the shared library for this source, compiler, flags and machine lives."""
-    from engine.model import cache_root
 
     cc = cc or compiler()
     if cc is None:

@@ -1,7 +1,7 @@
 """Build the native guide kernels ahead of time: ``python -m engine.native [--force]``.
 
 Prints the library's path; exits 1 (with the reason on stderr) when it cannot be built,
-in which case engine.quant uses its torch kernels."""
+in which case engine.kvcache.quant uses its torch kernels."""
 from __future__ import annotations
 
 import argparse

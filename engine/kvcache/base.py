@@ -1,18 +1,21 @@
 """The KV cache handed to transformers: a list of per-layer objects, one Step shared by all.
 
 transformers calls `cache.update(key_states, value_states, layer_idx)` from each attention
-module; our registered attention function (engine.attention) then calls
+module; our registered attention function (engine.model.attention) then calls
 `cache.layers[layer_idx].attend(query, scaling, cache.step)`. Rows of a batch may have
 different lengths: each row's committed length lives in `cache.lengths`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import torch
 from transformers.cache_utils import Cache
 
 from engine.config import CacheConfig
+from engine.kvcache.sizes import kv_bytes_per_token
+from engine.kvcache.transfer import Transfer
 
 
 @dataclass(frozen=True)
@@ -108,49 +111,6 @@ def additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Ten
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-class FullLayer:
-    """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
-
-    def __init__(self, shape: ModelShape, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        self.shape = shape
-        self.k = torch.zeros(batch, shape.kv_heads, max_len, shape.head_dim, dtype=dtype, device=device)  # [B, H_kv, L, D]
-        self.v = torch.zeros_like(self.k)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
-        """Write the new tokens' K/V ([b, H_kv, T, D]) at their positions."""
-        write_rows(self.k, self.v, k, v, step)
-
-    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """Exact attention of q [b, H, T, D] over each row's past and new tokens -> [b, T, H, D]."""
-        length = max(step.starts) + step.n_new
-        keys = self.k[step.rows, :, :length]
-        values = self.v[step.rows, :, :length]
-        qg = grouped_query(q, self.shape.kv_heads)
-        mask = step.shared_value(("causal", self.shape.group, length, q.dtype),
-                                 lambda: additive_mask(causal_mask(step, self.shape.group, length), q.dtype))
-        out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
-        return ungroup_output(out, self.shape.heads, step.n_new)
-
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Make row dst hold row src's first `length` tokens (a shared document prefix)."""
-        self.k[dst, :, :length] = self.k[src, :, :length]
-        self.v[dst, :, :length] = self.v[src, :, :length]
-
-    def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
-        """Row `row`'s state after `length` tokens (views), for the document store."""
-        return {"k": self.k[row, :, :length], "v": self.v[row, :, :length]}
-
-    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
-        """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
-        import_tensors(self.export_row(row, length), tensors, check, strict=True)
-
-    def device_bytes(self, lengths: torch.Tensor) -> int:
-        return int(lengths.sum()) * 2 * self.shape.kv_heads * self.shape.head_dim * self.k.element_size()
-
-    def host_bytes(self, lengths: torch.Tensor) -> int:
-        return 0
-
-
 def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
     """Store new K/V [b, H_kv, T, D] into [B, H_kv, L, D] buffers at each row's positions."""
     b, t = k.shape[0], k.shape[2]
@@ -180,17 +140,53 @@ def import_tensors(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], c
             view.copy_(t)
 
 
-def kv_bytes_per_token(shape: ModelShape, element_size: int) -> int:
-    """Bytes of K and V for one token over all layers."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * element_size
+class CacheLayer(Protocol):
+    """What KVCache asks of each per-layer object (one class per policy: engine/kvcache/full.py,
+    specache.py, kivi.py, window.py). Buffers are preallocated for `batch` rows of `max_len` tokens."""
+
+    quantizes: ClassVar[bool]  # True: the layer moves a quantization boundary on commits (boundaries/after_step)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """Store the new tokens' K/V [b, H_kv, T, D] of this pass."""
+
+    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+        """Attention of the new tokens' queries q [b, H, T, D] over the row's past -> [b, T, H, D]."""
+
+    def boundaries(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Each row's quantized prefix for these committed lengths [B] (quantizing layers only)."""
+
+    def after_step(self, step: Step, lengths: torch.Tensor) -> None:
+        """After a commit moved a boundary: quantize what left the exact window (quantizing layers only)."""
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Make row dst hold row src's first `length` tokens (a shared document prefix)."""
+
+    def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
+        """Row `row`'s state after `length` tokens (views), for the document store."""
+
+    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
+        """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
+
+    def device_bytes(self, lengths: torch.Tensor) -> int:
+        """Bytes held on the compute device for rows of these lengths."""
+
+    def host_bytes(self, lengths: torch.Tensor) -> int:
+        """Bytes held in the exact host store for rows of these lengths."""
+
+    def allocated_device_bytes(self) -> int:
+        """Bytes of this layer's preallocated device buffers, per row (what the planner budgets)."""
+
+    def run_stats(self, layers: list) -> dict:
+        """Settings and measured statistics of these layers (all of this class) for --json."""
 
 
 class KVCache(Cache):
     """transformers Cache whose layers are ours; `step` says what the current forward pass does."""
 
-    def __init__(self, layers: list, shape: ModelShape, config: CacheConfig, batch: int, max_len: int,
-                 device: torch.device):
+    def __init__(self, layers: list[CacheLayer], shape: ModelShape, config: CacheConfig, batch: int, max_len: int,
+                 device: torch.device, transfer: Transfer):
         super().__init__(layers=layers)
+        self.transfer = transfer  # the one prefetch worker / stream of this cache (engine.kvcache.transfer)
         self.shape = shape
         self.config = config
         self.batch = batch
@@ -198,7 +194,7 @@ class KVCache(Cache):
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # committed tokens per row
         self.step: Step | None = None
         self._bounds: list[int] | None = None  # the layers' quantization boundaries after the last commit
-        self._acting = [layer for layer in layers if hasattr(layer, "after_step")]  # layers that act on a commit
+        self._acting = [layer for layer in layers if layer.quantizes]  # layers that act on a commit
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
               prefill: bool = False) -> Step:
@@ -283,24 +279,23 @@ class KVCache(Cache):
         stats = {"mode": self.config.mode, "device_bytes": self.device_bytes(),
                  "host_bytes": self.host_bytes(), "full_fp16_bytes": self.full_fp16_bytes()}
         stats["device_vs_full_fp16"] = round(stats["device_bytes"] / max(stats["full_fp16_bytes"], 1), 4)
-        extra = getattr(self.layers[0], "run_stats", None)
-        if extra is not None:
-            stats.update(extra(self.layers))
+        stats.update(self.layers[0].run_stats(self.layers))
         return stats
+
+    def allocated_device_bytes(self) -> int:
+        """Bytes of the preallocated device buffers per row (sizes.py; the planner budgets the same)."""
+        return sum(layer.allocated_device_bytes() for layer in self.layers)
+
+    def close(self) -> None:
+        """Release the transfer resources (worker thread, stream); the cache is not used afterwards."""
+        self.transfer.close()
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def full_fp16_bytes(self) -> int:
         """What a full 16-bit cache of the same tokens would hold."""
         return int(self.lengths.sum()) * kv_bytes_per_token(self.shape, 2)
-
-
-def make_cache(model_config, config: CacheConfig, batch: int, max_len: int,
-               dtype: torch.dtype, device: torch.device) -> KVCache:
-    """Build the cache for the configured mode."""
-    shape = ModelShape.from_config(model_config)
-    if config.mode == "full":
-        layers = [FullLayer(shape, batch, max_len, dtype, device) for _ in range(shape.layers)]
-    else:
-        from engine.guided import make_guided_layers
-
-        layers = make_guided_layers(shape, config, batch, max_len, dtype, device)
-    return KVCache(layers, shape, config, batch, max_len, device)

@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 import torch
 
 from engine.config import CacheConfig, GenerationConfig
+from engine.docstore.store import KVStore, make_key
+from engine.generate.sampling import sample
 from engine.kvcache import KVCache, make_cache
-from engine.sampling import sample
-from engine.store import KVStore, make_key
 
 
 @dataclass
@@ -77,7 +77,7 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
 
 @dataclass
 class StoreUse:
-    """A persistent document store (engine.store) for the prompts' document prefixes.
+    """A persistent document store (engine.docstore.store) for the prompts' document prefixes.
 
     model_id: the model's fingerprint (engine.model.LoadedModel.fingerprint); with the model's dtype
     and the cache settings that change the KV it keys the entries. labels: per row, what

@@ -5,10 +5,10 @@ Stock Llama/Mistral/Qwen2 attention modules project and rotate q/k/v, call
 which knows how its K/V are kept (exact, guide + fetched set, window)."""
 from __future__ import annotations
 
-import torch
 from transformers import AttentionInterface
 
-from engine.model import ATTENTION_NAME
+ATTENTION_NAME = "specache"  # the name our attention function is registered under
+
 
 
 def specache_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kv_cache=None, **kwargs):

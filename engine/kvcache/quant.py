@@ -59,6 +59,7 @@ import torch
 from torch import Tensor
 
 from engine import native
+from engine.kvcache.sizes import guide_bits_per_element
 
 __all__ = [
     "QuantizedKeys",
@@ -583,11 +584,6 @@ def guide_weighted_values_reference(p: Tensor, qv: QuantizedValues, n: int) -> T
 
 
 # ---------------------------------------------------------------------------- storage
-
-
-def guide_bits_per_element(bits: int, group: int) -> float:
-    """Storage per element: ``bits`` of code plus fp16 scale and zero per ``group``."""
-    return bits + 32 / group
 
 
 def tensor_bytes(q: QuantizedKeys | QuantizedValues) -> int:

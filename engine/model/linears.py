@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import native
+
 ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
 BLOCK = 32
 FORMATS = {4: 24, 8: 36}  # fmt -> bytes per block of 32 weights (affine4, scaled8)
@@ -29,8 +31,6 @@ class PackedWeight:
     shape: tuple[int, int]
 
     def __post_init__(self) -> None:
-        from engine import native
-
         # the kernel and the arguments that never change, bound once (a decode step makes ~200 calls)
         object.__setattr__(self, "_kernel", native.lib().specache_packed_linear)
         object.__setattr__(self, "_fixed", (self.data.data_ptr(), self.fmt, self.shape[0], self.shape[1]))
@@ -42,8 +42,6 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x [R <= 8, K] fp32 @ W^T (+ bias) by the native kernel; None where it does not apply.
         (The per-call checks are few: a decode step makes ~200 of these calls.)"""
-        from engine import native
-
         if x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
             return None
         rows, n = x.shape[0], self.shape[0]
@@ -54,8 +52,6 @@ class PackedWeight:
 
     def unpack(self) -> torch.Tensor:
         """The fp32 weight it stands for [N, K] (tests and checks)."""
-        from engine import native
-
         n, k = self.shape
         out = torch.empty(n, k, dtype=torch.float32)
         rc = native.lib().specache_unpack(self.data.data_ptr(), self.fmt, 0, n, k, out.data_ptr())
@@ -66,8 +62,6 @@ class PackedWeight:
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """Pack an fp32 CPU weight [N, K] whose values are exactly affine4 (tried first) or scaled8
     blocks; None if neither fits, K is not a multiple of 32, or the native kernels are missing."""
-    from engine import native
-
     lib = native.lib()
     if (lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
             or not weight.is_contiguous() or weight.shape[1] % BLOCK or weight.shape[1] < BLOCK):
@@ -118,8 +112,6 @@ def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [R <= 8, K] @ weight[N, K]^T (+ bias) by the native kernel; None where it does not apply
     (not available, not fp32, not contiguous, or gradients wanted)."""
-    from engine import native
-
     lib = native.lib()
     if lib is None or weight.dtype != torch.float32 or not weight.is_contiguous() or not _kernel_takes(x, bias) \
             or (weight.requires_grad and torch.is_grad_enabled()):

@@ -19,13 +19,41 @@ import threading
 import torch
 
 
+class Transfer:
+    """The transfer resources of one cache, shared by its layers: on CUDA one side stream and one
+    worker thread (started on the first prefetch); nothing on the CPU. `close()` ends the thread."""
+
+    def __init__(self, device: torch.device, threaded: bool | None = None):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.threaded = self.cuda if threaded is None else threaded
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._worker: PrefetchWorker | None = None
+
+    def submit(self, job) -> None:
+        """Run job() on the worker thread (in order), or at once without one."""
+        if not self.threaded:
+            job()
+            return
+        if self._worker is None:
+            self._worker = PrefetchWorker()
+        self._worker.submit(job)
+
+    def close(self) -> None:
+        """Finish queued jobs and end the worker thread (idempotent)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
 class HostStore:
     """Exact K/V of every token of every row of one layer: [B, H_kv, L, D] each, preallocated."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, k_max: int,
-                 dtype: torch.dtype, device: torch.device, worker: "PrefetchWorker | None" = None):
+                 dtype: torch.dtype, device: torch.device, transfer: Transfer):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.transfer = transfer
         shape = (batch, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, pin_memory=self.cuda)  # [B, H_kv, L, D] host
         self.v = torch.zeros(shape, dtype=dtype, pin_memory=self.cuda)
@@ -38,11 +66,9 @@ class HostStore:
             self.stage_k = torch.zeros(fshape, dtype=dtype, pin_memory=True)
             self.stage_v = torch.zeros(fshape, dtype=dtype, pin_memory=True)
             self.idx_host = torch.zeros(fshape[:3], dtype=torch.long, pin_memory=True)
-            self.stream = torch.cuda.Stream(device=device)
             self.idx_ready = torch.cuda.Event()
             self.ready = torch.cuda.Event()
             self.issued = threading.Event()  # set by the worker once `ready` is recorded
-            self.worker = worker or PrefetchWorker()
         self.pending = False
 
     def write_span(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -70,7 +96,7 @@ class HostStore:
         self.idx_ready.record()
         self.issued.clear()
         self.pending = True
-        self.worker.submit(lambda: self._gather_and_copy(rows, n))
+        self.transfer.submit(lambda: self._gather_and_copy(rows, n))
 
     def _gather_and_copy(self, rows: slice, n: int) -> None:
         """Worker thread: gather the selected rows on the CPU, copy them to the device on the side stream."""
@@ -79,10 +105,10 @@ class HostStore:
             idx = self.idx_host[rows, :, :n]
             gather_rows(self.k[rows], idx, self.stage_k[rows, :, :n])
             gather_rows(self.v[rows], idx, self.stage_v[rows, :, :n])
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.transfer.stream):
                 self.fk[rows, :, :n].copy_(self.stage_k[rows, :, :n], non_blocking=True)
                 self.fv[rows, :, :n].copy_(self.stage_v[rows, :, :n], non_blocking=True)
-                self.ready.record(self.stream)
+                self.ready.record(self.transfer.stream)
         finally:
             self.issued.set()
 
@@ -118,7 +144,7 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None
 
 
 class PrefetchWorker:
-    """One daemon thread running prefetch jobs in order (CUDA only; torch ops release the GIL)."""
+    """One daemon thread running prefetch jobs in order (torch ops release the GIL); close() ends it."""
 
     def __init__(self):
         self.jobs: queue.Queue = queue.Queue()
@@ -128,9 +154,13 @@ class PrefetchWorker:
     def submit(self, job) -> None:
         self.jobs.put(job)
 
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+
     def _run(self) -> None:
-        while True:
-            self.jobs.get()()
+        while (job := self.jobs.get()) is not None:
+            job()
 
 
 def overlap_share(stores: list[HostStore]) -> float | None:

@@ -13,7 +13,7 @@ import ctypes
 import torch
 
 from engine import native
-from engine.kvcache import Step
+from engine.kvcache.base import Step
 
 
 def fused_applies(layer, q: torch.Tensor) -> bool:

@@ -1,13 +1,14 @@
-"""The guide of one layer: every quantized position's K and V in 1 or 2 bits (engine.quant),
+"""The guide of one layer: every quantized position's K and V in 1 or 2 bits (engine.kvcache.quant),
 preallocated for the planned length, filled a group of g tokens at a time."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from engine import quant
-from engine.kvcache import import_tensors
+from engine.kvcache import quant
+from engine.kvcache.base import import_tensors
+from engine.kvcache.sizes import guide_bytes
 
 
 class Guide:
@@ -19,9 +20,7 @@ class Guide:
         self.keys = quant.empty_keys(batch, kv_heads, cap, head_dim, bits, group, device)
         self.values = quant.empty_values(batch, kv_heads, cap, head_dim, bits, min(group, head_dim), device)
         self.bits, self.group = bits, group
-        self.elem_bits = (quant.guide_bits_per_element(bits, group)
-                          + quant.guide_bits_per_element(bits, min(group, head_dim))) / 2
-        self.per_token = kv_heads * head_dim  # elements of K (and of V) per token
+        self.shape = _LayerShape(kv_heads, head_dim)
 
     def add(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize exact k/v [1, H_kv, n, D] of positions [start, start + n) of one row (n % g == 0)."""
@@ -58,8 +57,22 @@ class Guide:
         return quant.guide_weighted_values(p, _rows(self.values, rows), n)
 
     def bytes(self, tokens: int) -> int:
-        """Storage of `tokens` quantized tokens (K and V, codes + fp16 scale and zero)."""
-        return int(2 * tokens * self.per_token * self.elem_bits / 8)
+        """Storage of `tokens` quantized tokens (K and V, codes + fp16 scale and zero) of this layer."""
+        return guide_bytes(self.shape, tokens, self.bits, self.group, layers=1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer of the guide (for the allocated-bytes account)."""
+        return [self.keys.codes, self.keys.scale, self.keys.zero, self.values.codes, self.values.scale,
+                self.values.zero]
+
+
+@dataclass(frozen=True)
+class _LayerShape:
+    """One layer's KV shape, as engine.kvcache.sizes reads it."""
+
+    kv_heads: int
+    head_dim: int
+    layers: int = 1
 
 
 def _rows(q, rows: slice):

@@ -16,9 +16,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.errors import BadArgument, DoesNotFit
-from engine.profiles import (HardwareProfile, ModelProfile, device_prefetch, load_hardware, match_cuda_device,
-                             model_profile_from_config)
-from engine.quant import guide_bits_per_element
+from engine.kvcache.quant import guide_bits_per_element
+from engine.plan.profiles import (
+    HardwareProfile,
+    ModelProfile,
+    device_prefetch,
+    load_hardware,
+    match_cuda_device,
+    model_profile_from_config,
+)
 
 MIB = 1024**2
 GIB = 1024**3
@@ -56,7 +62,7 @@ def kv_bytes_per_token(model: ModelProfile, element_bytes: int = 2) -> int:
 
 def guide_bytes(model: ModelProfile, tokens: int, bits: int, group: int) -> int:
     """Device bytes of the quantized guide of `tokens` tokens: bit-packed codes + fp16 scale and zero per
-    group (engine.quant: keys in groups of g tokens, values in groups of min(g, head_dim) channels)."""
+    group (engine.kvcache.quant: keys in groups of g tokens, values in groups of min(g, head_dim) channels)."""
     key_bits = guide_bits_per_element(bits, group)
     value_bits = guide_bits_per_element(bits, min(group, model.head_dim))
     return math.ceil(tokens * model.layers * model.kv_heads * model.head_dim * (key_bits + value_bits) / 8)

@@ -4,7 +4,7 @@ later `ask` or `summarize` on the same document and model loads it instead of pr
 This module knows nothing about models or caches: it stores named tensors under a key, with
 the token ids they were computed from, and keeps the folder healthy.
 
-Layout (in `engine.model.cache_root() / "kv"`):
+Layout (in `engine.paths.cache_root() / "kv"`):
 
     <key>.safetensors      one entry; immutable once it has its name
     .part-<key>-<pid>-<r>  a write in progress (renamed to <key>.safetensors when complete)
@@ -37,6 +37,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 from filelock import FileLock
 
+from engine.paths import cache_root
+
 FORMAT = "specache-kv-1"
 SUFFIX = ".safetensors"
 PART_PREFIX = ".part-"
@@ -57,7 +59,6 @@ class EntryError(Exception):
 
 def store_dir() -> Path:
     """The store folder under the user cache ($SPECACHE_CACHE_DIR respected)."""
-    from engine.model import cache_root  # a path helper only; keeps model code out of this module
 
     return cache_root() / "kv"
 

@@ -20,57 +20,51 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig
-from engine.fused import FusedDecode, fused_applies
-from engine.kvcache import ModelShape, Step, additive_mask, grouped_query, ungroup_output
-from engine.transfer import HostStore
+from engine.kvcache.base import (
+    ModelShape,
+    Step,
+    additive_mask,
+    grouped_query,
+    import_tensors,
+    ungroup_output,
+)
+from engine.kvcache.fused import FusedDecode, fused_applies
+from engine.kvcache.guide import Guide
+from engine.kvcache.sizes import (
+    layer_kv_bytes_per_token,
+    quant_boundary,
+    residual_slots,
+)
+from engine.kvcache.transfer import HostStore, Transfer
 
 NEG_INF = float("-inf")
 
 
-def quant_boundary(length: torch.Tensor, residual: int, group: int) -> torch.Tensor:
-    """Positions below the returned value are quantized: whole groups that left the residual window."""
-    return ((length - residual).clamp(min=0) // group) * group
-
-
-def window_tokens(config: CacheConfig, shape: ModelShape, max_len: int, exact_bytes: int) -> int:
-    """Recent-window size giving window mode the device bytes of specache at max_len tokens."""
-    guide_bits = config.bits + 32 / config.group
-    guide = max_len * 2 * shape.kv_heads * shape.head_dim * guide_bits / 8  # per layer
-    fetched = config.k * 2 * shape.kv_heads * shape.head_dim * exact_bytes
-    per_token = 2 * shape.kv_heads * shape.head_dim * exact_bytes
-    return max(1, int((guide + fetched) / per_token) + config.residual)
-
-
 class GuidedLayer:
-    """One layer's KV for specache / kivi / window modes (see module docstring)."""
+    """The machinery the guide-based policies share (see module docstring); each policy is a subclass
+    that fixes how many positions it fetches (topk), whether it keeps a guide and an exact host store,
+    and its window (engine/kvcache/specache.py, kivi.py, window.py)."""
 
-    def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device):
-        from engine.guide import Guide
+    quantizes = True
 
+    def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device, transfer: Transfer, *, topk: int, use_guide: bool, residual: int, group: int):
         self.shape, self.config = shape, config
-        self.mode = config.mode
-        self.topk = 0 if config.mode != "specache" else config.k
-        self.use_guide = config.mode != "window"
-        if self.use_guide:
-            self.residual, self.group = config.residual, config.group
-        else:  # window: no guide, the residual window is the whole exact context
-            self.residual = config.window or window_tokens(config, shape, max_len, torch.finfo(dtype).bits // 8)
-            self.group = 1
+        self.topk, self.use_guide = topk, use_guide
+        self.residual, self.group = residual, group
         h, d = shape.kv_heads, shape.head_dim
         self.sinks = config.sinks
         self.sink_k = torch.zeros(batch, h, max(self.sinks, 1), d, dtype=dtype, device=device)  # [B, H_kv, S, D]
         self.sink_v = torch.zeros_like(self.sink_k)
-        slots = self.residual + self.group + max(config.chunk_size, 2)  # window + a group waiting + new tokens
+        slots = residual_slots(self.residual, self.group, config.chunk_size)  # window + a group waiting + new tokens
         self.res_k = torch.zeros(batch, h, slots, d, dtype=dtype, device=device)  # [B, H_kv, W, D]
         self.res_v = torch.zeros_like(self.res_k)
         self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
         self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device) if self.use_guide else None
-        self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device) if self.use_guide else None
+        self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
         self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
-        self.hits = self.hit_total = 0  # prefetch hit counts (config.measure_hits)
-        self.fused = None  # engine.fused.FusedDecode, built on the first decode pass it applies to
+        self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
@@ -135,8 +129,6 @@ class GuidedLayer:
 
     def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
         """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate)."""
-        from engine.kvcache import import_tensors
-
         qend = int(quant_boundary(torch.tensor(length), self.residual, self.group))
         got = tensors.get("qend")
         if got is None or got.numel() != 1 or int(got) != qend:
@@ -224,7 +216,8 @@ class GuidedLayer:
         visible = rpos[:, None, :] <= qpos[:, :, None]  # [b, T, n_res]
         rscores.masked_fill_(~visible.repeat(1, g, 1)[:, None], NEG_INF)
         out_of_rows = (cols[None, :] >= qend[:, None])[:, None, None, :]  # quantized columns beyond a row's qend
-        # 4. fetched set: exact scores at the selected positions
+        # 4. fetched set: exact scores at the selected positions (topk > 0: the specache policy, whose
+        #    select_current / select_and_prefetch / count_hits are in engine/kvcache/specache.py)
         kf = self.topk if nq else 0
         if kf and self.config.prefetch == "current":  # this pass picks its own set first
             self.select_current(scores.masked_fill(out_of_rows, NEG_INF), rscores, step, nq, qend)
@@ -255,79 +248,9 @@ class GuidedLayer:
             self.select_and_prefetch(probs, step, nq, n_res, qend, rpos)
         return ungroup_output(out.to(q.dtype), self.shape.heads, t)
 
-    def count_hits(self, qg, rscores, idx, step: Step, nq: int, scaling: float) -> None:
-        """Prefetch hit rate: the share of the output token's exact top-k guide positions (by exact
-        attention, summed over the query heads of each KV head) that had been fetched. Costs a full
-        attention over the exact store, so only when asked for."""
-        b, h, g, t = qg.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
-        rows = step.rows
-        k_exact = self.store.k[rows, :, :nq].to(qg.device)  # [b, H_kv, nq, D]
-        q0 = qg.view(b, h, g, t, -1)[:, :, :, 0]  # the output token's queries [b, H_kv, G, D]
-        exact = (q0 @ k_exact.transpose(-1, -2)).float() * scaling  # [b, H_kv, G, nq]
-        res0 = rscores.view(b, h, g, t, -1)[:, :, :, 0]
-        p = torch.softmax(torch.cat([exact, res0], dim=-1), dim=-1)[..., :nq].sum(dim=2)  # [b, H_kv, nq]
-        pos = torch.arange(nq, device=p.device)
-        p = p.masked_fill((pos[None, :] >= self.qend[rows][:, None])[:, None] | (pos < self.sinks), -1.0)
-        fetched = torch.zeros(b, h, nq + 1, dtype=torch.bool, device=p.device)
-        fetched.scatter_(-1, idx, True)
-        top_p, top = p.topk(min(self.topk, nq), dim=-1)
-        real = top_p >= 0
-        self.hits += int((fetched[..., :nq].gather(-1, top) & real).sum())
-        self.hit_total += int(real.sum())
-
-    def select_current(self, scores, rscores, step: Step, nq: int, qend) -> None:
-        """prefetch "current" (T = 1): the top-k positions of this pass's own attention with guide
-        scores (sinks and residual exact), summed over the query heads of each KV head, become its
-        fetched set before it attends."""
-        if nq <= self.sinks:
-            self.fvalid[step.rows] = False
-            return
-        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)
-        self.fetch_top(probs[..., :nq].sum(dim=2), qend, step.rows)  # [b, H_kv, nq]
-
-    def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
-        """Top-k positions of the selecting token (summed over its KV head's query heads), among those
-        that will be in the guide at the next step; start fetching their exact K/V."""
-        b, h, g, t = probs.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
-        rows = step.rows
-        p = probs.view(b, h, g, t, -1)
-        p = p.sum(dim=(2, 3)) if self.config.select_both else p[:, :, :, step.select].sum(dim=2)  # [b, H_kv, cols]
-        next_len = step.start + step.keep
-        next_q = quant_boundary(next_len, self.residual, self.group)  # [b]
-        span = int(next_q.max())
-        if span <= self.sinks:
-            self.fvalid[rows] = False
-            return
-        if bool((next_q > qend).any()):  # a group leaves the residual window: its positions become candidates
-            cand = torch.full((b, h, span + n_res), -1.0, device=p.device)  # absolute positions (+ spill)
-            cand[..., : min(nq, span)] = p[..., : min(nq, span)]
-            cand.scatter_(-1, rpos[:, None, :].expand(-1, h, -1), p[..., nq + 1 :])
-        else:  # the usual step: the candidates are the guide region itself
-            cand = p[..., :span]
-        self.fetch_top(cand, next_q, rows)
-
-    def fetch_top(self, cand: torch.Tensor, bound: torch.Tensor, rows: slice) -> None:
-        """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0) become the rows'
-        fetched set; start fetching their exact K/V."""
-        b, h = cand.shape[:2]
-        pos = torch.arange(cand.shape[-1], device=cand.device)
-        out_of_guide = (pos[None, :] >= bound[:, None]) | (pos[None, :] < self.sinks)  # [b, L]
-        cand = cand.masked_fill(out_of_guide[:, None, :], -1.0)
-        n = min(self.topk, cand.shape[-1])
-        top, idx = cand.topk(n, dim=-1, sorted=False)  # [b, H_kv, n]
-        valid = top >= 0
-        idx = idx.masked_fill(~valid, 0)  # unused slots fetch position 0 (ignored)
-        if n < self.topk:  # pad to the buffer's k so the fetch always fills whole rows
-            pad = self.topk - n
-            idx = torch.cat([idx, idx.new_zeros(b, h, pad)], dim=-1)
-            valid = torch.cat([valid, valid.new_zeros(b, h, pad)], dim=-1)
-        self.fidx[rows] = idx
-        self.fvalid[rows] = valid
-        self.store.prefetch(rows, idx)
-
     # ---- accounting ----------------------------------------------------------------------
     def device_bytes(self, lengths: torch.Tensor) -> int:
-        per_token = 2 * self.shape.kv_heads * self.shape.head_dim * self.res_k.element_size()
+        per_token = layer_kv_bytes_per_token(self.shape, self.res_k.element_size())
         qend = quant_boundary(lengths, self.residual, self.group)
         exact = int((lengths - qend).sum()) + int(torch.minimum(qend, torch.tensor(self.sinks)).sum())
         total = exact * per_token
@@ -340,20 +263,16 @@ class GuidedLayer:
     def host_bytes(self, lengths: torch.Tensor) -> int:
         return self.store.host_bytes(int(lengths.sum())) if self.store is not None else 0
 
-    @staticmethod
-    def run_stats(layers: list["GuidedLayer"]) -> dict:
-        """Settings and measured statistics for --json."""
-        first = layers[0]
-        stats = {"bits": first.config.bits, "group": first.group, "k": first.topk, "residual": first.residual,
-                 "sinks": first.sinks}
-        if first.topk:
-            stats["prefetch"] = first.config.prefetch
-        if first.config.measure_hits:
-            hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
-            stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
-        return stats
+    def allocated_device_bytes(self) -> int:
+        """Preallocated device bytes per row: sinks, residual window, guide and fetched set."""
+        tensors = [self.sink_k, self.sink_v, self.res_k, self.res_v]
+        if self.guide is not None:
+            tensors += self.guide.tensors()
+        if self.topk:
+            tensors += [self.store.fk, self.store.fv]
+        return sum(t.numel() * t.element_size() for t in tensors) // self.res_k.shape[0]
 
-
-def make_guided_layers(shape: ModelShape, config: CacheConfig, batch: int, max_len: int,
-                       dtype: torch.dtype, device: torch.device) -> list[GuidedLayer]:
-    return [GuidedLayer(shape, config, batch, max_len, dtype, device) for _ in range(shape.layers)]
+    def run_stats(self, layers: list["GuidedLayer"]) -> dict:
+        """Settings for --json."""
+        return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,
+                "sinks": self.sinks}

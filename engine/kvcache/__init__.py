@@ -1,0 +1,27 @@
+"""The KV cache: one KVCache (engine.kvcache.base) holding one layer object per model layer, of
+the policy `CacheConfig.mode` names. Policies: full.py, specache.py, kivi.py, window.py; each
+registers itself (registry.py). Shared below them: base.py (Step, masks, the layer protocol),
+sizes.py (formulas the planner uses too), quant.py / guide.py (the 1/2-bit guide), transfer.py
+(host store and prefetch), fused.py (the native CPU decode call)."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.kvcache import full, kivi, specache, window  # noqa: F401  (each registers its policy)
+from engine.kvcache.base import KVCache, ModelShape, Step
+from engine.kvcache.registry import POLICIES
+from engine.kvcache.transfer import Transfer
+
+__all__ = ["KVCache", "ModelShape", "Step", "POLICIES", "make_cache"]
+
+
+def make_cache(model_config, config: CacheConfig, batch: int, max_len: int,
+               dtype: torch.dtype, device: torch.device) -> KVCache:
+    """Build the cache of the configured policy: one layer object per model layer, one Transfer
+    (the prefetch worker and stream, on CUDA) shared by all of them and closed with the cache."""
+    shape = ModelShape.from_config(model_config)
+    layer_cls = POLICIES[config.mode]
+    transfer = Transfer(device)
+    layers = [layer_cls(shape, config, batch, max_len, dtype, device, transfer) for _ in range(shape.layers)]
+    return KVCache(layers, shape, config, batch, max_len, device, transfer)

@@ -1,0 +1,72 @@
+"""The full cache: every token's exact K/V on the device (the reference the other policies are measured against)."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.kvcache.base import (
+    ModelShape,
+    Step,
+    additive_mask,
+    causal_mask,
+    grouped_query,
+    import_tensors,
+    ungroup_output,
+    write_rows,
+)
+from engine.kvcache.registry import register
+from engine.kvcache.sizes import layer_kv_bytes_per_token
+from engine.kvcache.transfer import Transfer
+
+
+@register("full")
+class FullLayer:
+    """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
+
+    quantizes = False
+
+    def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device, transfer: Transfer):
+        self.shape = shape
+        self.k = torch.zeros(batch, shape.kv_heads, max_len, shape.head_dim, dtype=dtype, device=device)  # [B, H_kv, L, D]
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """Write the new tokens' K/V ([b, H_kv, T, D]) at their positions."""
+        write_rows(self.k, self.v, k, v, step)
+
+    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+        """Exact attention of q [b, H, T, D] over each row's past and new tokens -> [b, T, H, D]."""
+        length = max(step.starts) + step.n_new
+        keys = self.k[step.rows, :, :length]
+        values = self.v[step.rows, :, :length]
+        qg = grouped_query(q, self.shape.kv_heads)
+        mask = step.shared_value(("causal", self.shape.group, length, q.dtype),
+                                 lambda: additive_mask(causal_mask(step, self.shape.group, length), q.dtype))
+        out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
+        return ungroup_output(out, self.shape.heads, step.n_new)
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Make row dst hold row src's first `length` tokens (a shared document prefix)."""
+        self.k[dst, :, :length] = self.k[src, :, :length]
+        self.v[dst, :, :length] = self.v[src, :, :length]
+
+    def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
+        """Row `row`'s state after `length` tokens (views), for the document store."""
+        return {"k": self.k[row, :, :length], "v": self.v[row, :, :length]}
+
+    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
+        """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
+        import_tensors(self.export_row(row, length), tensors, check, strict=True)
+
+    def device_bytes(self, lengths: torch.Tensor) -> int:
+        return int(lengths.sum()) * layer_kv_bytes_per_token(self.shape, self.k.element_size())
+
+    def host_bytes(self, lengths: torch.Tensor) -> int:
+        return 0
+
+    def allocated_device_bytes(self) -> int:
+        return (self.k.numel() + self.v.numel()) * self.k.element_size() // self.k.shape[0]
+
+    def run_stats(self, layers: list) -> dict:
+        return {}

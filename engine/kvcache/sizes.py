@@ -1,0 +1,69 @@
+"""Sizing formulas of the caches, shared by the caches' own accounting (`device_bytes()`) and by the
+memory planner (engine/plan/planner.py), so that `specache plan` cannot disagree with the engine.
+
+`shape` is anything with `layers`, `kv_heads` and `head_dim` (engine.kvcache.base.ModelShape, or the
+planner's engine.plan.profiles.ModelProfile)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FETCH_BUFFERS = 1  # exact fetched sets per layer on the device (the next set is written after this one was read)
+
+
+def kv_elements_per_token(shape) -> int:
+    """K and V elements one token adds over all layers: 2 x layers x KV heads x head_dim."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim
+
+
+def kv_bytes_per_token(shape, element_bytes: int = 2) -> int:
+    """Bytes of exact K and V for one token over all layers."""
+    return kv_elements_per_token(shape) * element_bytes
+
+
+def layer_kv_bytes_per_token(shape, element_bytes: int) -> int:
+    """Bytes of exact K and V for one token of one layer."""
+    return 2 * shape.kv_heads * shape.head_dim * element_bytes
+
+
+def guide_bits_per_element(bits: int, group: int) -> float:
+    """Storage per element: `bits` of code plus fp16 scale and zero per `group`."""
+    return bits + 32 / group
+
+
+def guide_bytes(shape, tokens: int, bits: int, group: int, layers: int | None = None) -> int:
+    """Bytes of the quantized guide of `tokens` tokens over `layers` layers (default all): bit-packed
+    codes + fp16 scale and zero per group (keys in groups of g tokens, values in groups of
+    min(g, head_dim) channels; engine.kvcache.quant)."""
+    layers = shape.layers if layers is None else layers
+    key_bits = guide_bits_per_element(bits, group)
+    value_bits = guide_bits_per_element(bits, min(group, shape.head_dim))
+    return math.ceil(tokens * layers * shape.kv_heads * shape.head_dim * (key_bits + value_bits) / 8)
+
+
+def quant_boundary(length: torch.Tensor, residual: int, group: int) -> torch.Tensor:
+    """Positions below the returned value are quantized: whole groups that left the residual window."""
+    return ((length - residual).clamp(min=0) // group) * group
+
+
+def exact_tail_tokens(residual: int, group: int) -> int:
+    """Worst-case exact recent tokens: R, plus up to g - 1 more because keys are quantized a full group at a time."""
+    return residual + group - 1
+
+
+def residual_slots(residual: int, group: int, chunk: int) -> int:
+    """Exact residual slots a guided layer preallocates per row: the window, a group waiting, a prefill chunk."""
+    return residual + group + max(chunk, 2)
+
+
+def fetch_buffer_bytes(shape, k: int, element_bytes: int = 2, buffers: int = FETCH_BUFFERS) -> int:
+    """Device buffers for the fetched exact K/V: k positions x layers x KV heads x head_dim x (K, V)."""
+    return buffers * k * kv_bytes_per_token(shape, element_bytes)
+
+
+def window_tokens(shape, max_len: int, bits: int, group: int, k: int, residual: int, element_bytes: int) -> int:
+    """Recent-window size giving window mode the device bytes of specache at max_len tokens (per layer)."""
+    guide = max_len * 2 * shape.kv_heads * shape.head_dim * guide_bits_per_element(bits, group) / 8
+    per_token = layer_kv_bytes_per_token(shape, element_bytes)
+    return max(1, int((guide + k * per_token) / per_token) + residual)

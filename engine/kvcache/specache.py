@@ -1,0 +1,104 @@
+"""SpeCache (the design page): the guide plus, per layer and KV head, the exact K/V of the top-k
+positions, selected by the attention row of the speculative token (prefetch "speculative") or of the
+token itself (prefetch "current") and fetched from the exact host store."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.kvcache.base import ModelShape, Step
+from engine.kvcache.guided import GuidedLayer
+from engine.kvcache.registry import register
+from engine.kvcache.sizes import quant_boundary
+from engine.kvcache.transfer import Transfer
+
+
+@register("specache")
+class SpecacheLayer(GuidedLayer):
+    """Guide + sinks + residual window + the fetched set of k exact positions (k = config.k)."""
+
+    def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device, transfer: Transfer):
+        super().__init__(shape, config, batch, max_len, dtype, device, transfer, topk=config.k, use_guide=True,
+                         residual=config.residual, group=config.group)
+        self.hits = self.hit_total = 0  # prefetch hit counts (config.measure_hits)
+
+    def count_hits(self, qg, rscores, idx, step: Step, nq: int, scaling: float) -> None:
+        """Prefetch hit rate: the share of the output token's exact top-k guide positions (by exact
+        attention, summed over the query heads of each KV head) that had been fetched. Costs a full
+        attention over the exact store, so only when asked for."""
+        b, h, g, t = qg.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
+        rows = step.rows
+        k_exact = self.store.k[rows, :, :nq].to(qg.device)  # [b, H_kv, nq, D]
+        q0 = qg.view(b, h, g, t, -1)[:, :, :, 0]  # the output token's queries [b, H_kv, G, D]
+        exact = (q0 @ k_exact.transpose(-1, -2)).float() * scaling  # [b, H_kv, G, nq]
+        res0 = rscores.view(b, h, g, t, -1)[:, :, :, 0]
+        p = torch.softmax(torch.cat([exact, res0], dim=-1), dim=-1)[..., :nq].sum(dim=2)  # [b, H_kv, nq]
+        pos = torch.arange(nq, device=p.device)
+        p = p.masked_fill((pos[None, :] >= self.qend[rows][:, None])[:, None] | (pos < self.sinks), -1.0)
+        fetched = torch.zeros(b, h, nq + 1, dtype=torch.bool, device=p.device)
+        fetched.scatter_(-1, idx, True)
+        top_p, top = p.topk(min(self.topk, nq), dim=-1)
+        real = top_p >= 0
+        self.hits += int((fetched[..., :nq].gather(-1, top) & real).sum())
+        self.hit_total += int(real.sum())
+
+    def select_current(self, scores, rscores, step: Step, nq: int, qend) -> None:
+        """prefetch "current" (T = 1): the top-k positions of this pass's own attention with guide
+        scores (sinks and residual exact), summed over the query heads of each KV head, become its
+        fetched set before it attends."""
+        if nq <= self.sinks:
+            self.fvalid[step.rows] = False
+            return
+        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)
+        self.fetch_top(probs[..., :nq].sum(dim=2), qend, step.rows)  # [b, H_kv, nq]
+
+    def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
+        """Top-k positions of the selecting token (summed over its KV head's query heads), among those
+        that will be in the guide at the next step; start fetching their exact K/V."""
+        b, h, g, t = probs.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
+        rows = step.rows
+        p = probs.view(b, h, g, t, -1)
+        p = p.sum(dim=(2, 3)) if self.config.select_both else p[:, :, :, step.select].sum(dim=2)  # [b, H_kv, cols]
+        next_len = step.start + step.keep
+        next_q = quant_boundary(next_len, self.residual, self.group)  # [b]
+        span = int(next_q.max())
+        if span <= self.sinks:
+            self.fvalid[rows] = False
+            return
+        if bool((next_q > qend).any()):  # a group leaves the residual window: its positions become candidates
+            cand = torch.full((b, h, span + n_res), -1.0, device=p.device)  # absolute positions (+ spill)
+            cand[..., : min(nq, span)] = p[..., : min(nq, span)]
+            cand.scatter_(-1, rpos[:, None, :].expand(-1, h, -1), p[..., nq + 1 :])
+        else:  # the usual step: the candidates are the guide region itself
+            cand = p[..., :span]
+        self.fetch_top(cand, next_q, rows)
+
+    def fetch_top(self, cand: torch.Tensor, bound: torch.Tensor, rows: slice) -> None:
+        """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0) become the rows'
+        fetched set; start fetching their exact K/V."""
+        b, h = cand.shape[:2]
+        pos = torch.arange(cand.shape[-1], device=cand.device)
+        out_of_guide = (pos[None, :] >= bound[:, None]) | (pos[None, :] < self.sinks)  # [b, L]
+        cand = cand.masked_fill(out_of_guide[:, None, :], -1.0)
+        n = min(self.topk, cand.shape[-1])
+        top, idx = cand.topk(n, dim=-1, sorted=False)  # [b, H_kv, n]
+        valid = top >= 0
+        idx = idx.masked_fill(~valid, 0)  # unused slots fetch position 0 (ignored)
+        if n < self.topk:  # pad to the buffer's k so the fetch always fills whole rows
+            pad = self.topk - n
+            idx = torch.cat([idx, idx.new_zeros(b, h, pad)], dim=-1)
+            valid = torch.cat([valid, valid.new_zeros(b, h, pad)], dim=-1)
+        self.fidx[rows] = idx
+        self.fvalid[rows] = valid
+        self.store.prefetch(rows, idx)
+
+    def run_stats(self, layers: list["SpecacheLayer"]) -> dict:
+        """Settings, the prefetch mode and (with config.measure_hits) the measured hit rate."""
+        stats = super().run_stats(layers)
+        if self.topk:
+            stats["prefetch"] = self.config.prefetch
+        if self.config.measure_hits:
+            hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
+            stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
+        return stats

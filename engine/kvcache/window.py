@@ -1,0 +1,22 @@
+"""StreamingLLM-style window: the first S tokens (sinks) and the newest W tokens exact, nothing else.
+W defaults to what gives the device bytes of specache at the planned length (a fair comparison)."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.kvcache.base import ModelShape
+from engine.kvcache.guided import GuidedLayer
+from engine.kvcache.registry import register
+from engine.kvcache.sizes import window_tokens
+from engine.kvcache.transfer import Transfer
+
+
+@register("window")
+class WindowLayer(GuidedLayer):
+    def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device, transfer: Transfer):
+        window = config.window or window_tokens(shape, max_len, config.bits, config.group, config.k, config.residual,
+                                                torch.finfo(dtype).bits // 8)
+        super().__init__(shape, config, batch, max_len, dtype, device, transfer, topk=0, use_guide=False,
+                         residual=window, group=1)
