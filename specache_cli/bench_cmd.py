@@ -16,14 +16,29 @@ from engine.bench.common import (
     BenchResult,
     default_doc,
     fmt,
+    load_texts,
     parse_floats,
     parse_ints,
     parse_mode,
     parse_modes,
     write_atomic,
 )
+from engine.bench.decode import run_decode
+from engine.bench.fidelity import run_fidelity
+from engine.bench.heatmap import needle_heatmap
+from engine.bench.needle import run_needle
+from engine.bench.report import (
+    decode_markdown,
+    fidelity_markdown,
+    needle_markdown,
+    speed_markdown,
+)
+from engine.bench.speed import run_speed
+from engine.bench.store import run_store_bench
 from engine.config import PREFETCH
 from engine.errors import BadArgument
+from engine.inputs.documents import load_document
+from engine.model.loading import load_model
 from engine.plan.profiles import loaded_model_profile, model_defaults
 from specache_cli.console import err_console, guarded
 from specache_cli.render import emit_json
@@ -54,8 +69,6 @@ DOCS_HELP = "Document(s) to build prompts from (PDF, .txt, .md); repeat for seve
 def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optional[int]):
     import torch
 
-    from engine.model.loading import load_model
-
     if threads is not None:
         if threads < 1:
             raise BadArgument("--threads must be >= 1")
@@ -79,7 +92,6 @@ def _with_model_defaults(specs: list, lm) -> list:
 
 
 def _texts(docs: list[str], default: str):
-    from engine.bench.common import load_texts
 
     return load_texts(docs or [default_doc(default)])
 
@@ -132,9 +144,6 @@ def needle_cmd(
     seed: int = typer.Option(0, help="Seed of the pass keys."),
 ) -> None:
     """Pass-key retrieval over context lengths x needle depths, per cache mode; writes a heatmap PNG."""
-    from engine.bench.heatmap import needle_heatmap
-    from engine.bench.needle import run_needle
-    from engine.bench.report import needle_markdown
 
     specs = parse_modes(modes)
     depth_list = parse_floats(depths, "--depths") if depths else ([0.25, 0.75] if quick else [0.1, 0.5, 0.9])
@@ -187,8 +196,6 @@ def fidelity_cmd(
     context: Optional[int] = typer.Option(None, "--context", help="Most prompt tokens (default: what the window allows; quick 600)."),
 ) -> None:
     """Teacher-forced and free-running agreement with the full cache, and the guide's selection quality."""
-    from engine.bench.fidelity import run_fidelity
-    from engine.bench.report import fidelity_markdown
 
     specs = parse_modes(modes or (FIDELITY_QUICK_MODES if quick else FIDELITY_MODES))
     n_tokens = tokens if tokens is not None else (16 if quick else 64)
@@ -238,8 +245,6 @@ def speed_cmd(
     isolate: bool = typer.Option(True, "--isolate/--in-process", help="Run each mode in a child process (honest peak RSS)."),
 ) -> None:
     """Prefill tokens/s, decode ms/token and peak RSS per mode, next to transformers' generate."""
-    from engine.bench.report import speed_markdown
-    from engine.bench.speed import run_speed
 
     specs = parse_modes(modes or (SPEED_QUICK_MODES if quick else SPEED_MODES), allow_hf=True)
     batch_list = parse_ints(batches, "--batches") if batches else ([1, 2] if quick else [1, 4])
@@ -289,8 +294,6 @@ def decode_cmd(
     repeats: Optional[int] = typer.Option(None, help="Rounds of turns; the median is reported (default 6; quick 2)."),
 ) -> None:
     """Decode ms/step of the modes taking turns in one process: robust ratios on a shared machine."""
-    from engine.bench.decode import run_decode
-    from engine.bench.report import decode_markdown
 
     specs = parse_modes(modes or (DECODE_QUICK_MODES if quick else DECODE_MODES), allow_hf=True)
     batch_list = parse_ints(batches, "--batches") if batches else ([1, 2] if quick else [1, 4])
@@ -341,8 +344,6 @@ def store_cmd(
     max_tokens: int = typer.Option(8, "--max-tokens", help="Answer tokens per ask."),
 ) -> None:
     """Time to first token of an ask on a stored document against a cold one; on-disk bytes per token."""
-    from engine.bench.store import run_store_bench
-    from engine.inputs.documents import load_document
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if not mode_list or any(m not in ("full", "specache", "kivi", "window") for m in mode_list):

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from engine.docstore.store import KVStore, max_bytes_from
 from engine.errors import BadArgument, InputNotFound
 from specache_cli.console import guarded
 from specache_cli.render import emit_json
@@ -22,7 +23,6 @@ CAP = typer.Option(None, "--cache-max-gb", help="The size cap to show (default: 
 
 
 def _store(cache_max_gb: Optional[float] = None):
-    from engine.docstore.store import KVStore, max_bytes_from
 
     try:
         return KVStore(max_bytes=max_bytes_from(cache_max_gb))

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from engine.config import CacheConfig, GenerationConfig
+from engine.docstore.store import KVStore, max_bytes_from
 from engine.errors import (
     BadArgument,
     BatchFailures,
@@ -17,12 +18,19 @@ from engine.errors import (
     InputNotFound,
     SpecacheError,
 )
+from engine.inputs.documents import load_document
 from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, summarize_many
+from engine.model.loading import load_model
 from engine.plan.profiles import model_defaults
 from specache_cli.console import err_console, guarded
+from specache_cli.options import (
+    CacheOptions,
+    GenerationOptions,
+    ModelOptions,
+    OutputOptions,
+    grouped,
+)
 from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
-
-DEFAULT_CACHE = "specache"
 
 
 def parse_batch(batch: str) -> int | None:
@@ -38,22 +46,19 @@ class Session:
     """Flags validated up front; the model loaded on first use (so bad flags and unreadable
     documents are reported before any model load)."""
 
-    def __init__(self, model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                 temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store=False, cache_max_gb=None,
-                 prefetch=None):
-        if strategy not in STRATEGIES:
-            raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
-        self.overrides = dict(bits=bits, group=group, k=k, residual=residual, sinks=sinks, chunk_size=chunk_size,
-                              measure_hits=hit_rate or None, prefetch=prefetch)
-        CacheConfig(mode=cache).with_overrides(**self.overrides)  # validate now
-        self.mode, self.model, self.device, self.dtype = cache, model, device, dtype
-        self.gen = GenerationConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        self.strategy, self.batch, self.quiet = strategy, parse_batch(batch), quiet
-        self.no_store = no_store
-        from engine.docstore.store import max_bytes_from
-
+    def __init__(self, model: ModelOptions, cache: CacheOptions, gen: GenerationOptions, quiet: bool):
+        if gen.strategy not in STRATEGIES:
+            raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {gen.strategy!r}")
+        self.overrides = dict(bits=cache.bits, group=cache.group, k=cache.k, residual=cache.residual,
+                              sinks=cache.sinks, chunk_size=cache.chunk_size, measure_hits=cache.hit_rate or None,
+                              prefetch=cache.prefetch)
+        CacheConfig(mode=cache.cache).with_overrides(**self.overrides)  # validate now
+        self.model_opts, self.cache_opts, self.quiet = model, cache, quiet
+        self.gen = GenerationConfig(max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                                    seed=gen.seed)
+        self.strategy, self.batch = gen.strategy, parse_batch(gen.batch)
         try:
-            self.store_max_bytes = max_bytes_from(cache_max_gb)
+            self.store_max_bytes = max_bytes_from(cache.cache_max_gb)
         except ValueError as exc:
             raise BadArgument(f"--cache-max-gb: {exc}") from None
         self._runner: Runner | None = None
@@ -65,29 +70,24 @@ class Session:
     @property
     def runner(self) -> Runner:
         if self._runner is None:
-            from engine.model.loading import load_model
-
-            lm = load_model(self.model, device=self.device, dtype=self.dtype, on_status=self.status)
+            m = self.model_opts
+            lm = load_model(m.model, device=m.device, dtype=m.dtype, on_status=self.status)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
             defaults = model_defaults(lm, self.overrides.get("prefetch"))
-            cache = CacheConfig(mode=self.mode, **defaults).with_overrides(**self.overrides)
+            cache = CacheConfig(mode=self.cache_opts.cache, **defaults).with_overrides(**self.overrides)
             self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
         return self._runner
 
-    def store(self):
+    def store(self) -> KVStore | None:
         """The persistent document store, unless --no-store."""
-        if self.no_store:
+        if self.cache_opts.no_store:
             return None
-        from engine.docstore.store import KVStore
-
         warn = lambda m: err_console.print(f"[yellow]warning:[/] {m}", highlight=False, soft_wrap=True)  # noqa: E731
         return KVStore(max_bytes=self.store_max_bytes, warn=warn, note=self.status)
 
 
 def read_document(source: str, password: Optional[str], quiet: bool):
     """Read one document, with a page progress bar for PDFs."""
-    from engine.inputs.documents import load_document
-
     with progress_bar(quiet) as bar:
         task = bar.add_task(f"reading {Path(source).name}", total=None)
         return load_document(source, password=password, stdin=sys.stdin,
@@ -106,33 +106,6 @@ def output(results, structured: bool, jsonl: bool, quiet: bool, header: bool) ->
             print_timings(result)
 
 
-MODEL = typer.Option(None, "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
-DEVICE = typer.Option("auto", help="auto, cpu or cuda.")
-DTYPE = typer.Option("auto", help="auto (fp32 on CPU, fp16 on GPU), float32, float16 or bfloat16.")
-CACHE = typer.Option(DEFAULT_CACHE, "--cache", help="KV cache mode: full, specache, kivi or window.")
-BITS = typer.Option(None, help="Guide code width, 1 or 2 (default: the model profile's).")
-GROUP = typer.Option(None, help="Quantization group size, 32 or 64 (default: the model profile's).")
-K = typer.Option(None, "--k", help="Exact positions fetched per layer and KV head each step (default: the model profile's).")
-RESIDUAL = typer.Option(None, help="Newest tokens kept exact on the device (default 64).")
-SINKS = typer.Option(None, help="First tokens kept exact on the device (default 4).")
-CHUNK = typer.Option(None, "--chunk-size", help="Prefill chunk size in tokens (default 512).")
-PREFETCH = typer.Option(None, "--prefetch", help="specache: speculative (two tokens per step, the next step's exact "
-                        "K/V fetched while this one computes; default on a GPU) or current (one token per step "
-                        "fetches its own; default on a CPU, where there is no transfer to hide).")
-BATCH = typer.Option("auto", "--batch", help="Sequences decoded together: auto (memory planner) or a number.")
-MAX_TOKENS = typer.Option(256, "--max-tokens", help="Most tokens to generate per answer.")
-TEMPERATURE = typer.Option(0.0, help="0 is greedy.")
-TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling mass.")
-SEED = typer.Option(0, help="Sampling seed: the same seed gives the same output.")
-STRATEGY = typer.Option("auto", help="auto, single or map-reduce (for documents longer than the window).")
-JSON = typer.Option(False, "--json", help="Print one JSON object per result on stdout.")
-JSONL = typer.Option(False, "--jsonl", help="Print one JSON object per line (for batch jobs).")
-PASSWORD = typer.Option(None, help="Password of encrypted PDFs.")
-HIT_RATE = typer.Option(False, "--hit-rate", help="specache: measure the prefetch hit rate (costs a full attention per step).")
-QUIET = typer.Option(False, "--quiet", help="No progress or timings on stderr.")
-NO_STORE = typer.Option(False, "--no-store", help="Neither load nor save the document's KV in the persistent store.")
-CACHE_MAX_GB = typer.Option(None, "--cache-max-gb", help="Size cap of the document store in GB; least recently used "
-                            "entries are evicted (default: $SPECACHE_CACHE_MAX_GB, else 20).")
 RESUME = typer.Option(None, "--resume", help="The --jsonl output of an earlier run: skip the files it already has "
                       "a successful line for.")
 
@@ -186,18 +159,12 @@ def read_questions(path: str) -> list[str]:
 
 def summarize_cmd(
     files: list[str] = typer.Argument(..., help="PDF, .txt or .md files; - reads stdin."),
-    model: Optional[str] = MODEL, device: str = DEVICE, dtype: str = DTYPE, cache: str = CACHE,
-    bits: Optional[int] = BITS, group: Optional[int] = GROUP, k: Optional[int] = K,
-    residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
-    prefetch: Optional[str] = PREFETCH, batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
-    seed: int = SEED, strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL,
-    password: Optional[str] = PASSWORD, quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
-    no_store: bool = NO_STORE, cache_max_gb: Optional[float] = CACHE_MAX_GB, resume: Optional[str] = RESUME,
+    model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
+    resume: Optional[str] = RESUME,
 ) -> None:
     """Summarize each document (several documents are decoded together in batches)."""
-    session = Session(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                      temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store, cache_max_gb, prefetch)
-    structured = json_out or jsonl
+    session = Session(model, cache, gen, out.quiet)
+    quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     many = len(files) > 1
     if resume is not None:
         if not jsonl:
@@ -211,7 +178,7 @@ def summarize_cmd(
     docs, errors = [], {}
     for i, source in enumerate(files):
         try:
-            doc = read_document(source, password, quiet)
+            doc = read_document(source, out.password, quiet)
             if not doc.text.strip():  # checked here so the file gets its own error line in a batch
                 raise EmptyDocument(f"{source}: the document is empty")
             docs.append((i, doc))
@@ -245,13 +212,7 @@ def ask_cmd(
     questions: list[str] = typer.Option([], "--question", "-q", help="More questions; repeat for several."),
     questions_file: Optional[str] = typer.Option(None, "--questions", help="A file with one question per line "
                                                  "(all answered as decode batches sharing one prefill)."),
-    model: Optional[str] = MODEL, device: str = DEVICE, dtype: str = DTYPE, cache: str = CACHE,
-    bits: Optional[int] = BITS, group: Optional[int] = GROUP, k: Optional[int] = K,
-    residual: Optional[int] = RESIDUAL, sinks: Optional[int] = SINKS, chunk_size: Optional[int] = CHUNK,
-    prefetch: Optional[str] = PREFETCH, batch: str = BATCH, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE, top_p: float = TOP_P,
-    seed: int = SEED, strategy: str = STRATEGY, json_out: bool = JSON, jsonl: bool = JSONL,
-    password: Optional[str] = PASSWORD, quiet: bool = QUIET, hit_rate: bool = HIT_RATE,
-    no_store: bool = NO_STORE, cache_max_gb: Optional[float] = CACHE_MAX_GB,
+    model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
 ) -> None:
     """Answer questions about a document or a corpus of documents (several questions share one prefill)."""
     asked = ([question] if question else []) + list(questions)
@@ -261,17 +222,16 @@ def ask_cmd(
         raise BadArgument("ask needs a question: specache ask --doc FILE \"question\"")
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
-    session = Session(model, device, dtype, cache, bits, group, k, residual, sinks, chunk_size, max_tokens,
-                      temperature, top_p, seed, strategy, batch, quiet, hit_rate, no_store, cache_max_gb, prefetch)
-    docs = [read_document(source, password, quiet) for source in doc]
+    session = Session(model, cache, gen, out.quiet)
+    quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
+    docs = [read_document(source, out.password, quiet) for source in doc]
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)
     source = ", ".join(d.source for d in docs)
-    structured = json_out or jsonl
     stream = len(asked) == 1 and not structured
     results = render_jobs(ask_many(session.runner, text, source, asked, stream=stream), quiet, stream)
     output(results, structured, jsonl, quiet, header=not stream)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("summarize")(guarded(summarize_cmd))
-    app.command("ask")(guarded(ask_cmd))
+    app.command("summarize")(guarded(grouped(summarize_cmd)))
+    app.command("ask")(guarded(grouped(ask_cmd)))

@@ -1,0 +1,115 @@
+"""The flags of `summarize` and `ask`, grouped in a few dataclasses (model, cache, generation, output).
+
+A command declares one parameter per group (`model: ModelOptions`); `@grouped` shows Typer the
+groups' fields as ordinary options and hands the command the filled dataclasses."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Optional, get_type_hints
+
+import typer
+
+
+@dataclass
+class ModelOptions:
+    PANEL: ClassVar[str] = "Model"  # the heading of these options in --help
+
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")] = None
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto"
+    dtype: Annotated[str, typer.Option(
+        help="auto (fp32 on CPU, fp16 on GPU), float32, float16 or bfloat16.")] = "auto"
+
+
+@dataclass
+class CacheOptions:
+    PANEL: ClassVar[str] = "KV cache"  # the heading of these options in --help
+
+    cache: Annotated[str, typer.Option("--cache", help="KV cache mode: full, specache, kivi or window.")] = "specache"
+    bits: Annotated[Optional[int], typer.Option(help="Guide code width, 1 or 2 (default: the model profile's).")] = None
+    group: Annotated[Optional[int], typer.Option(
+        help="Quantization group size, 32 or 64 (default: the model profile's).")] = None
+    k: Annotated[Optional[int], typer.Option(
+        "--k", help="Exact positions fetched per layer and KV head each step (default: the model profile's).")] = None
+    residual: Annotated[Optional[int], typer.Option(help="Newest tokens kept exact on the device (default 64).")] = None
+    sinks: Annotated[Optional[int], typer.Option(help="First tokens kept exact on the device (default 4).")] = None
+    chunk_size: Annotated[Optional[int], typer.Option(
+        "--chunk-size", help="Prefill chunk size in tokens (default 512).")] = None
+    prefetch: Annotated[Optional[str], typer.Option(
+        "--prefetch", help="specache: speculative (two tokens per step, the next step's exact K/V fetched while "
+        "this one computes; default on a GPU) or current (one token per step fetches its own; default on a CPU, "
+        "where there is no transfer to hide).")] = None
+    hit_rate: Annotated[bool, typer.Option(
+        "--hit-rate", help="specache: measure the prefetch hit rate (costs a full attention per step).")] = False
+    no_store: Annotated[bool, typer.Option(
+        "--no-store", help="Neither load nor save the document's KV in the persistent store.")] = False
+    cache_max_gb: Annotated[Optional[float], typer.Option(
+        "--cache-max-gb", help="Size cap of the document store in GB; least recently used entries are evicted "
+        "(default: $SPECACHE_CACHE_MAX_GB, else 20).")] = None
+
+
+@dataclass
+class GenerationOptions:
+    PANEL: ClassVar[str] = "Generation"  # the heading of these options in --help
+
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate per answer.")] = 256
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0
+    seed: Annotated[int, typer.Option(help="Sampling seed: the same seed gives the same output.")] = 0
+    strategy: Annotated[str, typer.Option(
+        help="auto, single or map-reduce (for documents longer than the window).")] = "auto"
+    batch: Annotated[str, typer.Option(
+        "--batch", help="Sequences decoded together: auto (memory planner) or a number.")] = "auto"
+
+
+@dataclass
+class OutputOptions:
+    PANEL: ClassVar[str] = "Output"  # the heading of these options in --help
+
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per result on stdout.")] = False
+    jsonl: Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per line (for batch jobs).")] = False
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress or timings on stderr.")] = False
+    password: Annotated[Optional[str], typer.Option(help="Password of encrypted PDFs.")] = None
+
+    @property
+    def structured(self) -> bool:
+        return self.json_out or self.jsonl
+
+
+GROUPS = (ModelOptions, CacheOptions, GenerationOptions, OutputOptions)
+
+
+def grouped(fn):
+    """Flatten the command's option-group parameters into Typer options; rebuild the groups on call."""
+    hints = get_type_hints(fn, include_extras=True)
+    params, groups, annotations = [], {}, {}
+    for name, param in inspect.signature(fn).parameters.items():
+        cls = hints.get(name)
+        if cls in GROUPS:
+            groups[name] = cls
+            field_hints = get_type_hints(cls, include_extras=True)
+            for f in dataclasses.fields(cls):
+                for info in getattr(field_hints[f.name], "__metadata__", ()):
+                    info.rich_help_panel = cls.PANEL
+                params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                                annotation=field_hints[f.name]))
+                annotations[f.name] = field_hints[f.name]
+        else:
+            params.append(param.replace(annotation=hints.get(name, param.annotation)))
+            annotations[name] = hints.get(name, param.annotation)
+    names = [p.name for p in params]
+    if len(names) != len(set(names)):
+        raise TypeError(f"{fn.__name__}: an option name is used twice")
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        for name, cls in groups.items():
+            kwargs[name] = cls(**{f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls)})
+        return fn(**kwargs)
+
+    wrapper.__signature__ = inspect.Signature(sorted(params, key=lambda p: p.kind))
+    wrapper.__annotations__ = annotations
+    return wrapper
