@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine.kvcache.fused  # noqa: E402
 from engine import native  # noqa: E402
 from engine.config import CacheConfig, GenerationConfig  # noqa: E402
-from engine.generate.engine import generate  # noqa: E402
+from engine.generate.engine import Engine  # noqa: E402
 from engine.model.loading import prepare_model  # noqa: E402
 
 
@@ -76,7 +76,7 @@ def main() -> None:
         for name, lib in libs.items():
             native._lib = lib
             times.clear()
-            for _event in generate(model, prompts, config, GenerationConfig(max_tokens=args.steps)):
+            for _event in Engine(model, config).generate(prompts, GenerationConfig(max_tokens=args.steps)):
                 pass
             results[name].append(statistics.median(times) * 1e6)
     print(f"fused decode attention, {args.prefetch} k {args.k}, batch {args.batch}, {args.length} tokens, "

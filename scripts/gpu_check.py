@@ -74,22 +74,22 @@ def random_model(config, device):
 def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
     """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps."""
     from engine.config import CacheConfig
-    from engine.generate.engine import decoder_for, prefill
-    from engine.kvcache import make_cache
+    from engine.generate.engine import Engine
     from engine.kvcache.transfer import overlap_share
 
     config = CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
-    cache = make_cache(model.config, config, batch, context + steps + 4, torch.float16, torch.device("cuda"))
+    engine = Engine(model, config)
+    cache = engine.new_cache(batch, context + steps + 4)
     gen = torch.Generator(device="cpu").manual_seed(0)
     t0 = time.perf_counter()
     last = []
     for row in range(batch):
         ids = torch.randint(10, model.config.vocab_size, (context,), generator=gen).tolist()
-        *_, logits = prefill(model, cache, ids, row, chunk)
+        *_, logits = engine.prefill(cache, ids, row)
         last.append(logits)
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    steps_it = decoder_for(config)(model, cache, torch.stack(last), lambda logits: logits.argmax(-1))
+    steps_it = engine.steps(cache, torch.stack(last), lambda logits: logits.argmax(-1))
     for _ in range(3):  # T1, pre-decoding and one steady step: warm-up
         next(steps_it)
     torch.cuda.synchronize()
@@ -100,6 +100,8 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
     end.record()
     torch.cuda.synchronize()
     step_ms = start.elapsed_time(end) / steps
+    steps_it.close()
+    cache.close()
     stores = [layer.store for layer in cache.layers if getattr(layer, "store", None) is not None]
     per_step = 0
     if mode == "specache":

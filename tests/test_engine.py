@@ -10,7 +10,8 @@ import torch
 from transformers import AttentionInterface
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.generate.engine import Finished, forward, generate, prefill
+from engine.generate.engine import Engine, Finished
+from engine.generate.steps import forward, prefill
 from engine.kvcache import make_cache, quant
 from engine.kvcache.sizes import quant_boundary
 
@@ -35,7 +36,7 @@ def dynamic_cache_greedy(model, prompt, n=NEW):
 
 
 def run(model, prompts, config, gen=GenerationConfig(max_tokens=NEW)):
-    return next(e for e in generate(model, prompts, config, gen) if isinstance(e, Finished))
+    return next(e for e in Engine(model, config).generate(prompts, gen) if isinstance(e, Finished))
 
 
 @pytest.fixture(scope="module")
@@ -209,12 +210,10 @@ def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks):
 
 
 def test_teacher_forced_full_and_exact_specache_agree(tiny_model, reference):
-    from engine.generate.engine import teacher_forced
-
     ps, refs = reference
-    full = torch.stack(list(teacher_forced(tiny_model, ps[0], refs[0], CacheConfig(mode="full"))))
-    spec = torch.stack(list(teacher_forced(tiny_model, ps[0], refs[0], CacheConfig(mode="specache", k=4096,
-                                                                                   group=32, residual=16))))
+    full = torch.stack(list(Engine(tiny_model, CacheConfig(mode="full")).teacher_forced(ps[0], refs[0])))
+    spec = torch.stack(list(Engine(tiny_model, CacheConfig(mode="specache", k=4096,
+                                                                                   group=32, residual=16)).teacher_forced(ps[0], refs[0])))
     assert full.shape == (len(refs[0]), tiny_model.config.vocab_size)
     assert full.argmax(-1).tolist() == refs[0]  # greedy reference: forced tokens are the argmax
     torch.testing.assert_close(spec, full, rtol=1e-3, atol=1e-3)
@@ -239,14 +238,14 @@ def test_shared_prefix_batch_equals_separate_runs(tiny_model, mode):
     prompts = [doc + q for q in questions]
     config = CacheConfig(mode=mode, k=16, group=32, residual=16, chunk_size=64)
     gen = GenerationConfig(max_tokens=16)
-    shared = next(e for e in generate(tiny_model, prompts, config, gen, shared_prefix=len(doc))
+    shared = next(e for e in Engine(tiny_model, config).generate(prompts, gen, shared_prefix=len(doc))
                   if isinstance(e, Finished))
     separate = [run(tiny_model, [p], config, gen).tokens[0] for p in prompts]
     assert shared.tokens == separate
 
 
 def test_resync_after_a_missed_speculation_uses_prompt_lookup():
-    from engine.generate.engine import _follow_table, _resync
+    from engine.generate.steps import _follow_table, _resync
 
     prompt = [10, 11, 12, 10, 13]
     assert _follow_table(prompt) == {10: 13, 11: 12, 12: 10}  # the latest occurrence wins
@@ -277,7 +276,7 @@ def test_current_prefetch_keeps_the_limits_and_steps_one_token_at_a_time(tiny_mo
     """prefetch "current": each pass picks its own fetched set, then attends. k >= context: the
     output equals DynamicCache's; k small: not exact, but batched equals single and it differs
     from the speculative decoder's output only through which positions were fetched."""
-    import engine.generate.engine as decode
+    import engine.generate.steps as decode
 
     ps, refs = reference
     exact = CacheConfig(mode="specache", k=4096, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current")
@@ -296,7 +295,6 @@ def test_current_prefetch_keeps_the_limits_and_steps_one_token_at_a_time(tiny_mo
 def test_current_prefetch_selects_the_guides_top_k(tiny_model):
     """After a pass with prefetch "current", the fetched set of each KV head is the top-k of that
     pass's own guide attention over [sinks, qend) (checked against a plain recomputation)."""
-    from engine.generate.engine import forward
     from engine.kvcache.specache import SpecacheLayer as GuidedLayer
 
     config = CacheConfig(mode="specache", k=8, group=32, residual=16, sinks=2, chunk_size=64, prefetch="current")

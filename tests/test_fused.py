@@ -9,7 +9,7 @@ import engine.kvcache.fused
 import engine.kvcache.guided
 from engine import native
 from engine.config import CacheConfig, GenerationConfig
-from engine.generate.engine import Finished, generate, teacher_forced
+from engine.generate.engine import Engine, Finished
 from engine.kvcache import make_cache
 from engine.model.linears import SkinnyLinear, native_linear
 
@@ -84,10 +84,10 @@ def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     (prompt,) = prompts_of((300,))
     forced = prompts_of((40,), seed=9)[0]  # forced tokens cross quantization boundaries as they go
     calls = counting_fused(monkeypatch)
-    fused = torch.stack(list(teacher_forced(tiny_model, prompt, forced, config)))
+    fused = torch.stack(list(Engine(tiny_model, config).teacher_forced(prompt, forced)))
     assert calls[0] > 0, "the fused path did not run"
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
-    plain = torch.stack(list(teacher_forced(tiny_model, prompt, forced, config)))
+    plain = torch.stack(list(Engine(tiny_model, config).teacher_forced(prompt, forced)))
     assert fused.shape == (len(forced), tiny_model.config.vocab_size)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
 
@@ -97,9 +97,9 @@ def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
 def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypatch, config):
     prompts = prompts_of((150, 97, 260))
     gen = GenerationConfig(max_tokens=24)
-    fused = next(e for e in generate(tiny_model, prompts, config, gen) if isinstance(e, Finished))
+    fused = next(e for e in Engine(tiny_model, config).generate(prompts, gen) if isinstance(e, Finished))
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
-    plain = next(e for e in generate(tiny_model, prompts, config, gen) if isinstance(e, Finished))
+    plain = next(e for e in Engine(tiny_model, config).generate(prompts, gen) if isinstance(e, Finished))
     assert fused.tokens == plain.tokens
 
 
@@ -113,7 +113,7 @@ def test_fused_results_do_not_depend_on_the_thread_count(tiny_model, monkeypatch
     runs = {}
     for threads in (1, 2, 3):
         monkeypatch.setattr(native, "_threads", threads)
-        runs[threads] = torch.stack(list(teacher_forced(tiny_model, prompt, forced, config)))
+        runs[threads] = torch.stack(list(Engine(tiny_model, config).teacher_forced(prompt, forced)))
     assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3])
 
 
@@ -124,7 +124,7 @@ def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, 
     hold the host store's exact K/V at its position, and the positions must be distinct. With
     prefetch current it reads the selected rows from the store itself (nothing to copy on a
     CPU): the selection must still be k distinct positions of the guide region."""
-    from engine.generate.engine import decoder_for, prefill
+    from engine.generate.steps import decoder_for, prefill
 
     (prompt,) = prompts_of((280,))
     cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.generate.engine import Finished, generate
+from engine.generate.engine import Engine, Finished
 from engine.inputs.documents import load_document
 from engine.inputs.prompts import SUMMARIZE, build_prompt
 from engine.jobs.pipeline import Result, Runner, ask
@@ -74,7 +74,7 @@ def test_specache_with_k_at_least_context_equals_dynamic_cache_on_real_text(lm, 
         model.set_attn_implementation("specache")
     ref = ref[0, len(prompt):].tolist()
     config = CacheConfig(mode="specache", k=8192, bits=2, group=64, chunk_size=256)
-    fin = next(e for e in generate(model, [prompt], config, GenerationConfig(max_tokens=24))
+    fin = next(e for e in Engine(model, config).generate([prompt], GenerationConfig(max_tokens=24))
                if isinstance(e, Finished))
     assert fin.tokens[0] == ref
 

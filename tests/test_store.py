@@ -20,13 +20,8 @@ from typer.testing import CliRunner
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore import store as S
 from engine.docstore.store import KVStore, make_key
-from engine.generate.engine import (
-    Finished,
-    Progress,
-    StoreUse,
-    generate,
-    store_settings,
-)
+from engine.generate.engine import Engine, Finished, Progress
+from engine.generate.prefixes import StoreUse, store_settings
 from engine.kvcache import make_cache
 
 ROOT = Path(__file__).parent.parent
@@ -281,26 +276,27 @@ def test_hit_gives_the_same_greedy_output_as_a_miss(tiny_model, tmp_path, mode):
     doc, questions = prompt_ids(300, 5), [prompt_ids(n, 6 + n) for n in (9, 14)]
     config = CacheConfig(mode=mode, k=16, group=32, residual=16, chunk_size=64)
     gen = GenerationConfig(max_tokens=16)
-    use = StoreUse(KVStore(tmp_path / "kv"), "tiny", labels=["doc"])
-    plain, _ = finish(list(generate(tiny_model, [doc + questions[0]], config, gen, prefixes=[300])))
-    miss, total_miss = finish(list(generate(tiny_model, [doc + questions[0]], config, gen, prefixes=[300], store=use)))
-    hit, total_hit = finish(list(generate(tiny_model, [doc + questions[0]], config, gen, prefixes=[300], store=use)))
+    use = StoreUse(KVStore(tmp_path / "kv"), "tiny")
+    plain, _ = finish(list(Engine(tiny_model, config).generate([doc + questions[0]], gen, prefixes=[300])))
+    miss, total_miss = finish(list(Engine(tiny_model, config, use).generate([doc + questions[0]], gen, prefixes=[300],
+                                                                         labels=["doc"])))
+    hit, total_hit = finish(list(Engine(tiny_model, config, use).generate([doc + questions[0]], gen, prefixes=[300])))
     assert miss.store[0]["hit"] is False and hit.store[0]["hit"] is True
     assert hit.store[0]["key"] == miss.store[0]["key"] and hit.store[0]["bytes"] > 0
     assert total_miss == 309 and total_hit == 9  # the document is not prefilled again
     assert plain.tokens == miss.tokens == hit.tokens
     assert hit.cache_stats == miss.cache_stats
     # several questions sharing the document: also served by the stored prefix, equal to one by one
-    both, total = finish(list(generate(tiny_model, [doc + q for q in questions], config, gen, shared_prefix=300,
-                                       store=use)))
+    both, total = finish(list(Engine(tiny_model, config, use).generate([doc + q for q in questions], gen,
+                                                                    shared_prefix=300)))
     assert total == 9 + 14 and all(info["hit"] for info in both.store)
-    alone = [finish(list(generate(tiny_model, [doc + q], config, gen, prefixes=[300])))[0].tokens[0]
+    alone = [finish(list(Engine(tiny_model, config).generate([doc + q], gen, prefixes=[300])))[0].tokens[0]
              for q in questions]
     assert both.tokens == alone
 
 
 def test_export_import_reproduces_the_row_state(tiny_model):
-    from engine.generate.engine import prefill
+    from engine.generate.steps import prefill
 
     doc = prompt_ids(203, 9)
     for mode in ("full", "specache", "window"):
@@ -321,17 +317,17 @@ def test_an_entry_that_does_not_fit_the_cache_is_never_used(tiny_model, tmp_path
     doc, q = prompt_ids(200, 3), prompt_ids(8, 4)
     full = CacheConfig(mode="full", chunk_size=64)
     gen = GenerationConfig(max_tokens=10)
-    expected, _ = finish(list(generate(tiny_model, [doc + q], full, gen, prefixes=[200])))
+    expected, _ = finish(list(Engine(tiny_model, full).generate([doc + q], gen, prefixes=[200])))
     # an entry under the full cache's key holding another mode's state (as a hash collision would)
     other = make_cache(tiny_model.config, CacheConfig(mode="specache", group=32, residual=16), 1, 300,
                        torch.float32, torch.device("cpu"))
-    from engine.generate.engine import prefill
+    from engine.generate.steps import prefill
 
     list(prefill(tiny_model, other, doc, 0, 64))
     cache = make_cache(tiny_model.config, full, 1, 300, torch.float32, torch.device("cpu"))
     key = make_key(store_settings(cache, torch.float32, "tiny"), doc)
     use.store.save(key, doc, other.export_row(0))
-    got, total = finish(list(generate(tiny_model, [doc + q], full, gen, prefixes=[200], store=use)))
+    got, total = finish(list(Engine(tiny_model, full, use).generate([doc + q], gen, prefixes=[200])))
     assert got.tokens == expected.tokens and got.store[0]["hit"] is False and total == 208
     assert warn and "unusable" in warn[0]
     assert use.store.load(key, doc) is not None  # rebuilt with the right content
@@ -343,15 +339,15 @@ def test_corrupt_entry_is_rebuilt_by_the_next_run(tiny_model, tmp_path):
     doc, q = prompt_ids(250, 7), prompt_ids(6, 8)
     config = CacheConfig(mode="specache", k=16, group=32, residual=16, chunk_size=64)
     gen = GenerationConfig(max_tokens=10)
-    first, _ = finish(list(generate(tiny_model, [doc + q], config, gen, prefixes=[250], store=use)))
+    first, _ = finish(list(Engine(tiny_model, config, use).generate([doc + q], gen, prefixes=[250])))
     path = use.store.path(first.store[0]["key"])
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    again, total = finish(list(generate(tiny_model, [doc + q], config, gen, prefixes=[250], store=use)))
+    again, total = finish(list(Engine(tiny_model, config, use).generate([doc + q], gen, prefixes=[250])))
     assert again.store[0]["hit"] is False and total == 256 and again.tokens == first.tokens
     assert len(warn) == 1 and "corrupt" in warn[0]
-    third, total = finish(list(generate(tiny_model, [doc + q], config, gen, prefixes=[250], store=use)))
+    third, total = finish(list(Engine(tiny_model, config, use).generate([doc + q], gen, prefixes=[250])))
     assert third.store[0]["hit"] is True and total == 6 and third.tokens == first.tokens
 
 

@@ -26,8 +26,7 @@ from engine.bench.common import (
     target,
 )
 from engine.bench.speed import _sync, make_prompts
-from engine.generate.engine import decoder_for, prefill
-from engine.kvcache import make_cache
+from engine.generate.engine import Engine
 
 TARGET_VS_FULL = 1.5
 TARGET_VS_HF = 2.5
@@ -35,15 +34,13 @@ TARGET_VS_HF = 2.5
 
 def engine_steps(model, config, prompts: list[list[int]], extra: int) -> Iterator[None]:
     """Prefill a cache for `prompts`, then yield after each decode step of the engine's loop."""
-
-    param = next(model.parameters())
-    cache = make_cache(model.config, config, len(prompts), max(map(len, prompts)) + extra + 4, param.dtype,
-                       param.device)
-    lasts = [list(prefill(model, cache, p, row, config.chunk_size))[-1] for row, p in enumerate(prompts)]
-    loop = decoder_for(config)(model, cache, torch.stack(lasts), lambda x: x.argmax(-1), history=prompts)
-    next(loop)  # the first token comes from the prefill logits (no model call)
-    for _ in loop:
-        yield
+    engine = Engine(model, config)
+    with engine.new_cache(len(prompts), max(map(len, prompts)) + extra + 4) as cache:
+        lasts = [list(engine.prefill(cache, p, row))[-1] for row, p in enumerate(prompts)]
+        loop = engine.steps(cache, torch.stack(lasts), lambda x: x.argmax(-1), history=prompts)
+        next(loop)  # the first token comes from the prefill logits (no model call)
+        for _ in loop:
+            yield
 
 
 def hf_steps(model, prompts: list[list[int]], chunk: int = 512) -> Iterator[None]:

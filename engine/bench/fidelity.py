@@ -40,9 +40,9 @@ from engine.bench.common import (
     target,
 )
 from engine.config import CacheConfig
-from engine.generate.engine import decoder_for, prefill, teacher_forced
+from engine.generate.engine import Engine
 from engine.inputs.prompts import SUMMARIZE, build_prompt, stop_ids
-from engine.kvcache import ModelShape, make_cache, quant
+from engine.kvcache import ModelShape, quant
 from engine.kvcache.sizes import quant_boundary
 from engine.model.attention import specache_attention
 
@@ -120,24 +120,24 @@ def probing(model):
 @torch.inference_mode()
 def free_run(model, prompt: list[int], config: CacheConfig, n: int, stops: Sequence[int]):
     """Greedy decoding in a mode. -> (tokens, log-probs [len, V] before each token, cache)."""
-    param = next(model.parameters())
-    cache = make_cache(model.config, config, 1, len(prompt) + n + 2, param.dtype, param.device)
-    *_, last = prefill(model, cache, prompt, 0, config.chunk_size)
-    tokens, logps = [], []
-    for ids, logits in decoder_for(config)(model, cache, last[None], lambda x: x.argmax(-1), history=[prompt]):
-        t = int(ids[0])
-        if t in stops:
-            break
-        tokens.append(t)
-        logps.append(torch.log_softmax(logits[0].float(), -1))
-        if len(tokens) >= n:
-            break
+    engine = Engine(model, config)
+    with engine.new_cache(1, len(prompt) + n + 2) as cache:
+        *_, last = engine.prefill(cache, prompt, 0)
+        tokens, logps = [], []
+        for ids, logits in engine.steps(cache, last[None], lambda x: x.argmax(-1), history=[prompt]):
+            t = int(ids[0])
+            if t in stops:
+                break
+            tokens.append(t)
+            logps.append(torch.log_softmax(logits[0].float(), -1))
+            if len(tokens) >= n:
+                break
     return tokens, (torch.stack(logps) if logps else torch.empty(0)), cache
 
 
 @torch.inference_mode()
 def forced_logps(model, prompt: list[int], forced: list[int], config: CacheConfig) -> torch.Tensor:
-    return torch.stack([torch.log_softmax(x.float(), -1) for x in teacher_forced(model, prompt, forced, config)])
+    return torch.stack([torch.log_softmax(x.float(), -1) for x in Engine(model, config).teacher_forced(prompt, forced)])
 
 
 def compare_distributions(ref: torch.Tensor, other: torch.Tensor) -> dict:

@@ -26,7 +26,7 @@ from engine.bench.common import (
 )
 from engine.config import GenerationConfig
 from engine.errors import BadArgument
-from engine.generate.engine import Finished, generate
+from engine.generate.engine import Engine, Finished
 from engine.inputs.prompts import build_prompt, stop_ids
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
@@ -104,7 +104,7 @@ def run_needle(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec], 
     for spec in modes:
         for (length, depth), items in prompts.items():
             t0 = time.perf_counter()
-            fin = next(e for e in generate(model, [p["ids"] for p in items], spec.config, gen)
+            fin = next(e for e in Engine(model, spec.config).generate([p["ids"] for p in items], gen)
                        if isinstance(e, Finished))
             trials = []
             for p, out in zip(items, fin.tokens):

@@ -42,8 +42,7 @@ from engine.bench.common import (
 )
 from engine.config import CacheConfig
 from engine.errors import BadArgument, SpecacheError
-from engine.generate.engine import decoder_for, prefill
-from engine.kvcache import make_cache
+from engine.generate.engine import Engine
 from engine.model.loading import load_model
 
 PROGRESS = "@progress "
@@ -75,18 +74,18 @@ def _sync(device: torch.device) -> None:
 def time_engine(model, config, prompts: list[list[int]], steps: int) -> dict:
     """Prefill seconds and the duration of each decode step (the engine's own step loop)."""
 
-    param = next(model.parameters())
-    dev = param.device
-    cache = make_cache(model.config, config, len(prompts), max(map(len, prompts)) + steps + 4, param.dtype, dev)
+    engine = Engine(model, config)
+    dev = engine.device
+    cache = engine.new_cache(len(prompts), max(map(len, prompts)) + steps + 4)
     t0 = time.perf_counter()
     lasts = []
     for row, prompt in enumerate(prompts):
-        *_, last = prefill(model, cache, prompt, row, config.chunk_size)
+        *_, last = engine.prefill(cache, prompt, row)
         lasts.append(last)
     _sync(dev)
     prefill_s = time.perf_counter() - t0
     times: list[float] = []
-    loop = decoder_for(config)(model, cache, torch.stack(lasts), lambda x: x.argmax(-1), history=prompts)
+    loop = engine.steps(cache, torch.stack(lasts), lambda x: x.argmax(-1), history=prompts)
     t = time.perf_counter()
     for i, _ in enumerate(loop):  # item 0 comes from the prefill logits: no model call
         _sync(dev)
@@ -97,6 +96,7 @@ def time_engine(model, config, prompts: list[list[int]], steps: int) -> dict:
         if len(times) >= steps:
             break
     loop.close()
+    cache.close()
     stats = cache.stats()
     return {"prefill_seconds": prefill_s, "step_seconds": times, "device_bytes": stats.get("device_bytes"),
             "host_bytes": stats.get("host_bytes")}

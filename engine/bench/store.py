@@ -14,7 +14,8 @@ from pathlib import Path
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import KVStore
-from engine.generate.engine import Finished, StoreUse, Tokens, generate
+from engine.generate.engine import Engine, Finished, Tokens
+from engine.generate.prefixes import StoreUse
 from engine.inputs import prompts as P
 from engine.kvcache.base import ModelShape
 from engine.kvcache.sizes import kv_bytes_per_token
@@ -26,9 +27,10 @@ def first_token_seconds(lm, cache, gen, text: str, question: str, store) -> tupl
 
     t0 = time.perf_counter()
     prompt = P.build_prompt(lm.tokenizer, text, P.ASK.format(question=question))
-    use = StoreUse(store, lm.fingerprint, labels=["bench"], model_name=lm.name) if store is not None else None
+    use = StoreUse(store, lm.fingerprint, model_name=lm.name) if store is not None else None
     first = None
-    for event in generate(lm.model, [prompt.ids], cache, gen, prefixes=[len(prompt.prefix)], store=use):
+    for event in Engine(lm.model, cache, use).generate([prompt.ids], gen, prefixes=[len(prompt.prefix)],
+                                                        labels=["bench"]):
         if isinstance(event, Tokens) and first is None:
             first = time.perf_counter() - t0
         elif isinstance(event, Finished):

@@ -1,22 +1,24 @@
-"""Chunked prefill and the decoders, as generators that yield progress and tokens.
+"""The Engine: one model and the life of its caches. Everything that runs the model (the jobs,
+every bench, the GPU check) goes through it:
 
-    prompt ids -> prefill (chunk by chunk into the cache) -> decode
-    full / kivi / window, and specache with prefetch "current": one token per step.
-    specache: pre-decoding, then two tokens per step [T_t, T'_{t+1}]: the output token,
-    attending with the exact K/V fetched for it, and a speculative token whose attention
-    row picks (per layer, per KV head) the positions to fetch for the next step.
+    prompt ids -> new_cache -> prefill (chunk by chunk, or a document prefix loaded from the store)
+               -> decode steps of the cache mode (engine.generate.steps) -> token ids
+
+`generate` is the whole of it for a batch, as a generator of Progress, Tokens and Finished events.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.docstore.store import KVStore, make_key
+from engine.docstore.store import make_key
+from engine.generate.prefixes import StoreUse, load_row, prefix_layout, save_row, store_settings
 from engine.generate.sampling import sample
+from engine.generate.steps import Picker, decoder_for, forward, prefill
 from engine.kvcache import KVCache, make_cache
 
 
@@ -53,250 +55,136 @@ class Finished:
         return sum(len(t) for t in self.tokens)
 
 
-@torch.inference_mode()
-def forward(model, cache: KVCache, ids: torch.Tensor, rows: slice, keep: int | None = None,
-            select: int | None = None, logits_to_keep: int = 1, is_prefill: bool = False) -> torch.Tensor:
-    """Run ids [b, T] through the model against the cache rows; commit `keep` tokens. -> logits [b, n, V]."""
-    step = cache.begin(rows, ids.shape[1], keep, select, is_prefill)
-    out = model(input_ids=ids, position_ids=step.positions(), cache=cache, use_cache=True,
-                kv_cache=cache, logits_to_keep=logits_to_keep)
-    cache.commit()
-    return out.logits
+class Engine:
+    """A model (any transformers causal LM prepared by engine.model.loading.prepare_model) with one
+    cache configuration. store: the persistent document store for document prefixes (or None)."""
 
+    def __init__(self, model: torch.nn.Module, config: CacheConfig, store: StoreUse | None = None):
+        self.model, self.config, self.store = model, config, store
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
 
-def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int) -> Iterator[int | torch.Tensor]:
-    """Feed one row's prompt in chunks; yields the tokens done after each chunk, then the last logits [V]."""
-    device = cache.lengths.device
-    ids = torch.tensor(prompt, dtype=torch.long, device=device)[None]
-    logits = None
-    for s in range(0, len(prompt), chunk_size):
-        logits = forward(model, cache, ids[:, s : s + chunk_size], slice(row, row + 1), is_prefill=True)
-        yield min(s + chunk_size, len(prompt))
-    yield logits[0, -1]
+    # ---- the pieces -----------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache of this engine's mode for `batch` rows of up to `max_len` tokens (close it after)."""
+        return make_cache(self.model.config, self.config, batch, max_len, self.dtype, self.device)
 
+    def forward(self, cache: KVCache, ids: torch.Tensor, rows: slice, **kwargs) -> torch.Tensor:
+        """One pass of ids [b, T] over the cache rows (engine.generate.steps.forward). -> logits [b, n, V]"""
+        return forward(self.model, cache, ids, rows, **kwargs)
 
-@dataclass
-class StoreUse:
-    """A persistent document store (engine.docstore.store) for the prompts' document prefixes.
+    def prefill(self, cache: KVCache, prompt: list[int], row: int) -> Iterator[int | torch.Tensor]:
+        """Feed one row's prompt in chunks; yields tokens done after each chunk, then the last logits [V]."""
+        return prefill(self.model, cache, prompt, row, self.config.chunk_size)
 
-    model_id: the model's fingerprint (engine.model.LoadedModel.fingerprint); with the model's dtype
-    and the cache settings that change the KV it keys the entries. labels: per row, what
-    `specache cache ls` shows for an entry (the document)."""
+    def steps(self, cache: KVCache, logits: torch.Tensor, pick: Picker,
+              history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The mode's decode loop from the prefill's last logits [B, V]: yields (ids [B], their logits)."""
+        return decoder_for(self.config)(self.model, cache, logits, pick, history=history)
 
-    store: "KVStore"
-    model_id: str
-    labels: list[str] | None = None
-    model_name: str = ""
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
+    # ---- a whole batch --------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], gen: GenerationConfig, shared_prefix: int = 0,
+                 prefixes: list[int] | None = None, labels: list[str] | None = None,
+                 ) -> Iterator[Progress | Tokens | Finished]:
+        """Prefill every prompt into one batch cache, then decode all rows together.
 
-def store_settings(cache: KVCache, dtype: torch.dtype, model_id: str) -> dict:
-    """Everything besides the token ids that a stored row state depends on."""
-    shape, config, layer = cache.shape, cache.config, cache.layers[0]
-    settings = {"model": model_id, "dtype": str(dtype).replace("torch.", ""), "mode": config.mode,
-                "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
-    if config.mode != "full":
-        settings.update(residual=layer.residual, group=layer.group, sinks=layer.sinks,
-                        bits=config.bits if layer.guide is not None else None)
-    return settings
+        Each prompt's document prefix is filled on its own first (prefix_layout: one shared prefix
+        filled once and copied, or one per row), loaded from the store when it is there and saved
+        to it after its prefill otherwise; labels name each row's document in the store."""
+        max_len = max(len(p) for p in prompts) + gen.max_tokens + 2
+        with self.new_cache(len(prompts), max_len) as cache:
+            t0 = time.perf_counter()
+            infos, writing, last = yield from self.fill(cache, prompts, shared_prefix, prefixes, labels)
+            self.sync()
+            t1 = time.perf_counter()
+            outputs, steps = yield from self.decode(cache, torch.stack(last), gen, prompts)
+            self.sync()
+            t2 = time.perf_counter()
+            # prefill_seconds: loading stored prefixes counts, writing new ones does not (it is in infos)
+            yield Finished(outputs, [len(p) for p in prompts], t1 - t0 - writing, t2 - t1, steps, cache.stats(),
+                           infos)
 
-
-def generate(model, prompts: list[list[int]], cache_config: CacheConfig, gen: GenerationConfig,
-             shared_prefix: int = 0, prefixes: list[int] | None = None, store: StoreUse | None = None,
-             ) -> Iterator[Progress | Tokens | Finished]:
-    """Prefill every prompt into one batch cache, then decode all rows together.
-
-    Each prompt's document prefix is prefilled on its own (then the rest of the prompt):
-    shared_prefix: the prompts' first tokens are identical (one document, several questions):
-    prefill them once into row 0 and copy that row's cache to the other rows.
-    prefixes: otherwise, each row's own document prefix length (0: none).
-    store: with a document store, a prefix found there is loaded into its row instead of being
-    prefilled, and a prefix that was not is saved after its prefill."""
-    param = next(model.parameters())
-    batch = len(prompts)
-    max_len = max(len(p) for p in prompts) + gen.max_tokens + 2
-    cache = make_cache(model.config, cache_config, batch, max_len, param.dtype, param.device)
-    generator = torch.Generator(device=param.device).manual_seed(gen.seed)
-
-    t0 = time.perf_counter()
-    if shared_prefix and batch > 1:
-        if any(p[:shared_prefix] != prompts[0][:shared_prefix] for p in prompts) or \
-                shared_prefix >= min(map(len, prompts)):
-            raise ValueError("shared_prefix must be a common prefix shorter than every prompt")
-        pre = [shared_prefix] * batch
-        heads = [0]  # rows whose prefix is prefilled or loaded; the others copy row 0
-    else:
-        given = [shared_prefix] if shared_prefix else (prefixes or [0] * batch)
-        if len(given) != batch:
-            raise ValueError("prefixes must give one length per prompt")
-        pre = [n if 0 < n < len(p) else 0 for n, p in zip(given, prompts)]
-        heads = [r for r in range(batch) if pre[r]]
-    infos: list[dict | None] = [None] * batch
-    keys: dict[int, str] = {}
-    loaded: set[int] = set()
-    if store is not None:
-        settings = store_settings(cache, param.dtype, store.model_id)
-        for r in heads:
-            ids = prompts[r][: pre[r]]
-            keys[r] = make_key(settings, ids)
-            t = time.perf_counter()
-            entry = store.store.load(keys[r], ids)
-            if entry is None:
-                continue
-            try:
-                cache.import_row(r, entry.tensors)
-            except ValueError as exc:
-                store.store.discard(keys[r], f"it does not fit this cache ({exc})")
-                continue
-            loaded.add(r)
-            infos[r] = {"hit": True, "key": keys[r], "bytes": entry.bytes, "seconds": time.perf_counter() - t}
-            del entry
-    total = sum(pre[r] for r in heads if r not in loaded) + sum(len(p) - n for p, n in zip(prompts, pre))
-    done, last, writing = 0, [], 0.0
-    for r in heads:
-        if r in loaded:
-            continue
-        for item in prefill(model, cache, prompts[r][: pre[r]], r, cache_config.chunk_size):
-            if isinstance(item, int):
-                yield Progress(done + item, total)
-        done += pre[r]
+    def fill(self, cache: KVCache, prompts: list[list[int]], shared_prefix: int, prefixes: list[int] | None,
+             labels: list[str] | None) -> Iterator[Progress]:
+        """Prefill (or load) every row; yields Progress; returns (store infos per row, seconds spent
+        writing the store, each row's last logits [V])."""
+        pre, heads = prefix_layout(prompts, shared_prefix, prefixes)
+        store = self.store
+        infos: list[dict | None] = [None] * len(prompts)
+        keys: dict[int, str] = {}
         if store is not None:
-            t = time.perf_counter()
-            size = save_row(store, cache, r, keys[r], prompts[r][: pre[r]], settings)
-            infos[r] = {"hit": False, "key": keys[r], "bytes": size, "seconds": time.perf_counter() - t}
-            writing += infos[r]["seconds"]
-    for row in range(batch):
-        if row not in heads and pre[row]:
-            cache.copy_row(0, row)
-            infos[row] = infos[0]
-    for row, prompt in enumerate(prompts):
-        for item in prefill(model, cache, prompt[pre[row]:], row, cache_config.chunk_size):
-            if isinstance(item, int):
-                yield Progress(done + item, total)
-            else:
-                last.append(item)
-        done += len(prompt) - pre[row]
-    if param.device.type == "cuda":
-        torch.cuda.synchronize()
-    t1 = time.perf_counter()
-
-    pick: Picker = lambda logits: sample(logits, gen.temperature, gen.top_p, generator)  # noqa: E731
-    outputs: list[list[int]] = [[] for _ in range(batch)]
-    finished = [False] * batch
-    steps = 0
-    for next_ids, _ in decoder_for(cache_config)(model, cache, torch.stack(last), pick, history=prompts):
-        steps += 1
-        emitted: list[int | None] = []
-        for r, t in enumerate(next_ids.tolist()):
-            if finished[r] or t in gen.stop_ids:
-                finished[r] = True
-                emitted.append(None)
+            settings = store_settings(cache, self.dtype, store.model_id)
+            for r in heads:
+                keys[r] = make_key(settings, prompts[r][: pre[r]])
+                infos[r] = load_row(store, cache, r, keys[r], prompts[r][: pre[r]])
+        loaded = {r for r in heads if infos[r] is not None}
+        total = sum(pre[r] for r in heads if r not in loaded) + sum(len(p) - n for p, n in zip(prompts, pre))
+        done, writing, last = 0, 0.0, []
+        for r in heads:
+            if r in loaded:
                 continue
-            outputs[r].append(t)
-            emitted.append(t)
-            if len(outputs[r]) >= gen.max_tokens:
-                finished[r] = True
-        yield Tokens(emitted)
-        if all(finished):
-            break
-    if param.device.type == "cuda":
-        torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    # prefill_seconds: loading stored prefixes counts, writing new ones does not (it is in infos)
-    yield Finished(outputs, [len(p) for p in prompts], t1 - t0 - writing, t2 - t1, steps, cache.stats(), infos)
+            for item in self.prefill(cache, prompts[r][: pre[r]], r):
+                if isinstance(item, int):
+                    yield Progress(done + item, total)
+            done += pre[r]
+            if store is not None:
+                t = time.perf_counter()
+                label = labels[r] if labels and r < len(labels) else ""
+                size = save_row(store, cache, r, keys[r], prompts[r][: pre[r]], settings, label)
+                infos[r] = {"hit": False, "key": keys[r], "bytes": size, "seconds": time.perf_counter() - t}
+                writing += infos[r]["seconds"]
+        for row in range(len(prompts)):
+            if row not in heads and pre[row]:
+                cache.copy_row(0, row)
+                infos[row] = infos[0]
+        for row, prompt in enumerate(prompts):
+            for item in self.prefill(cache, prompt[pre[row]:], row):
+                if isinstance(item, int):
+                    yield Progress(done + item, total)
+                else:
+                    last.append(item)
+            done += len(prompt) - pre[row]
+        return infos, writing, last
 
+    def decode(self, cache: KVCache, logits: torch.Tensor, gen: GenerationConfig,
+               history: list[list[int]]) -> Iterator[Tokens]:
+        """Decode every row until its stop token or gen.max_tokens; yields Tokens per step; returns
+        (the generated ids per row, steps)."""
+        generator = torch.Generator(device=self.device).manual_seed(gen.seed)
+        pick: Picker = lambda x: sample(x, gen.temperature, gen.top_p, generator)  # noqa: E731
+        outputs: list[list[int]] = [[] for _ in history]
+        finished = [False] * len(history)
+        steps = 0
+        for next_ids, _ in self.steps(cache, logits, pick, history=history):
+            steps += 1
+            emitted: list[int | None] = []
+            for r, t in enumerate(next_ids.tolist()):
+                if finished[r] or t in gen.stop_ids:
+                    finished[r] = True
+                    emitted.append(None)
+                    continue
+                outputs[r].append(t)
+                emitted.append(t)
+                if len(outputs[r]) >= gen.max_tokens:
+                    finished[r] = True
+            yield Tokens(emitted)
+            if all(finished):
+                break
+        return outputs, steps
 
-def save_row(store: StoreUse, cache: KVCache, row: int, key: str, ids: list[int], settings: dict) -> int | None:
-    """Save a row's state after its prefix into the store; a failing write is reported, not fatal."""
-    label = store.labels[row] if store.labels and row < len(store.labels) else ""
-    try:
-        return store.store.save(key, ids, cache.export_row(row), {**settings, "label": label, "model_name": store.model_name})
-    except OSError as exc:
-        store.store.warn(f"could not save the document's KV to the store ({exc})")
-        return None
-
-
-Picker = Callable[[torch.Tensor], torch.Tensor]  # logits [B, V] -> next ids [B]
-
-
-def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
-                history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One token per step. logits [B, V] are the prefill's last logits. Yields (ids [B], the logits they came from)."""
-    rows = slice(0, cache.batch)
-    while True:
-        ids = pick(logits)
-        yield ids, logits
-        logits = forward(model, cache, ids[:, None], rows)[:, -1]
-
-
-def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
-                      history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """SpeCache decoding (design page, Algorithms 2 and 3). Yields (output ids [B], their logits) per step.
-
-    history: each row's tokens so far (its prompt). With it and cache.config.resync, a missed
-    speculation is re-synced: the speculative token of step t+1 comes from the speculative token
-    of step t, so after one wrong guess the next guesses are conditioned on a wrong token; when
-    the fed guess differs from the output token the step produced, the next guess is instead the
-    token that followed the latest earlier occurrence of that output token in the row (prompt
-    lookup; documents are copied from a lot). Which positions are fetched changes, never
-    correctness."""
-    rows = slice(0, cache.batch)
-    out = pick(logits)  # T1
-    yield out, logits
-    resync = history is not None and cache.config.resync
-    follow = [_follow_table(h) for h in history] if resync else None
-    prev = [h[-1] if h else None for h in history] if resync else None
-    # Pre-decoding: T1 alone against guide + residual; its row picks the first fetch set, its
-    # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
-    spec = forward(model, cache, out[:, None], rows, keep=0, select=0)[:, -1].argmax(-1)
-    while True:
-        pair = torch.stack([out, spec], dim=1)  # [B, 2] = [T_t, T'_{t+1}]
-        both = forward(model, cache, pair, rows, keep=1, select=1, logits_to_keep=2)  # [B, 2, V]
-        fed = pair[:, 1]
-        out = pick(both[:, 0])
-        spec = both[:, 1].argmax(-1)
-        if follow is not None:
-            spec = _resync(follow, prev, pair[:, 0], out, fed, spec)
-        yield out, both[:, 0]
-
-
-def _follow_table(tokens: list[int]) -> dict[int, int]:
-    """token -> the token after its latest occurrence."""
-    return {a: b for a, b in zip(tokens, tokens[1:])}
-
-
-def _resync(follow, prev, current: torch.Tensor, out: torch.Tensor, fed: torch.Tensor,
-            spec: torch.Tensor) -> torch.Tensor:
-    """Record the committed tokens and replace the guesses that followed a missed one (see speculative_steps)."""
-    cur, nxt, guessed, new = current.tolist(), out.tolist(), fed.tolist(), spec.tolist()
-    for r in range(len(cur)):
-        if prev[r] is not None:
-            follow[r][prev[r]] = cur[r]
-        prev[r] = cur[r]
-        if guessed[r] != nxt[r]:
-            following = nxt[r] if cur[r] == nxt[r] else follow[r].get(nxt[r])
-            if following is not None:
-                new[r] = following
-    return torch.tensor(new, dtype=spec.dtype, device=spec.device)
-
-
-def decoder_for(config: CacheConfig):
-    """The step loop of a cache mode: speculative for specache with k > 0 (unless its prefetch is
-    "current": one token per step, each layer picking its own fetched set), plain otherwise."""
-    speculate = config.mode == "specache" and config.k > 0 and config.prefetch == "speculative"
-    return speculative_steps if speculate else plain_steps
-
-
-@torch.inference_mode()
-def teacher_forced(model, prompt: list[int], forced: list[int], cache_config: CacheConfig,
-                   ) -> Iterator[torch.Tensor]:
-    """Feed `forced` as the output tokens (e.g. the full cache's own output) through the mode's real
-    step loop; yield the next-token logits [V] that preceded each forced token."""
-    param = next(model.parameters())
-    cache = make_cache(model.config, cache_config, 1, len(prompt) + len(forced) + 2, param.dtype, param.device)
-    *_, last = prefill(model, cache, prompt, 0, cache_config.chunk_size)
-    it = iter(forced)
-    pick: Picker = lambda logits: torch.tensor([next(it)], device=logits.device)  # noqa: E731
-    for i, (_, logits) in enumerate(decoder_for(cache_config)(model, cache, last[None], pick, history=[prompt])):
-        yield logits[0]
-        if i + 1 == len(forced):
-            return
+    @torch.inference_mode()
+    def teacher_forced(self, prompt: list[int], forced: list[int]) -> Iterator[torch.Tensor]:
+        """Feed `forced` as the output tokens (e.g. the full cache's own output) through the mode's real
+        step loop; yield the next-token logits [V] that preceded each forced token."""
+        with self.new_cache(1, len(prompt) + len(forced) + 2) as cache:
+            *_, last = self.prefill(cache, prompt, 0)
+            it = iter(forced)
+            pick: Picker = lambda logits: torch.tensor([next(it)], device=logits.device)  # noqa: E731
+            for i, (_, logits) in enumerate(self.steps(cache, last[None], pick, history=[prompt])):
+                yield logits[0]
+                if i + 1 == len(forced):
+                    return

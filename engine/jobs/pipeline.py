@@ -9,7 +9,8 @@ from typing import Iterator
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import KVStore
 from engine.errors import DocumentTooLong, EmptyDocument, SpecacheError
-from engine.generate.engine import Finished, Progress, StoreUse, Tokens, generate
+from engine.generate.engine import Engine, Finished, Progress, Tokens
+from engine.generate.prefixes import StoreUse
 from engine.inputs import prompts as P
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
@@ -122,6 +123,10 @@ class Runner:
     plan: dict = field(default_factory=dict)  # what the planner chose, for --json
     store: KVStore | None = None  # the persistent document store (engine.docstore.store); None: --no-store
 
+    def __post_init__(self) -> None:
+        use = StoreUse(self.store, self.lm.fingerprint, self.lm.name) if self.store is not None else None
+        self.engine = Engine(self.lm.model, self.cache, use)  # runs every model call of the jobs
+
     def batch_size(self, rows: int, context: int) -> int:
         """How many of `rows` sequences of `context` tokens to decode together."""
         if self.batch is not None:
@@ -159,15 +164,11 @@ class Runner:
                                P.stop_ids(self.lm.tokenizer))
         prefixes = [len(p.prefix) if isinstance(p, P.Prompt) else 0 for p in prompts]
         prompts = [p.ids if isinstance(p, P.Prompt) else p for p in prompts]
-        store = None
-        if self.store is not None and (shared_prefix or any(prefixes)):
-            store = StoreUse(self.store, self.lm.fingerprint, labels=[r.source for r in results],
-                             model_name=self.lm.name)
         ids: list[list[int]] = [[] for _ in prompts]
         shown = ""
         stream = stream and len(prompts) == 1
-        events = generate(self.lm.model, prompts, self.cache, gen, shared_prefix=shared_prefix, prefixes=prefixes,
-                          store=store)
+        events = self.engine.generate(prompts, gen, shared_prefix=shared_prefix, prefixes=prefixes,
+                                      labels=[r.source for r in results])
         for event in events:
             if isinstance(event, Progress):
                 yield Stage(label, event.done, event.total)

@@ -1,0 +1,78 @@
+"""Document prefixes of a batch: which rows prefill their document part themselves, which copy a
+shared one, and which load it from the persistent document store (engine.docstore) instead."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.docstore.store import KVStore
+from engine.kvcache import KVCache
+
+
+@dataclass
+class StoreUse:
+    """A persistent document store (engine.docstore.store) for the prompts' document prefixes.
+
+    model_id: the model's fingerprint (engine.model.loading.LoadedModel.fingerprint); with the model's
+    dtype and the cache settings that change the KV it keys the entries."""
+
+    store: KVStore
+    model_id: str
+    model_name: str = ""
+
+
+def prefix_layout(prompts: list[list[int]], shared_prefix: int, prefixes: list[int] | None) -> tuple[list[int], list[int]]:
+    """(per row, its document-prefix length (0: none); the rows that fill theirs, the others copy row 0).
+
+    shared_prefix: the prompts' first tokens are identical (one document, several questions): fill
+    them once in row 0. prefixes: otherwise each row's own document prefix length."""
+    batch = len(prompts)
+    if shared_prefix and batch > 1:
+        if any(p[:shared_prefix] != prompts[0][:shared_prefix] for p in prompts) or \
+                shared_prefix >= min(map(len, prompts)):
+            raise ValueError("shared_prefix must be a common prefix shorter than every prompt")
+        return [shared_prefix] * batch, [0]
+    given = [shared_prefix] if shared_prefix else (prefixes or [0] * batch)
+    if len(given) != batch:
+        raise ValueError("prefixes must give one length per prompt")
+    pre = [n if 0 < n < len(p) else 0 for n, p in zip(given, prompts)]
+    return pre, [r for r in range(batch) if pre[r]]
+
+
+def store_settings(cache: KVCache, dtype: torch.dtype, model_id: str) -> dict:
+    """Everything besides the token ids that a stored row state depends on."""
+    shape, config, layer = cache.shape, cache.config, cache.layers[0]
+    settings = {"model": model_id, "dtype": str(dtype).replace("torch.", ""), "mode": config.mode,
+                "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+    if layer.quantizes:
+        settings.update(residual=layer.residual, group=layer.group, sinks=layer.sinks,
+                        bits=config.bits if layer.guide is not None else None)
+    return settings
+
+
+def load_row(store: StoreUse, cache: KVCache, row: int, key: str, ids: list[int]) -> dict | None:
+    """Fill a row from the store; its info dict (hit, key, bytes, seconds), or None on a miss."""
+    t = time.perf_counter()
+    entry = store.store.load(key, ids)
+    if entry is None:
+        return None
+    try:
+        cache.import_row(row, entry.tensors)
+    except ValueError as exc:
+        store.store.discard(key, f"it does not fit this cache ({exc})")
+        return None
+    return {"hit": True, "key": key, "bytes": entry.bytes, "seconds": time.perf_counter() - t}
+
+
+def save_row(store: StoreUse, cache: KVCache, row: int, key: str, ids: list[int], settings: dict,
+             label: str = "") -> int | None:
+    """Save a row's state after its prefix into the store (label: what `specache cache ls` shows for
+    it, the document); a failing write is reported, not fatal."""
+    try:
+        return store.store.save(key, ids, cache.export_row(row), {**settings, "label": label, "model_name": store.model_name})
+    except OSError as exc:
+        store.store.warn(f"could not save the document's KV to the store ({exc})")
+        return None
+
