@@ -75,6 +75,7 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
     """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps."""
     from engine.config import CacheConfig
     from engine.generate.engine import Engine
+    from engine.generate.steps import greedy
     from engine.kvcache.transfer import overlap_share
 
     config = CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
@@ -89,7 +90,7 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
         last.append(logits)
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    steps_it = engine.steps(cache, torch.stack(last), lambda logits: logits.argmax(-1))
+    steps_it = engine.steps(cache, torch.stack(last), greedy)
     for _ in range(3):  # T1, pre-decoding and one steady step: warm-up
         next(steps_it)
     torch.cuda.synchronize()

@@ -96,7 +96,7 @@ def test_chunk_size_does_not_change_prefill(tiny_model):
 def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_model, monkeypatch, mode):
     """The layers of a pass share one additive mask (0 / -inf); each layer used to build a boolean
     one that attention converted again. Same logits as attention with the boolean mask."""
-    import engine.kvcache.base
+    import engine.kvcache.full
     import engine.kvcache.guided
     from engine.kvcache.base import additive_mask
 
@@ -112,7 +112,7 @@ def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_mo
     *_, shared = prefill(tiny_model, cache, p, 0, 64)
     assert len(built) == 4  # 4 chunks, 3 layers each
     monkeypatch.setattr(engine.kvcache.guided, "additive_mask", lambda a, dtype: a)  # boolean masks, as before
-    monkeypatch.setattr(engine.kvcache.base, "additive_mask", lambda a, dtype: a)
+    monkeypatch.setattr(engine.kvcache.full, "additive_mask", lambda a, dtype: a)
     cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
     *_, boolean = prefill(tiny_model, cache, p, 0, 64)
     torch.testing.assert_close(shared, boolean, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ import engine.kvcache.guided
 from engine import native
 from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
+from engine.generate.steps import greedy
 from engine.kvcache import make_cache
 from engine.model.linears import SkinnyLinear, native_linear
 
@@ -129,7 +130,7 @@ def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, 
     (prompt,) = prompts_of((280,))
     cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
     *_, last = prefill(tiny_model, cache, prompt, 0, config.chunk_size)
-    steps = decoder_for(config)(tiny_model, cache, last[None], lambda logits: logits.argmax(-1))
+    steps = decoder_for(config)(tiny_model, cache, last[None], greedy)
     for _ in range(30):
         next(steps)
     checked = 0

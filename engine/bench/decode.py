@@ -27,6 +27,7 @@ from engine.bench.common import (
 )
 from engine.bench.speed import _sync, make_prompts
 from engine.generate.engine import Engine
+from engine.generate.steps import greedy
 
 TARGET_VS_FULL = 1.5
 TARGET_VS_HF = 2.5
@@ -37,7 +38,7 @@ def engine_steps(model, config, prompts: list[list[int]], extra: int) -> Iterato
     engine = Engine(model, config)
     with engine.new_cache(len(prompts), max(map(len, prompts)) + extra + 4) as cache:
         lasts = [list(engine.prefill(cache, p, row))[-1] for row, p in enumerate(prompts)]
-        loop = engine.steps(cache, torch.stack(lasts), lambda x: x.argmax(-1), history=prompts)
+        loop = engine.steps(cache, torch.stack(lasts), greedy, history=prompts)
         next(loop)  # the first token comes from the prefill logits (no model call)
         for _ in loop:
             yield

@@ -41,6 +41,7 @@ from engine.bench.common import (
 )
 from engine.config import CacheConfig
 from engine.generate.engine import Engine
+from engine.generate.steps import greedy
 from engine.inputs.prompts import SUMMARIZE, build_prompt, stop_ids
 from engine.kvcache import ModelShape, quant
 from engine.kvcache.sizes import quant_boundary
@@ -124,7 +125,7 @@ def free_run(model, prompt: list[int], config: CacheConfig, n: int, stops: Seque
     with engine.new_cache(1, len(prompt) + n + 2) as cache:
         *_, last = engine.prefill(cache, prompt, 0)
         tokens, logps = [], []
-        for ids, logits in engine.steps(cache, last[None], lambda x: x.argmax(-1), history=[prompt]):
+        for ids, logits in engine.steps(cache, last[None], greedy, history=[prompt]):
             t = int(ids[0])
             if t in stops:
                 break

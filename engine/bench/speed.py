@@ -43,6 +43,7 @@ from engine.bench.common import (
 from engine.config import CacheConfig
 from engine.errors import BadArgument, SpecacheError
 from engine.generate.engine import Engine
+from engine.generate.steps import greedy
 from engine.model.loading import load_model
 
 PROGRESS = "@progress "
@@ -85,7 +86,7 @@ def time_engine(model, config, prompts: list[list[int]], steps: int) -> dict:
     _sync(dev)
     prefill_s = time.perf_counter() - t0
     times: list[float] = []
-    loop = engine.steps(cache, torch.stack(lasts), lambda x: x.argmax(-1), history=prompts)
+    loop = engine.steps(cache, torch.stack(lasts), greedy, history=prompts)
     t = time.perf_counter()
     for i, _ in enumerate(loop):  # item 0 comes from the prefill logits: no model call
         _sync(dev)

@@ -17,7 +17,7 @@ import torch
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import make_key
 from engine.generate.prefixes import StoreUse, load_row, prefix_layout, save_row, store_settings
-from engine.generate.sampling import sample
+from engine.generate.sampling import Sampler
 from engine.generate.steps import Picker, decoder_for, forward, prefill
 from engine.kvcache import KVCache, make_cache
 
@@ -154,8 +154,7 @@ class Engine:
                history: list[list[int]]) -> Iterator[Tokens]:
         """Decode every row until its stop token or gen.max_tokens; yields Tokens per step; returns
         (the generated ids per row, steps)."""
-        generator = torch.Generator(device=self.device).manual_seed(gen.seed)
-        pick: Picker = lambda x: sample(x, gen.temperature, gen.top_p, generator)  # noqa: E731
+        pick: Picker = Sampler(gen, self.device)
         outputs: list[list[int]] = [[] for _ in history]
         finished = [False] * len(history)
         steps = 0
@@ -183,7 +182,7 @@ class Engine:
         with self.new_cache(1, len(prompt) + len(forced) + 2) as cache:
             *_, last = self.prefill(cache, prompt, 0)
             it = iter(forced)
-            pick: Picker = lambda logits: torch.tensor([next(it)], device=logits.device)  # noqa: E731
+            pick: Picker = lambda logits, _: torch.tensor([next(it)], device=logits.device)  # noqa: E731
             for i, (_, logits) in enumerate(self.steps(cache, last[None], pick, history=[prompt])):
                 yield logits[0]
                 if i + 1 == len(forced):

@@ -38,15 +38,32 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
     yield logits[0, -1]
 
 
-Picker = Callable[[torch.Tensor], torch.Tensor]  # logits [B, V] -> next ids [B]
+Picker = Callable[[torch.Tensor, list[list[int]]], torch.Tensor]  # (logits [B, V], each row's tokens) -> ids [B]
+
+
+def greedy(logits: torch.Tensor, history: list[list[int]]) -> torch.Tensor:
+    """The argmax picker (benches, tests)."""
+    return logits.argmax(-1)
+
+
+def _histories(history: list[list[int]] | None, batch: int) -> list[list[int]]:
+    """Each row's tokens so far, copied (the step loops append their outputs for the picker)."""
+    return [list(h) for h in history] if history is not None else [[] for _ in range(batch)]
+
+
+def _append(hist: list[list[int]], ids: torch.Tensor) -> None:
+    for h, t in zip(hist, ids.tolist()):
+        h.append(t)
 
 
 def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
                 history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One token per step. logits [B, V] are the prefill's last logits. Yields (ids [B], the logits they came from)."""
     rows = slice(0, cache.batch)
+    hist = _histories(history, cache.batch)
     while True:
-        ids = pick(logits)
+        ids = pick(logits, hist)
+        _append(hist, ids)
         yield ids, logits
         logits = forward(model, cache, ids[:, None], rows)[:, -1]
 
@@ -63,7 +80,9 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
     lookup; documents are copied from a lot). Which positions are fetched changes, never
     correctness."""
     rows = slice(0, cache.batch)
-    out = pick(logits)  # T1
+    hist = _histories(history, cache.batch)
+    out = pick(logits, hist)  # T1
+    _append(hist, out)
     yield out, logits
     resync = history is not None and cache.config.resync
     follow = [_follow_table(h) for h in history] if resync else None
@@ -75,7 +94,8 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
         pair = torch.stack([out, spec], dim=1)  # [B, 2] = [T_t, T'_{t+1}]
         both = forward(model, cache, pair, rows, keep=1, select=1, logits_to_keep=2)  # [B, 2, V]
         fed = pair[:, 1]
-        out = pick(both[:, 0])
+        out = pick(both[:, 0], hist)
+        _append(hist, out)
         spec = both[:, 1].argmax(-1)
         if follow is not None:
             spec = _resync(follow, prev, pair[:, 0], out, fed, spec)
