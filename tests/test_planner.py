@@ -63,8 +63,9 @@ def test_kv_and_guide_sizes(mistral):
     assert P.guide_bytes(mistral, 32768, 1, 64) == 384 * MIB
     assert P.guide_bytes(mistral, 32768, 2, 32) == 768 * MIB
     assert P.exact_tail_tokens(64, 64) == 127
-    assert P.engine_residual_slots(64, 64, 512) == 640  # engine/guided.py's preallocated buffer
-    assert P.fetch_buffer_bytes(mistral, 64) == 2 * 64 * 128 * 1024
+    assert P.engine_residual_slots(64, 64, 512) == 640  # engine/kvcache/guided.py's preallocated buffer
+    assert P.fetch_buffer_bytes(mistral, 64) == 64 * 128 * 1024  # the engine's one fetched set per layer
+    assert P.fetch_buffer_bytes(mistral, 64, buffers=P.PAPER_FETCH_BUFFERS) == 2 * 64 * 128 * 1024
     assert P.weight_bytes(mistral) == 2 * 7_241_732_096
     assert P.layer_view_bytes(mistral, 32768) == 128 * MIB
     # head_dim 32 < g 64: value groups are 32 channels (2 bits/element), key groups 64 tokens (1.5)
@@ -344,7 +345,7 @@ def test_cpu_profile_counts_the_exact_store_on_the_device():
 
 def test_plan_for_run(a6000, mistral):
     mp = P.plan_for_run(MISTRAL_CONFIG, 32768, "specache", hardware=a6000)
-    assert (mp.max_batch, mp.k) == (50, 64)
+    assert (mp.max_batch, mp.k) == (51, 64)  # 50 while the planner counted two fetched sets per layer, the engine one
     assert P.plan_for_run(mistral, 32768, "full", hardware=a6000).max_batch == 7
     # the model already loaded: free memory excludes the weights, which the planner adds back
     loaded = replace(a6000, free_memory_bytes=a6000.device_memory_bytes - 512 * MIB - P.weight_bytes(mistral))
@@ -427,3 +428,31 @@ def test_bad_flags(args, message):
     assert r.exit_code == 2
     assert message in r.stderr and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# --- the planner and the engine share engine.kvcache.sizes ------------------------------------------
+
+@pytest.mark.parametrize("mode,bits,group,k,sinks", [("full", 2, 64, 0, 4), ("kivi", 1, 32, 0, 0),
+                                                    ("specache", 2, 64, 48, 4), ("specache", 1, 32, 16, 2)])
+def test_planner_bytes_per_sequence_equal_the_built_cache(mode, bits, group, k, sinks):
+    """The planner's device bytes per sequence are what a built cache of the same settings allocates
+    (tiny GQA model, fp32, a context of whole 64-token blocks), part by part on the device; on a CPU,
+    where the host store is device memory too, the planner's host_store part is the store's bytes."""
+    import torch
+
+    from engine.config import CacheConfig
+    from engine.kvcache import make_cache
+    from tests.conftest import tiny_config
+
+    config, context, chunk, residual = tiny_config(), 640, 128, 32
+    hw = load_hardware("cpu")
+    model = P.model_profile_from_config(config)
+    mp = P.plan(hw, model, context, bits, group, residual, sinks, k, prefill_chunk=chunk, element_bytes=4).mode(
+        "kivi" if mode == "kivi" else mode)
+    cache = make_cache(config, CacheConfig(mode=mode, bits=bits, group=group, k=k, residual=residual, sinks=sinks,
+                                           chunk_size=chunk), 2, context, torch.float32, torch.device("cpu"))
+    parts = {n: b for n, b in mp.device_breakdown.items() if n not in ("decode_working_set", "prefill_activations")}
+    host = parts.pop("host_store", 0)  # the resident state; the transient working sets are the model's
+    assert sum(parts.values()) == cache.allocated_device_bytes()
+    stores = [layer.store for layer in cache.layers if getattr(layer, "store", None) is not None]
+    assert host == (sum(s.k.numel() + s.v.numel() for s in stores) * 4 // 2 if mode == "specache" else 0)

@@ -62,3 +62,61 @@ def test_gpu_check_script_cpu_parts():
     if not torch.cuda.is_available():
         sys.argv = ["gpu_check.py", "--quick"]
         assert gpu_check.main() == 2
+
+
+def test_transfer_worker_runs_jobs_in_order_and_close_ends_it():
+    t = Transfer(torch.device("cpu"), threaded=True)
+    done: list[int] = []
+    for i in range(5):
+        t.submit(lambda i=i: done.append(i))
+    thread = t._worker.thread
+    assert thread.is_alive()
+    t.close()
+    assert done == [0, 1, 2, 3, 4] and not thread.is_alive()
+    t.close()  # idempotent
+
+
+def test_one_transfer_per_cache_and_twenty_model_calls_leave_no_thread(tiny_model, monkeypatch):
+    """Every layer's host store shares its cache's one Transfer (never one per layer), and the Engine
+    closes each cache it makes: 20 model calls whose caches each started a worker thread (as a CUDA
+    prefetch does) leave no thread behind."""
+    import threading
+
+    import engine.generate.engine as eng
+    from engine.config import CacheConfig, GenerationConfig
+    from engine.kvcache import make_cache
+
+    made = []
+
+    def make_and_start(*args, **kwargs):
+        cache = make_cache(*args, **kwargs)
+        assert {id(layer.store.transfer) for layer in cache.layers} == {id(cache.transfer)}
+        cache.transfer.threaded = True
+        cache.transfer.submit(lambda: None)  # starts the worker, as the first CUDA prefetch would
+        made.append(cache)
+        return cache
+
+    monkeypatch.setattr(eng, "make_cache", make_and_start)
+    before = threading.active_count()
+    engine = eng.Engine(tiny_model, CacheConfig(mode="specache", k=8, group=32, residual=16, chunk_size=64))
+    for i in range(20):
+        list(engine.generate([[5 + i, 6, 7, 8] * 20], GenerationConfig(max_tokens=3)))
+    assert len(made) == 20 and all(c.transfer._worker is None for c in made)
+    assert threading.active_count() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_model_calls_leave_no_thread():
+    import threading
+
+    from engine.config import CacheConfig, GenerationConfig
+    from engine.generate.engine import Engine
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model().to("cuda")
+    before = threading.active_count()
+    config = CacheConfig(mode="specache", k=8, group=32, residual=16, chunk_size=64, prefetch="speculative")
+    engine = Engine(model, config)
+    for i in range(20):
+        list(engine.generate([[5 + i, 6, 7, 8] * 20], GenerationConfig(max_tokens=3)))
+    assert threading.active_count() == before

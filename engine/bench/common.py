@@ -26,6 +26,7 @@ import re
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -38,8 +39,7 @@ from engine.model.linears import SkinnyLinear
 
 SCHEMA_VERSION = 1
 HF_MODE = "hf"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO_ROOT / "examples"
+EXAMPLES = Path(str(files("specache_examples")))  # examples/ of the checkout, or its installed copy
 
 _OPTION = re.compile(r"^(?:(?P<bits>\d+)b|(?P<key>[kgrswc])(?P<val>\d+))$")
 _OPTION_FIELDS = {"k": "k", "g": "group", "r": "residual", "s": "sinks", "w": "window", "c": "chunk_size"}

@@ -8,7 +8,7 @@ import torch
 
 from engine.kvcache import quant
 from engine.kvcache.base import import_tensors
-from engine.kvcache.sizes import guide_bytes
+from engine.kvcache.sizes import guide_bytes, guide_capacity
 
 
 class Guide:
@@ -16,7 +16,7 @@ class Guide:
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, bits: int, group: int,
                  device: torch.device):
-        cap = -(-max_len // group) * group
+        cap = guide_capacity(max_len, group)
         self.keys = quant.empty_keys(batch, kv_heads, cap, head_dim, bits, group, device)
         self.values = quant.empty_values(batch, kv_heads, cap, head_dim, bits, min(group, head_dim), device)
         self.bits, self.group = bits, group

@@ -34,6 +34,7 @@ from engine.kvcache.sizes import (
     layer_kv_bytes_per_token,
     quant_boundary,
     residual_slots,
+    sink_slots,
 )
 from engine.kvcache.transfer import HostStore, Transfer
 
@@ -54,7 +55,7 @@ class GuidedLayer:
         self.residual, self.group = residual, group
         h, d = shape.kv_heads, shape.head_dim
         self.sinks = config.sinks
-        self.sink_k = torch.zeros(batch, h, max(self.sinks, 1), d, dtype=dtype, device=device)  # [B, H_kv, S, D]
+        self.sink_k = torch.zeros(batch, h, sink_slots(self.sinks), d, dtype=dtype, device=device)  # [B, H_kv, S, D]
         self.sink_v = torch.zeros_like(self.sink_k)
         slots = residual_slots(self.residual, self.group, config.chunk_size)  # window + a group waiting + new tokens
         self.res_k = torch.zeros(batch, h, slots, d, dtype=dtype, device=device)  # [B, H_kv, W, D]

@@ -57,6 +57,16 @@ def residual_slots(residual: int, group: int, chunk: int) -> int:
     return residual + group + max(chunk, 2)
 
 
+def sink_slots(sinks: int) -> int:
+    """Exact sink slots a guided layer preallocates per row (at least one, so buffers are never empty)."""
+    return max(sinks, 1)
+
+
+def guide_capacity(max_len: int, group: int) -> int:
+    """Tokens a guide preallocates for max_len tokens: whole key groups."""
+    return -(-max_len // group) * group
+
+
 def fetch_buffer_bytes(shape, k: int, element_bytes: int = 2, buffers: int = FETCH_BUFFERS) -> int:
     """Device buffers for the fetched exact K/V: k positions x layers x KV heads x head_dim x (K, V)."""
     return buffers * k * kv_bytes_per_token(shape, element_bytes)

@@ -16,7 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.errors import BadArgument, DoesNotFit
-from engine.kvcache.quant import guide_bits_per_element
+from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of this module's API)
+    FETCH_BUFFERS, exact_tail_tokens, fetch_buffer_bytes, guide_bits_per_element, guide_bytes, guide_capacity,
+    kv_bytes_per_token, kv_elements_per_token, layer_kv_bytes_per_token, residual_slots, sink_slots,
+)
 from engine.plan.profiles import (
     HardwareProfile,
     ModelProfile,
@@ -36,7 +39,7 @@ HOST_RESERVE_FRACTION = 0.10  # fraction of RAM left to the OS, the Python proce
 MEMORY_EFFICIENCY = 0.80  # achieved / peak device-memory bandwidth for large streaming reads
 MATMUL_EFFICIENCY = 0.60  # achieved / peak dense matmul throughput
 SPARSE_TRANSFER_EFFICIENCY = 0.50  # scattered head_dim-row gather over PCIe / contiguous pinned copy
-FETCH_BUFFERS = 2  # double buffering: one set being attended while the next one is copied in
+PAPER_FETCH_BUFFERS = 2  # the paper's implementation double-buffers the fetched set; the engine keeps one (sizes.py)
 SPECULATIVE_TOKENS = 2  # tokens fed per SpeCache step: [T_t, T'_{t+1}]
 SCORE_BYTES = 4  # attention scores and probabilities are fp32
 SCORE_COPIES = 4  # score-sized buffers alive at once: scores, joined with the residual's, probabilities, guide share
@@ -50,37 +53,10 @@ REFERENCES = ("engine", "paper")
 
 # --- sizes ---------------------------------------------------------------------------------------
 
-def kv_elements_per_token(model: ModelProfile) -> int:
-    """K and V elements one token adds over all layers: 2 x layers x KV heads x head_dim."""
-    return 2 * model.layers * model.kv_heads * model.head_dim
-
-
-def kv_bytes_per_token(model: ModelProfile, element_bytes: int = 2) -> int:
-    """Bytes of exact K and V for one token over all layers."""
-    return kv_elements_per_token(model) * element_bytes
-
-
-def guide_bytes(model: ModelProfile, tokens: int, bits: int, group: int) -> int:
-    """Device bytes of the quantized guide of `tokens` tokens: bit-packed codes + fp16 scale and zero per
-    group (engine.kvcache.quant: keys in groups of g tokens, values in groups of min(g, head_dim) channels)."""
-    key_bits = guide_bits_per_element(bits, group)
-    value_bits = guide_bits_per_element(bits, min(group, model.head_dim))
-    return math.ceil(tokens * model.layers * model.kv_heads * model.head_dim * (key_bits + value_bits) / 8)
-
-
-def exact_tail_tokens(residual: int, group: int) -> int:
-    """Worst-case exact recent tokens: R, plus up to g - 1 more because keys are quantized a full group at a time."""
-    return residual + group - 1
-
-
-def engine_residual_slots(residual: int, group: int, chunk: int) -> int:
-    """Exact residual slots engine/guided.py preallocates per row: the window, a group waiting, a prefill chunk."""
-    return residual + group + max(chunk, 2)
-
-
-def fetch_buffer_bytes(model: ModelProfile, k: int, element_bytes: int = 2, buffers: int = FETCH_BUFFERS) -> int:
-    """Device buffers for the prefetched exact K/V: k positions x layers x KV heads x head_dim x (K, V)."""
-    return buffers * k * kv_bytes_per_token(model, element_bytes)
+# The cache sizes are engine.kvcache.sizes' formulas (one module for the caches and the planner):
+# kv_elements_per_token, kv_bytes_per_token, guide_bytes, exact_tail_tokens, residual_slots,
+# sink_slots, guide_capacity, fetch_buffer_bytes (imported above).
+engine_residual_slots = residual_slots  # the name this module's callers and docs/planner.md use
 
 
 def weight_bytes(model: ModelProfile, element_bytes: int = 2) -> int:
@@ -300,7 +276,7 @@ def constants() -> dict:
         "cuda_runtime_reserve_bytes": CUDA_RUNTIME_RESERVE_BYTES, "allocator_margin": ALLOCATOR_MARGIN,
         "host_reserve_fraction": HOST_RESERVE_FRACTION, "memory_efficiency": MEMORY_EFFICIENCY,
         "matmul_efficiency": MATMUL_EFFICIENCY, "sparse_transfer_efficiency": SPARSE_TRANSFER_EFFICIENCY,
-        "fetch_buffers": FETCH_BUFFERS, "speculative_tokens": SPECULATIVE_TOKENS,
+        "fetch_buffers": FETCH_BUFFERS, "paper_fetch_buffers": PAPER_FETCH_BUFFERS, "speculative_tokens": SPECULATIVE_TOKENS,
     }
 
 
@@ -343,13 +319,17 @@ def _sizing(mode: str, hw: HardwareProfile, m: ModelProfile, context: int, bits:
         return _Sizing({"kv_cache": context * kvb}, decode_working_set_bytes(m, context, 1, eb, guided=False),
                        prefill, one_shot, 0, context * kvb, 1)
     tail = min(context, exact_tail_tokens(residual, group))
-    slots = tail if reference == "paper" else engine_residual_slots(residual, group, chunk)
-    state = {"guide": guide_bytes(m, context, bits, group), "residual_window": slots * kvb,
-             "sinks": min(sinks, context) * kvb}
+    paper = reference == "paper"
+    if paper:  # the paper's figures: what is in use at `context` tokens
+        state = {"guide": guide_bytes(m, context, bits, group), "residual_window": tail * kvb,
+                 "sinks": min(sinks, context) * kvb}
+    else:  # the engine's preallocated buffers (engine.kvcache: allocated_device_bytes() equals this)
+        state = {"guide": guide_bytes(m, guide_capacity(context, group), bits, group),
+                 "residual_window": residual_slots(residual, group, chunk) * kvb, "sinks": sink_slots(sinks) * kvb}
     queries, read = 1, state["guide"] + (tail + min(sinks, context)) * kvb
     host = 0
     if mode == "specache":
-        state["fetch_buffers"] = fetch_buffer_bytes(m, k, eb)
+        state["fetch_buffers"] = fetch_buffer_bytes(m, k, eb, PAPER_FETCH_BUFFERS if paper else FETCH_BUFFERS)
         queries, read, host = SPECULATIVE_TOKENS, read + k * kvb, context * kvb
         if hw.unified_memory:
             state["host_store"] = host
