@@ -4,10 +4,10 @@ every package is installed by pyproject.toml."""
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "specache_cli", "profiles")

@@ -17,8 +17,17 @@ from typing import Any
 
 from engine.errors import BadArgument, DoesNotFit
 from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of this module's API)
-    FETCH_BUFFERS, exact_tail_tokens, fetch_buffer_bytes, guide_bits_per_element, guide_bytes, guide_capacity,
-    kv_bytes_per_token, kv_elements_per_token, layer_kv_bytes_per_token, residual_slots, sink_slots,
+    FETCH_BUFFERS,
+    exact_tail_tokens,
+    fetch_buffer_bytes,
+    guide_bits_per_element,
+    guide_bytes,
+    guide_capacity,
+    kv_bytes_per_token,
+    kv_elements_per_token,
+    layer_kv_bytes_per_token,
+    residual_slots,
+    sink_slots,
 )
 from engine.plan.profiles import (
     HardwareProfile,
