@@ -107,3 +107,15 @@ def test_every_package_is_installed():
     found = {module_name(p.parent / "__init__.py") for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
     assert config["package-dir"]["specache_examples"] == "examples" and (ROOT / "examples" / "__init__.py").is_file()
+
+
+def test_every_cache_mode_is_a_registered_policy():
+    """A policy is one module registered by name; the config accepts exactly the registered names, and
+    each declares what the jobs and the planner ask of it."""
+    from engine.config import CACHE_MODES
+    from engine.kvcache import POLICIES
+    from engine.plan.planner import MODES
+
+    assert set(CACHE_MODES) == set(POLICIES)
+    for name, cls in POLICIES.items():
+        assert cls.policy == name and cls.plan_mode in MODES and isinstance(cls.fetches, bool)

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.config import CacheConfig
-from engine.kvcache import KVCache
+from engine.kvcache import POLICIES, KVCache
 
 
 @torch.inference_mode()
@@ -123,7 +123,6 @@ def _resync(follow, prev, current: torch.Tensor, out: torch.Tensor, fed: torch.T
 
 
 def decoder_for(config: CacheConfig):
-    """The step loop of a cache mode: speculative for specache with k > 0 (unless its prefetch is
-    "current": one token per step, each layer picking its own fetched set), plain otherwise."""
-    speculate = config.mode == "specache" and config.k > 0 and config.prefetch == "speculative"
-    return speculative_steps if speculate else plain_steps
+    """The step loop of a cache mode: speculative when its policy speculates (specache with k > 0 and
+    prefetch "speculative"), plain otherwise (one token per step)."""
+    return speculative_steps if POLICIES[config.mode].speculates(config) else plain_steps

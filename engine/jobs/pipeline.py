@@ -12,6 +12,7 @@ from engine.errors import DocumentTooLong, EmptyDocument, SpecacheError
 from engine.generate.engine import Engine, Finished, Progress, Tokens
 from engine.generate.prefixes import StoreUse
 from engine.inputs import prompts as P
+from engine.kvcache import POLICIES
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
 
@@ -129,21 +130,20 @@ class Runner:
 
     def batch_size(self, rows: int, context: int) -> int:
         """How many of `rows` sequences of `context` tokens to decode together."""
+        policy = POLICIES[self.cache.mode]
         if self.batch is not None:
             self.plan = {"batch": min(self.batch, rows), "chosen_by": "flag"}
-            if self.cache.mode == "specache":
+            if policy.fetches:
                 self.plan["k"] = self.cache.k
             return min(self.batch, rows)
-
-        mode = {"window": "kivi"}.get(self.cache.mode, self.cache.mode)
         params = sum(p.numel() for p in self.lm.model.parameters())
-        mp = plan_for_run(self.lm.model.config, context, mode, bits=self.cache.bits, group=self.cache.group,
-                          k=self.cache.k if mode == "specache" else None, residual=self.cache.residual,
+        mp = plan_for_run(self.lm.model.config, context, policy.plan_mode, bits=self.cache.bits,
+                          group=self.cache.group, k=self.cache.k if policy.fetches else None, residual=self.cache.residual,
                           sinks=self.cache.sinks, prefill_chunk=self.cache.chunk_size, batch_limit=rows,
                           parameters=params, weights_resident=True)
         self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
                      "max_batch_for_context": mp.max_batch, "context": context}
-        if self.cache.mode == "specache":
+        if policy.fetches:
             self.plan["k"] = self.cache.k
         return self.plan["batch"]
 

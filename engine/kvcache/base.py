@@ -145,6 +145,12 @@ class CacheLayer(Protocol):
     specache.py, kivi.py, window.py). Buffers are preallocated for `batch` rows of `max_len` tokens."""
 
     quantizes: ClassVar[bool]  # True: the layer moves a quantization boundary on commits (boundaries/after_step)
+    fetches: ClassVar[bool]  # True: CacheConfig.k exact positions are fetched per step (k matters)
+    plan_mode: ClassVar[str]  # the memory planner's mode whose sizes this policy has (engine.plan.planner.MODES)
+
+    @classmethod
+    def speculates(cls, config: CacheConfig) -> bool:
+        """True: decode with the two-token speculative step loop (engine.generate.steps)."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
         """Store the new tokens' K/V [b, H_kv, T, D] of this pass."""

@@ -23,7 +23,11 @@ from engine.kvcache.transfer import Transfer
 class FullLayer:
     """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
 
-    quantizes = False
+    quantizes, fetches, plan_mode = False, False, "full"
+
+    @classmethod
+    def speculates(cls, config: CacheConfig) -> bool:
+        return False
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):

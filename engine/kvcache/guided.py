@@ -46,7 +46,11 @@ class GuidedLayer:
     that fixes how many positions it fetches (topk), whether it keeps a guide and an exact host store,
     and its window (engine/kvcache/specache.py, kivi.py, window.py)."""
 
-    quantizes = True
+    quantizes, fetches = True, False
+
+    @classmethod
+    def speculates(cls, config: CacheConfig) -> bool:
+        return False
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer, *, topk: int, use_guide: bool, residual: int, group: int):

@@ -13,6 +13,8 @@ from engine.kvcache.transfer import Transfer
 
 @register("kivi")
 class KiviLayer(GuidedLayer):
+    plan_mode = "kivi"
+
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
         super().__init__(shape, config, batch, max_len, dtype, device, transfer, topk=0, use_guide=True,

@@ -17,6 +17,13 @@ from engine.kvcache.transfer import Transfer
 class SpecacheLayer(GuidedLayer):
     """Guide + sinks + residual window + the fetched set of k exact positions (k = config.k)."""
 
+    fetches, plan_mode = True, "specache"
+
+    @classmethod
+    def speculates(cls, config: CacheConfig) -> bool:
+        """Two tokens per step unless nothing is fetched or each token picks its own set (prefetch current)."""
+        return config.k > 0 and config.prefetch == "speculative"
+
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
         super().__init__(shape, config, batch, max_len, dtype, device, transfer, topk=config.k, use_guide=True,

@@ -14,6 +14,8 @@ from engine.kvcache.transfer import Transfer
 
 @register("window")
 class WindowLayer(GuidedLayer):
+    plan_mode = "kivi"  # the planner sizes it as kivi: window's default W gives it specache's device bytes
+
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
         window = config.window or window_tokens(shape, max_len, config.bits, config.group, config.k, config.residual,
