@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.docstore.store import KVStore, max_bytes_from
+from engine.docstore.store import KVStore, check_folder, max_bytes_from
 from engine.errors import BadArgument, InputNotFound
 from specache_cli.console import err_console, guarded, print_warning
 from specache_cli.render import emit_json
@@ -34,6 +34,7 @@ def _store(cache_max_gb: Optional[float] = None) -> KVStore:
         store = KVStore(max_bytes=max_bytes_from(cache_max_gb), warn=print_warning, note=_note)
     except ValueError as exc:
         raise BadArgument(f"--cache-max-gb: {exc}") from None
+    check_folder(store.root)
     store.tidy()
     return store
 

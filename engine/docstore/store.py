@@ -43,6 +43,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 from filelock import FileLock
 
+from engine.errors import StorageError
 from engine.paths import cache_root
 
 FORMAT = "specache-kv-1"
@@ -85,6 +86,18 @@ def max_bytes_from(max_gb: float | None) -> int | None:
     if not (math.isfinite(max_gb) and max_gb > 0):
         raise ValueError(f"the store size cap must be a finite number of GB > 0, not {max_gb}")
     return int(max_gb * 1e9)
+
+
+def check_folder(path: Path) -> None:
+    """Raise StorageError when `path` cannot be a folder: it, or the first of its parents that
+    exists, is something else (e.g. SPECACHE_CACHE_DIR pointing below a regular file)."""
+    path = Path(path)
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise StorageError(f"{path} cannot be a folder: {candidate} is a file "
+                                   f"(check SPECACHE_CACHE_DIR / XDG_CACHE_HOME)")
+            return
 
 
 def ids_digest(ids: Sequence[int]) -> str:
