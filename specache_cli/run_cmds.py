@@ -21,7 +21,7 @@ from engine.errors import (
     ModelLoadError,
     SpecacheError,
 )
-from engine.inputs.documents import STDIN, load_document
+from engine.inputs.documents import STDIN, decode_text, load_document
 from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, count_tokens, summarize_many
 from engine.model.embedded import EMBEDDED_NAME
 from engine.model.loading import load_model
@@ -106,14 +106,14 @@ def check_window(cache: CacheOptions, max_tokens: int, window: int) -> None:
 def clamp_to_prompt(config: CacheConfig, longest: int) -> tuple[CacheConfig, list[str]]:
     """The cache settings with k, sinks, residual and chunk_size cut to `longest` (tokens of the
     longest model call: prompt and answer); beyond it they change nothing but the size of buffers.
-    -> (config, one note per flag cut)."""
+    -> (config, the flags cut, as "--k 5000")."""
     cut, notes = {}, []
     for field, flag in WINDOW_FLAGS:
         value = getattr(config, field)
         if value > longest:
             cut[field] = max(longest, 16 if field == "chunk_size" else 1)
             if cut[field] < value:
-                notes.append(f"{flag} {value} -> {cut[field]} (no model call here is longer)")
+                notes.append(f"{flag} {value}")
     return (replace(config, **cut) if cut else config), notes
 
 
@@ -173,7 +173,7 @@ class Session:
                 longest = min(lm.max_context, count_tokens(lm.tokenizer, self.longest_text) + floor)
                 cache, notes = clamp_to_prompt(cache, longest)
                 if notes:
-                    self.status("cache flags cut to the longest model call: " + "; ".join(notes))
+                    self.status(f"{', '.join(notes)}: cut to {longest} tokens, the longest model call here")
             self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
         return self._runner
 
@@ -240,7 +240,8 @@ def not_done(files: list[str], done: set[str]) -> list[str]:
 def read_questions(path: str) -> list[str]:
     """--questions FILE: one question per line, blank lines skipped; - reads stdin."""
     if path == "-":
-        text = sys.stdin.read()
+        raw = getattr(sys.stdin, "buffer", None)
+        text = decode_text(raw.read()) if raw is not None else sys.stdin.read()
     else:
         p = Path(path)
         if p.is_dir():

@@ -102,8 +102,17 @@ def iter_pdf_pages(path: Path, password: str | None = None) -> Iterator[tuple[in
 
 
 def _load_stdin(stream: TextIO) -> Document:
-    """Read all of stdin as plain text."""
-    text = normalise_plain_text(stream.read())
+    """Read all of stdin as plain text: its bytes decoded as a file's are (UTF-8 or UTF-16 with a
+    BOM, undecodable bytes replaced), so no lone surrogate ever reaches the tokenizer."""
+    raw = getattr(stream, "buffer", None)
+    if raw is not None:
+        data = raw.read()
+        if _looks_binary(data):
+            raise UnsupportedInput(f"-: standard input looks like binary data, not text; supported: {SUPPORTED}")
+        text = decode_text(data)
+    else:  # a text stream without bytes underneath (tests): drop what cannot be UTF-8
+        text = stream.read().encode("utf-8", errors="replace").decode("utf-8")
+    text = normalise_plain_text(text)
     if not text.strip():
         raise EmptyDocument("-: standard input is empty (only whitespace)")
     return Document(source=STDIN, text=text, pages=None, kind="text")
