@@ -597,3 +597,53 @@ def test_big_flags_run_under_a_memory_ceiling(world, tiny_model_dir, flags):
     assert "Traceback" not in out.stderr and not out.error_lines()
     if "--k" in flags:
         assert "cut to" in out.stderr  # the status line saying the flags were cut
+
+
+def test_a_full_disk_while_saving_the_store_entry(world, tiny_model_dir, tmp_path):
+    """RLIMIT_FSIZE stands in for a full disk (writes past it fail with EFBIG; Python ignores SIGXFSZ):
+    the answer still comes, the failed save is one warning, and no entry or temp file is left."""
+    cache = tmp_path / "cache"
+    native = {k: v for k, v in world.env.items() if k != "SPECACHE_CACHE_DIR"}
+    fsize = 200_000  # bytes: the tiny model's store entry for this document is larger
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+    p = subprocess.run([sys.executable, "-m", "specache_cli", "ask", "--doc", str(world.files["small.txt"]), "Who met?",
+                        "--model", str(tiny_model_dir), "--max-tokens", "3"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240, preexec_fn=limit, env={**native, "SPECACHE_CACHE_DIR": str(cache)})
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "warning: could not save" in p.stderr and "error:" not in p.stderr
+    kv = cache / "kv"
+    assert not any(x.name.endswith(".safetensors") or x.name.startswith(".part-") for x in kv.iterdir())
+
+
+def test_guard_maps_unexpected_failures_to_one_line(capsys, monkeypatch):
+    """What reaches a command's guard without being a SpecacheError: the allocator's RuntimeError
+    (exit 12), a disk error (exit 14), Ctrl-C (130), anything else (exit 1): one line each."""
+    import errno
+
+    import typer
+
+    from specache_cli.console import guarded
+
+    monkeypatch.delenv("SPECACHE_DEBUG", raising=False)
+    cases = [
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: you tried "
+                      "to allocate 22000000000 bytes"), 12, "out of memory"),
+        (MemoryError(), 12, "out of memory"),
+        (OSError(errno.ENOSPC, "No space left on device", "/cache/kv/x"), 14, "No space left on device: /cache/kv/x"),
+        (NotADirectoryError(errno.ENOTDIR, "Not a directory", "/a/file/models"), 14, "SPECACHE_CACHE_DIR"),
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (KeyError("bogus"), 1, "internal error (KeyError"),
+    ]
+    for exc, code, needle in cases:
+        def boom(exc=exc):
+            raise exc
+
+        with pytest.raises(typer.Exit) as info:
+            guarded(boom)()
+        assert info.value.exit_code == code
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], err
