@@ -21,7 +21,7 @@ from engine.errors import (
     ModelLoadError,
     SpecacheError,
 )
-from engine.inputs.documents import STDIN, decode_text, load_document
+from engine.inputs.documents import STDIN, decode_text, load_document, read_regular_file
 from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, count_tokens, summarize_many
 from engine.model.embedded import EMBEDDED_NAME
 from engine.model.loading import load_model
@@ -215,10 +215,7 @@ def done_sources(path: str) -> set[str]:
     p = Path(path)
     if p.is_dir():
         raise BadArgument(f"--resume {path}: is a directory")
-    try:
-        lines = p.read_text(encoding="utf-8", errors="replace").splitlines() if p.exists() else []
-    except OSError as exc:
-        raise BadArgument(f"--resume {path}: cannot be read ({exc.strerror or exc})") from None
+    lines = read_regular_file(p).decode("utf-8", errors="replace").splitlines() if p.exists() else []
     done = set()
     for line in lines:
         try:
@@ -249,8 +246,8 @@ def read_questions(path: str) -> list[str]:
         if not p.exists():
             raise InputNotFound(f"{path}: no such file")
         try:
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            text = read_regular_file(p).decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise BadArgument(f"--questions {path}: cannot be read ({exc})") from None
     questions = [line.strip() for line in text.splitlines() if line.strip()]
     if not questions:

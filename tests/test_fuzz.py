@@ -487,6 +487,13 @@ def test_question_and_resume_cases(world):
                      "no questions")
     assert_one_error(world.run(["ask", "--doc", small, "--questions", world.files["folder"], *base]), 2, "directory")
     assert_one_error(world.run(["ask", "--doc", world.files["fifo.txt"], "q?", *base]), 4, "FIFO")
+    assert_one_error(world.run(["ask", "--doc", small, "--questions", world.files["fifo.txt"], *base]), 4, "FIFO")
+    assert_one_error(world.run(["ask", "--doc", small, "--questions", world.files["nul.txt"], *base]), 10,
+                     "could not load the model")  # NULs in a question are only text
+    assert_one_error(world.run(["ask", "--doc", small, "--questions", world.files["latin1.md"], *base]), 2,
+                     "cannot be read")
+    assert_one_error(world.run(["summarize", small, "--jsonl", "--resume", world.files["fifo.txt"], *base]), 4,
+                     "FIFO")
     assert_one_error(world.run(["summarize", small, "--jsonl", "--resume", world.files["jsonl-dir"], *base]), 2,
                      "directory")
 

@@ -315,6 +315,12 @@ def _quiet_pypdf() -> Iterator[None]:
 # ---------------------------------------------------------------- files
 
 
+def read_regular_file(path: str | Path) -> bytes:
+    """The bytes of a regular file given by the user (a document, --questions, --resume), with the
+    typed errors of documents: a FIFO, socket or device is refused (UnsupportedInput), never read."""
+    return _read_bytes(Path(path), str(path))
+
+
 def _read_bytes(path: Path, source: str) -> bytes:
     """Read a whole regular file, mapping missing paths, folders, FIFOs, sockets, devices and OS
     errors to typed errors. The file is opened without blocking and checked after opening, so a
