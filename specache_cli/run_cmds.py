@@ -166,6 +166,7 @@ class Session:
             m = self.model_opts
             lm = load_model(m.model, device=m.device, dtype=m.dtype, on_status=self.status)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
+            check_window(self.cache_opts, self.gen.max_tokens, lm.max_context)  # when config.json did not say
             defaults = model_defaults(lm, self.overrides.get("prefetch"))
             cache = CacheConfig(mode=self.cache_opts.cache, **defaults).with_overrides(**self.overrides)
             floor = min(lm.max_context, self.gen.max_tokens + PROMPT_SLACK)  # no call is shorter than this bound
