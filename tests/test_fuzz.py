@@ -658,3 +658,31 @@ def test_guard_maps_unexpected_failures_to_one_line(capsys, monkeypatch):
         err = capsys.readouterr().err
         lines = [x for x in err.splitlines() if x.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], err
+
+
+def test_clamp_to_prompt_cuts_only_what_exceeds_the_longest_call():
+    from engine.config import CacheConfig
+    from specache_cli.run_cmds import clamp_to_prompt
+
+    config, notes = clamp_to_prompt(CacheConfig(k=5000, sinks=4, residual=64, chunk_size=8000), 1000)
+    assert (config.k, config.sinks, config.residual, config.chunk_size) == (1000, 4, 64, 1000)
+    assert notes == ["--k 5000", "--chunk-size 8000"]
+    same, none = clamp_to_prompt(CacheConfig(), 100_000)
+    assert same == CacheConfig() and none == []
+
+
+@pytest.mark.slow
+def test_flags_at_the_embedded_models_window_stay_near_the_default_memory(world):
+    """The issue's runaway, at the largest values now allowed: --k/--sinks/--residual/--chunk-size
+    8192 on a ~540-token document. Cut to the longest call, the run works with 1.9 GiB of address
+    space over the imported CLI (measured: 2.29 GiB in all works, RSS 1.30 GB against 1.13 GB by
+    default); before the cut it needed 2.58 GB RSS and failed with an allocator traceback under
+    2.86 GiB (`ulimit -v 3000000`)."""
+    env = {k: v for k, v in world.env.items() if k != "SPECACHE_CACHE_DIR"}  # the converted model
+    doc = world.files["small.txt"].parent / "federalist-head.txt"
+    doc.write_bytes((EXAMPLES / "texts" / "federalist.txt").read_bytes()[:2500])
+    out = fresh(["ask", "--doc", doc, "What is this about?", "--no-store", "--device", "cpu", "--max-tokens", "4",
+                 "--k", "8192", "--sinks", "8192", "--residual", "8192", "--chunk-size", "8192"], env,
+                ceiling=world.base_vm + int(1.9 * GIB), timeout=600)
+    assert out.rc == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "cut to" in out.stderr
