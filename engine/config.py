@@ -1,11 +1,13 @@
 """Validated configuration dataclasses for the cache engine and for generation."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import BadArgument
 
 CACHE_MODES = ("full", "specache", "kivi", "window")
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (a negative seed wraps around)
 PREFETCH = ("speculative", "current")
 
 
@@ -71,7 +73,9 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise BadArgument(f"--max-tokens must be >= 1, not {self.max_tokens}")
-        if self.temperature < 0:
-            raise BadArgument(f"--temperature must be >= 0, not {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise BadArgument(f"--temperature must be a finite number >= 0, not {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise BadArgument(f"--top-p must be in (0, 1], not {self.top_p}")
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise BadArgument(f"--seed must be in [-2**63, 2**64 - 1], not {self.seed}")

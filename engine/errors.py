@@ -6,7 +6,8 @@ Exit codes (documented in README):
   6 encrypted document (wrong or missing password), 7 no extractable text (scanned),
   8 empty document, 9 document too long for the chosen strategy,
   10 model could not be loaded, 11 malformed profile, 12 out of memory / does not fit,
-  13 some documents of a batch failed.
+  13 some documents of a batch failed, 14 a file could not be written (disk full, read-only,
+  a cache folder that is not a folder), 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -76,3 +77,13 @@ class DoesNotFit(SpecacheError):
 class BatchFailures(SpecacheError):
     exit_code = 13
     code = "batch_failures"
+
+
+class StorageError(SpecacheError):
+    """A file specache must write (converted model, store entry, cache folder) cannot be written."""
+
+    exit_code = 14
+    code = "storage_error"
+
+
+INTERRUPTED_EXIT = 130  # Ctrl-C: 128 + SIGINT, as shells report it

@@ -6,7 +6,13 @@ own exit code by console.guarded around each command.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
+import typer.main
+
+from engine.errors import INTERRUPTED_EXIT
 
 app = typer.Typer(
     name="specache",
@@ -23,7 +29,46 @@ for _module in (run_cmds, plan_cmd, bench_cmd, cache_cmd):
     _module.register(app)
 
 
-def main() -> None:
-    """Console-script entry point. Commands are wrapped by console.guarded, so user errors
-    already arrive here as a one-line message and their exit code; click maps bad flags to 2."""
-    app()
+def usage_message(exc: Exception) -> str:
+    """Click's usage error as one line, with a hint for a file name that starts with a dash."""
+    message = " ".join(exc.format_message().split()) if hasattr(exc, "format_message") else str(exc)
+    message = message.rstrip(".")
+    option = getattr(exc, "option_name", None)
+    if type(exc).__name__ == "NoSuchOption" and option and not option.startswith("--"):
+        message += " (to name a file that starts with '-', put '--' before it or write it as ./-name)"
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and ctx.command_path:
+        message += f"; see {ctx.command_path} --help"
+    return message
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point. Commands are wrapped by console.guarded, so user errors arrive
+    here as an exit code, their one-line message printed; Click's own usage errors (unknown flag,
+    a value that is not a number, a missing argument) are printed here the same way, exit 2."""
+    try:
+        code = run(argv)
+    except BrokenPipeError:  # the reader went away (`| head`): not an error of ours
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the final flush is quiet
+        except (OSError, ValueError):
+            pass
+        code = 141  # 128 + SIGPIPE, as a shell reports a pipe writer it killed
+    sys.exit(code)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the command line; -> its exit code."""
+    from specache_cli.console import print_error
+
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(argv, prog_name="specache", standalone_mode=False)
+    except (typer.Abort, KeyboardInterrupt):  # Ctrl-C outside a command, or Click's own abort
+        print_error("interrupted")
+        return INTERRUPTED_EXIT
+    except typer.exceptions.TyperException as exc:  # Click's ClickException family: usage errors
+        if type(exc).__name__ != "NoArgsIsHelpError":  # (that one: Typer has printed the help already)
+            print_error(usage_message(exc))
+        return int(getattr(exc, "exit_code", 2))
+    return code if isinstance(code, int) else 0

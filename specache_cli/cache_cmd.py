@@ -11,23 +11,32 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.docstore.store import KVStore, max_bytes_from
+from engine.docstore.store import KVStore, check_folder, max_bytes_from
 from engine.errors import BadArgument, InputNotFound
-from specache_cli.console import guarded
+from specache_cli.console import err_console, guarded, print_warning
 from specache_cli.render import emit_json
 
 cache_app = typer.Typer(name="cache", help="The document KV store: list, remove, clear (sizes included).",
                         no_args_is_help=True)
 
-CAP = typer.Option(None, "--cache-max-gb", help="The size cap to show (default: $SPECACHE_CACHE_MAX_GB, else 20).")
+CAP = typer.Option(None, "--cache-max-gb", help="The size cap (default: $SPECACHE_CACHE_MAX_GB, else 20); "
+                   "entries over it are evicted, least recently used first, as on every open of the store.")
 
 
-def _store(cache_max_gb: Optional[float] = None):
+def _note(message: str) -> None:
+    err_console.print(message, highlight=False, soft_wrap=True, markup=False)
 
+
+def _store(cache_max_gb: Optional[float] = None) -> KVStore:
+    """The store as every command opens it: the cap applied, debris of killed writes swept,
+    anything in the folder that is not an entry reported on stderr and skipped."""
     try:
-        return KVStore(max_bytes=max_bytes_from(cache_max_gb))
+        store = KVStore(max_bytes=max_bytes_from(cache_max_gb), warn=print_warning, note=_note)
     except ValueError as exc:
         raise BadArgument(f"--cache-max-gb: {exc}") from None
+    check_folder(store.root)
+    store.tidy()
+    return store
 
 
 def human(nbytes: int | None) -> str:
@@ -63,8 +72,10 @@ def ls_cmd(json_out: bool = typer.Option(False, "--json", help="Print the listin
     store = _store(cache_max_gb)
     entries = store.entries()
     total = sum(e.bytes for e in entries)
+    parts, part_bytes = len(store.part_files()), store.part_bytes()  # writes in progress count on disk too
     if json_out:
         emit_json({"path": str(store.root), "bytes": total, "max_bytes": store.max_bytes,
+                   "unfinished_writes": parts, "unfinished_bytes": part_bytes,
                    "entries": [{"key": e.key, "bytes": e.bytes, "tokens": e.tokens, "last_used": round(e.last_used, 3),
                                 "label": e.meta.get("label"), "model": e.meta.get("model_name"),
                                 "model_fingerprint": e.meta.get("model"), "mode": e.meta.get("mode"),
@@ -87,8 +98,9 @@ def ls_cmd(json_out: bool = typer.Option(False, "--json", help="Print the listin
                       human(e.bytes // e.tokens) if e.tokens else "-", _ago(e.last_used))
     if entries:
         console.print(table)
+    writing = f"; {parts} write{'s' if parts != 1 else ''} in progress, {human(part_bytes)}" if parts else ""
     console.print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {human(total)} of "
-                  f"{human(store.max_bytes)} (cap) in {store.root}", highlight=False)
+                  f"{human(store.max_bytes)} (cap) in {store.root}{writing}", highlight=False, markup=False)
 
 
 def rm_cmd(keys: list[str] = typer.Argument(..., help="Keys or unique key prefixes (as `specache cache ls` shows).")

@@ -3,26 +3,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.docstore.store import KVStore, max_bytes_from
+from engine.docstore.store import KVStore, check_folder, max_bytes_from
 from engine.errors import (
     BadArgument,
     BatchFailures,
     EmptyDocument,
     InputNotFound,
+    ModelLoadError,
     SpecacheError,
 )
-from engine.inputs.documents import load_document
-from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, summarize_many
+from engine.inputs.documents import STDIN, decode_text, load_document, read_regular_file
+from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, count_tokens, summarize_many
+from engine.model.embedded import EMBEDDED_NAME
 from engine.model.loading import load_model
-from engine.plan.profiles import model_defaults
-from specache_cli.console import err_console, guarded
+from engine.paths import cache_root
+from engine.plan.profiles import load_model_profile, model_defaults
+from specache_cli.console import err_console, guarded, print_error, print_warning
 from specache_cli.options import (
     CacheOptions,
     GenerationOptions,
@@ -37,9 +42,86 @@ def parse_batch(batch: str) -> int | None:
     """--batch: 'auto' (None: the planner decides) or a positive integer."""
     if batch == "auto":
         return None
-    if not batch.isdigit() or int(batch) < 1:
+    if not (batch.isascii() and batch.isdigit()) or int(batch) < 1:
         raise BadArgument(f"--batch must be 'auto' or a positive integer, not {batch!r}")
     return int(batch)
+
+
+DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+EMBEDDED_SPECS = (None, "", "default", EMBEDDED_NAME, "smollm2-135m")  # --model values naming the embedded model
+EMBEDDED_PROFILE = "smollm2-135m"
+PROMPT_SLACK = 512  # tokens a prompt may add around the document and question (chat template, labels)
+WINDOW_FLAGS = (("k", "--k"), ("sinks", "--sinks"), ("residual", "--residual"), ("chunk_size", "--chunk-size"))
+
+
+def check_device(device: str, dtype: str) -> None:
+    """--device and --dtype, before anything is loaded: names only, and CUDA only where there is one."""
+    if not DEVICES.fullmatch(device):
+        raise BadArgument(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    if dtype not in DTYPES:
+        raise BadArgument(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"--device {device} was asked for but no CUDA device is available")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise BadArgument(f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s)")
+
+
+def model_window(spec: str | None) -> int | None:
+    """The model's context window in tokens, read without loading it: the embedded model's profile,
+    or max_position_embeddings of a folder's config.json (None when the config does not say).
+    A folder that is missing or has no readable config.json is refused here, before any load."""
+    if spec in EMBEDDED_SPECS:
+        return load_model_profile(EMBEDDED_PROFILE).max_context
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model folder not found: {spec} (give a local Hugging Face model folder)")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{spec} is not a Hugging Face model folder (no config.json)")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelLoadError(f"{spec}/config.json cannot be read ({type(exc).__name__}: {exc})") from None
+    window = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def check_window(cache: CacheOptions, max_tokens: int, window: int) -> None:
+    """Flags that size buffers in tokens, against the model's window: none may exceed it (a bigger
+    value could only waste memory), and --max-tokens leaves at least half the window to the document."""
+    for field, flag in WINDOW_FLAGS:
+        value = getattr(cache, field)
+        if value is not None and value > window:
+            raise BadArgument(f"{flag} {value} is more than the model's window of {window} tokens "
+                              f"(at most {window})")
+    if max_tokens > window // 2:
+        raise BadArgument(f"--max-tokens {max_tokens} leaves too little of the model's {window}-token window for "
+                          f"the document (at most {window // 2})")
+
+
+def clamp_to_prompt(config: CacheConfig, longest: int) -> tuple[CacheConfig, list[str]]:
+    """The cache settings with k, sinks, residual and chunk_size cut to `longest` (tokens of the
+    longest model call: prompt and answer); beyond it they change nothing but the size of buffers.
+    -> (config, the flags cut, as "--k 5000")."""
+    cut, notes = {}, []
+    for field, flag in WINDOW_FLAGS:
+        value = getattr(config, field)
+        if value > longest:
+            cut[field] = max(longest, 16 if field == "chunk_size" else 1)
+            if cut[field] < value:
+                notes.append(f"{flag} {value}")
+    return (replace(config, **cut) if cut else config), notes
+
+
+def check_stdin_once(sources: list[str], questions_file: str | None = None) -> None:
+    """Standard input can be read once: "-" given twice (or for documents and --questions) is refused."""
+    if sources.count(STDIN) + (questions_file == STDIN) > 1:
+        raise BadArgument('standard input ("-") can be read only once: give it for one document, '
+                          "or for --questions, not both")
 
 
 class Session:
@@ -49,6 +131,7 @@ class Session:
     def __init__(self, model: ModelOptions, cache: CacheOptions, gen: GenerationOptions, quiet: bool):
         if gen.strategy not in STRATEGIES:
             raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {gen.strategy!r}")
+        check_device(model.device, model.dtype)
         self.overrides = dict(bits=cache.bits, group=cache.group, k=cache.k, residual=cache.residual,
                               sinks=cache.sinks, chunk_size=cache.chunk_size, measure_hits=cache.hit_rate or None,
                               prefetch=cache.prefetch)
@@ -61,11 +144,21 @@ class Session:
             self.store_max_bytes = max_bytes_from(cache.cache_max_gb)
         except ValueError as exc:
             raise BadArgument(f"--cache-max-gb: {exc}") from None
+        window = model_window(model.model)
+        if window is not None:
+            check_window(cache, gen.max_tokens, window)
+        if model.model in EMBEDDED_SPECS or not cache.no_store:  # the converted model and the store live there
+            check_folder(cache_root())
+        self.longest_text = ""  # the longest document (and question) read: bounds the cache flags
         self._runner: Runner | None = None
 
     def status(self, message: str) -> None:
         if not self.quiet:
             err_console.print(f"[dim]{message}[/]", highlight=False)
+
+    def saw(self, *texts: str) -> None:
+        """Note the text of a document (or question) read, so the cache flags can be cut to its length."""
+        self.longest_text = max((self.longest_text, *texts), key=len)
 
     @property
     def runner(self) -> Runner:
@@ -73,17 +166,25 @@ class Session:
             m = self.model_opts
             lm = load_model(m.model, device=m.device, dtype=m.dtype, on_status=self.status)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
+            check_window(self.cache_opts, self.gen.max_tokens, lm.max_context)  # when config.json did not say
             defaults = model_defaults(lm, self.overrides.get("prefetch"))
             cache = CacheConfig(mode=self.cache_opts.cache, **defaults).with_overrides(**self.overrides)
+            floor = min(lm.max_context, self.gen.max_tokens + PROMPT_SLACK)  # no call is shorter than this bound
+            if any(getattr(cache, f) > floor for f, _ in WINDOW_FLAGS):  # (counting tokens costs ~1 s per 100k)
+                longest = min(lm.max_context, count_tokens(lm.tokenizer, self.longest_text) + floor)
+                cache, notes = clamp_to_prompt(cache, longest)
+                if notes:
+                    self.status(f"{', '.join(notes)}: cut to {longest} tokens, the longest model call here")
             self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
         return self._runner
 
     def store(self) -> KVStore | None:
-        """The persistent document store, unless --no-store."""
+        """The persistent document store, unless --no-store; opening it applies its cap."""
         if self.cache_opts.no_store:
             return None
-        warn = lambda m: err_console.print(f"[yellow]warning:[/] {m}", highlight=False, soft_wrap=True)  # noqa: E731
-        return KVStore(max_bytes=self.store_max_bytes, warn=warn, note=self.status)
+        store = KVStore(max_bytes=self.store_max_bytes, warn=print_warning, note=self.status)
+        store.tidy()
+        return store
 
 
 def read_document(source: str, password: Optional[str], quiet: bool):
@@ -115,10 +216,7 @@ def done_sources(path: str) -> set[str]:
     p = Path(path)
     if p.is_dir():
         raise BadArgument(f"--resume {path}: is a directory")
-    try:
-        lines = p.read_text(encoding="utf-8", errors="replace").splitlines() if p.exists() else []
-    except OSError as exc:
-        raise BadArgument(f"--resume {path}: cannot be read ({exc.strerror or exc})") from None
+    lines = read_regular_file(p).decode("utf-8", errors="replace").splitlines() if p.exists() else []
     done = set()
     for line in lines:
         try:
@@ -140,7 +238,8 @@ def not_done(files: list[str], done: set[str]) -> list[str]:
 def read_questions(path: str) -> list[str]:
     """--questions FILE: one question per line, blank lines skipped; - reads stdin."""
     if path == "-":
-        text = sys.stdin.read()
+        raw = getattr(sys.stdin, "buffer", None)
+        text = decode_text(raw.read()) if raw is not None else sys.stdin.read()
     else:
         p = Path(path)
         if p.is_dir():
@@ -148,8 +247,8 @@ def read_questions(path: str) -> list[str]:
         if not p.exists():
             raise InputNotFound(f"{path}: no such file")
         try:
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            text = read_regular_file(p).decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise BadArgument(f"--questions {path}: cannot be read ({exc})") from None
     questions = [line.strip() for line in text.splitlines() if line.strip()]
     if not questions:
@@ -163,6 +262,7 @@ def summarize_cmd(
     resume: Optional[str] = RESUME,
 ) -> None:
     """Summarize each document (several documents are decoded together in batches)."""
+    check_stdin_once(files)
     session = Session(model, cache, gen, out.quiet)
     quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     many = len(files) > 1
@@ -181,6 +281,7 @@ def summarize_cmd(
             doc = read_document(source, out.password, quiet)
             if not doc.text.strip():  # checked here so the file gets its own error line in a batch
                 raise EmptyDocument(f"{source}: the document is empty")
+            session.saw(doc.text)
             docs.append((i, doc))
         except SpecacheError as exc:
             if not many:
@@ -196,7 +297,7 @@ def summarize_cmd(
                 raise item.error
             item = errors[i] = item.error
         if isinstance(item, SpecacheError):
-            err_console.print(f"[bold red]error:[/] {item}", highlight=False, soft_wrap=True)
+            print_error(str(item))
             if structured:
                 emit_json({"source": source, "error": {"code": item.code, "exit_code": item.exit_code,
                                                        "message": str(item)}}, jsonl)
@@ -215,6 +316,7 @@ def ask_cmd(
     model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
 ) -> None:
     """Answer questions about a document or a corpus of documents (several questions share one prefill)."""
+    check_stdin_once(doc, questions_file)
     asked = ([question] if question else []) + list(questions)
     if questions_file is not None:
         asked += read_questions(questions_file)
@@ -227,6 +329,7 @@ def ask_cmd(
     docs = [read_document(source, out.password, quiet) for source in doc]
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)
     source = ", ".join(d.source for d in docs)
+    session.saw(text + "\n" + max(asked, key=len))
     stream = len(asked) == 1 and not structured
     results = render_jobs(ask_many(session.runner, text, source, asked, stream=stream), quiet, stream)
     output(results, structured, jsonl, quiet, header=not stream)

@@ -250,3 +250,88 @@ def test_running_headers_and_footers_are_dropped():
              "body three\nReport - page 3 of 3"]
     assert strip_running_lines(pages) == ["Title\nbody one", "body two\nmore", "body three"]
     assert strip_running_lines(pages[:2]) == pages[:2]  # too few pages to tell
+
+
+# ---------------------------------------------------------------- hostile inputs (issue 16)
+
+
+def _encrypted(tmp_path: Path, algorithm: str) -> Path:
+    """A one-page PDF with text, encrypted with `algorithm` (user password 'pw', owner 'owner')."""
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(str(DATA / "encrypted.pdf"), password="secret"))
+    writer.encrypt(user_password="pw", owner_password="owner", algorithm=algorithm)
+    path = tmp_path / f"{algorithm}.pdf"
+    writer.write(path)
+    return path
+
+
+@pytest.mark.parametrize("algorithm", ["AES-128", "AES-256", "RC4-128"])
+def test_encrypted_pdf_any_cipher(tmp_path: Path, algorithm: str) -> None:
+    """AES (what most tools write today) opens with the right password, user's or owner's;
+    a missing or wrong one is EncryptedDocument (exit 6), whatever the cipher."""
+    path = _encrypted(tmp_path, algorithm)
+    for password in ("pw", "owner"):
+        assert "AFTER an unequivocal experience" in load_document(str(path), password=password).text
+    for password, words in ((None, "--password"), ("wrong", "wrong password")):
+        with pytest.raises(EncryptedDocument) as info:
+            load_document(str(path), password=password)
+        assert_error(info.value, str(path), words)
+
+
+@pytest.mark.parametrize("data", [b"\x0b", b"\x0c\x0b\r\n \x1c\x1f"])
+def test_whitespace_control_characters_are_empty_not_binary(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "vt.txt"
+    path.write_bytes(data)
+    with pytest.raises(EmptyDocument):
+        load_document(str(path))
+
+
+def test_fifo_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    result: list[BaseException] = []
+    reader = threading.Thread(target=lambda: result.append(pytest.raises(UnsupportedInput, load_document,
+                                                                         str(fifo)).value), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "load_document blocked on a FIFO with no writer"
+    assert_error(result[0], str(fifo), "FIFO")
+
+
+def test_socket_and_devices_are_refused(tmp_path: Path) -> None:
+    import socket
+
+    sock_path = tmp_path / "s.txt"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    sock.close()
+    with pytest.raises(UnsupportedInput, match="socket"):
+        load_document(str(sock_path))
+    for device in ("/dev/zero", "/dev/null"):
+        if Path(device).exists():
+            with pytest.raises(UnsupportedInput, match="device"):
+                load_document(device)
+
+
+def test_broken_link_is_not_found(tmp_path: Path) -> None:
+    link = tmp_path / "gone.txt"
+    link.symlink_to(tmp_path / "nowhere.txt")
+    with pytest.raises(InputNotFound, match="broken symbolic link"):
+        load_document(str(link))
+
+
+def test_stdin_bytes_are_decoded_like_a_file() -> None:
+    class Stdin(io.TextIOWrapper):
+        pass
+
+    undecodable = Stdin(io.BytesIO(b"caf\xe9 \xed\xa0\x80 ok"), encoding="utf-8", errors="surrogateescape")
+    text = load_document("-", stdin=undecodable).text
+    assert text.startswith("caf\ufffd") and text.endswith(" ok")
+    text.encode("utf-8")  # no lone surrogate left: the tokenizer would fail on one
+    binary = io.TextIOWrapper(io.BytesIO(bytes(range(256))), encoding="utf-8")
+    with pytest.raises(UnsupportedInput, match="binary"):
+        load_document("-", stdin=binary)

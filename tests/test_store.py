@@ -477,3 +477,81 @@ def test_real_model_second_ask_loads_the_document(embedded_dir, own_cache_dir):
     assert b["text"] == a["text"] and b["generated_tokens"] == a["generated_tokens"]
     assert b["prefill_seconds"] < a["prefill_seconds"] / 3
     assert (own_cache_dir / "kv" / f"{a['store']['key']}.safetensors").stat().st_size == a["store"]["bytes"]
+
+
+# ---- a hostile store folder (issue 16) ---------------------------------------------------------
+
+def _three_entries(store: KVStore) -> list[str]:
+    keys = []
+    for i in range(3):
+        ids = [i + 1] * 10
+        keys.append(make_key({"model": "m"}, ids))
+        store.save(keys[-1], ids, {"x": torch.randn(250_000)})  # ~1 MB
+        t = time.time() - 100 + i
+        os.utime(store.path(keys[-1]), (t, t))
+    return keys
+
+
+def test_the_cap_applies_on_open_not_only_on_save(tmp_path):
+    keys = _three_entries(KVStore(tmp_path / "kv"))
+    notes = Warnings()
+    store = KVStore(tmp_path / "kv", max_bytes=int(2.1e6), note=notes)
+    evicted = store.tidy()
+    assert [e.key for e in evicted] == keys[:1] and [e.key for e in store.entries()] == keys[1:]
+    assert store.total_bytes() <= store.max_bytes and "evicted 1" in notes[0]
+    assert KVStore(tmp_path / "kv").tidy() == []  # no cap given: nothing evicted
+
+
+def test_strays_in_the_folder_are_reported_and_never_touched(tmp_path):
+    root = tmp_path / "kv"
+    keys = _three_entries(KVStore(root))
+    (root / ("a" * 32 + S.SUFFIX)).mkdir()  # a folder named like an entry
+    (root / "notes.txt").write_text("mine")
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"x" * 10)
+    (root / ("b" * 32 + S.SUFFIX)).symlink_to(target)
+    (root / ("NOTAKEY" + S.SUFFIX)).write_bytes(b"junk")
+    warn = Warnings()
+    store = KVStore(root, warn=warn)
+    store.tidy()
+    assert len(warn) == 1 and "ignoring 4 item(s)" in warn[0]
+    assert sorted(e.key for e in store.entries()) == sorted(keys)
+    assert store.remove(["a" * 32, "b" * 32]) == 0  # not entries: nothing removed
+    sizes = sum(e.bytes for e in store.entries())
+    assert store.clear() == (3, sizes)
+    assert (root / ("a" * 32 + S.SUFFIX)).is_dir() and (root / "notes.txt").read_text() == "mine"
+    assert target.read_bytes() == b"x" * 10 and store.entries() == []
+
+
+def test_debris_of_a_dead_writer_is_swept_on_open(tmp_path):
+    root = tmp_path / "kv"
+    root.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    part = root / f"{S.PART_PREFIX}{'c' * 32}-{dead.stdout.strip()}-00ff00ff"
+    part.write_bytes(bytes(1000))
+    live = root / f"{S.PART_PREFIX}{'d' * 32}-{os.getpid()}-00ff00ff"  # a writer still alive: kept
+    live.write_bytes(bytes(500))
+    store = KVStore(root)
+    assert store.part_bytes() == 1500
+    store.tidy()
+    assert store.part_files() == [live] and store.part_bytes() == 500
+
+
+def test_a_cache_folder_below_a_file_is_a_storage_error(tmp_path):
+    from engine.errors import StorageError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StorageError, match="is a file"):
+        S.check_folder(blocker / "cache" / "kv")
+    S.check_folder(tmp_path / "new" / "kv")  # not there yet, but can be made
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "abc"])
+def test_cap_must_be_a_finite_positive_number(monkeypatch, value):
+    monkeypatch.setenv(S.ENV_MAX_GB, value)
+    with pytest.raises(ValueError):
+        S.max_bytes_from(None)
+    if value != "abc":
+        with pytest.raises(ValueError):
+            S.max_bytes_from(float(value))

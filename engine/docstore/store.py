@@ -20,13 +20,19 @@ every CRC and the token ids; an entry failing any check is reported, deleted and
 miss. Writes go to a .part file (fsynced) that is renamed into place under the lock, so a
 reader never sees half an entry, whatever happens to the writer (Ctrl-C, kill, crash).
 Least-recently-used eviction keeps the folder under a size cap; a hit refreshes the entry's
-mtime, which is what "recently used" means here.
+mtime, which is what "recently used" means here. The cap is applied each time a command opens
+the store (`tidy`), so a lower cap takes effect at once, and unfinished writes of dead writers are
+swept then too. Anything else in the folder (a folder named like an entry, a link, a stray file)
+is never read, counted or deleted: it is reported once per open and skipped.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+import stat
 import struct
 import time
 import zlib
@@ -37,6 +43,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 from filelock import FileLock
 
+from engine.errors import StorageError
 from engine.paths import cache_root
 
 FORMAT = "specache-kv-1"
@@ -46,6 +53,8 @@ STALE_PART_SECONDS = 3600  # a .part file this old whose writer is gone is debri
 DEFAULT_MAX_GB = 20.0
 LOCK_TIMEOUT = 300.0  # seconds; the lock is only held to publish, evict or delete, never while computing
 ENV_MAX_GB = "SPECACHE_CACHE_MAX_GB"
+KEY_PATTERN = re.compile(r"[0-9a-f]{32}")  # make_key: 32 hex digits of a sha256
+LOCK_NAME = ".lock"
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -74,9 +83,21 @@ def max_bytes_from(max_gb: float | None) -> int | None:
                 raise ValueError(f"{ENV_MAX_GB} must be a number of GB, not {env!r}") from None
         else:
             max_gb = DEFAULT_MAX_GB
-    if not max_gb > 0:
-        raise ValueError(f"the store size cap must be > 0 GB, not {max_gb}")
+    if not (math.isfinite(max_gb) and max_gb > 0):
+        raise ValueError(f"the store size cap must be a finite number of GB > 0, not {max_gb}")
     return int(max_gb * 1e9)
+
+
+def check_folder(path: Path) -> None:
+    """Raise StorageError when `path` cannot be a folder: it, or the first of its parents that
+    exists, is something else (e.g. SPECACHE_CACHE_DIR pointing below a regular file)."""
+    path = Path(path)
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise StorageError(f"{path} cannot be a folder: {candidate} is a file "
+                                   f"(check SPECACHE_CACHE_DIR / XDG_CACHE_HOME)")
+            return
 
 
 def ids_digest(ids: Sequence[int]) -> str:
@@ -131,7 +152,49 @@ class KVStore:
 
     def lock(self) -> FileLock:
         self.root.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(self.root / ".lock"), timeout=LOCK_TIMEOUT)  # filelock.Timeout is an OSError
+        return FileLock(str(self.root / LOCK_NAME), timeout=LOCK_TIMEOUT)  # filelock.Timeout is an OSError
+
+    # ---- opening -------------------------------------------------------------------------
+    def tidy(self) -> list[EntryInfo]:
+        """What a command does when it opens the store: report what does not belong in the folder,
+        sweep unfinished writes of dead writers and evict least-recently-used entries down to the cap
+        (a lowered --cache-max-gb or SPECACHE_CACHE_MAX_GB applies at once). -> the entries evicted."""
+        if not self.root.is_dir():
+            return []
+        strays = self.strays()
+        if strays:
+            shown = ", ".join(p.name + ("/" if p.is_dir() else "") for p in strays[:5])
+            more = f" and {len(strays) - 5} more" if len(strays) > 5 else ""
+            self.warn(f"ignoring {len(strays)} item(s) in the store folder {self.root} that are not store "
+                      f"entries: {shown}{more}")
+        with self.lock():
+            return self._evict_locked(self.max_bytes)
+
+    def _scan(self) -> tuple[list[tuple[Path, os.stat_result]], list[Path], list[Path]]:
+        """(entry files with their stat, unfinished writes, strays) in the folder, without following links."""
+        entries, parts, strays = [], [], []
+        if not self.root.is_dir():
+            return entries, parts, strays
+        for path in self.root.iterdir():
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                continue
+            regular = stat.S_ISREG(st.st_mode)
+            name = path.name
+            if name == LOCK_NAME or (name.startswith(LOCK_NAME) and regular):
+                continue
+            if name.startswith(PART_PREFIX) and regular:
+                parts.append(path)
+            elif regular and name.endswith(SUFFIX) and KEY_PATTERN.fullmatch(name[: -len(SUFFIX)]):
+                entries.append((path, st))
+            else:
+                strays.append(path)
+        return entries, parts, sorted(strays)
+
+    def strays(self) -> list[Path]:
+        """Things in the folder that are neither entries, unfinished writes nor the lock (never touched)."""
+        return self._scan()[2]
 
     # ---- reading -------------------------------------------------------------------------
     def load(self, key: str, ids: Sequence[int]) -> Loaded | None:
@@ -223,13 +286,7 @@ class KVStore:
     def entries(self, with_meta: bool = True) -> list[EntryInfo]:
         """Published entries, least recently used first."""
         out = []
-        if not self.root.is_dir():
-            return out
-        for path in self.root.glob(f"*{SUFFIX}"):
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
+        for path, st in self._scan()[0]:
             meta = {}
             if with_meta:
                 try:
@@ -248,8 +305,10 @@ class KVStore:
         with self.lock():
             for key in keys:
                 try:
-                    freed += self.path(key).stat().st_size
-                    self.path(key).unlink()
+                    st = self.path(key).lstat()
+                    if stat.S_ISREG(st.st_mode):  # a folder or link named like an entry is not one
+                        self.path(key).unlink()
+                        freed += st.st_size
                 except FileNotFoundError:
                     pass
         return freed
@@ -289,7 +348,7 @@ class KVStore:
     def _sweep_parts(self, all_parts: bool = False) -> None:
         """Remove unfinished writes left by killed writers (all of them when clearing)."""
         now = time.time()
-        for part in self.root.glob(f"{PART_PREFIX}*"):
+        for part in self._scan()[1]:
             try:
                 pid = int(part.name.rsplit("-", 2)[1])
                 age = now - part.stat().st_mtime
@@ -299,7 +358,18 @@ class KVStore:
                 part.unlink(missing_ok=True)
 
     def part_files(self) -> list[Path]:
-        return sorted(self.root.glob(f"{PART_PREFIX}*")) if self.root.is_dir() else []
+        """Unfinished writes (of live writers, or debris of killed ones not swept yet)."""
+        return sorted(self._scan()[1])
+
+    def part_bytes(self) -> int:
+        """Bytes the unfinished writes take on disk."""
+        total = 0
+        for part in self.part_files():
+            try:
+                total += part.lstat().st_size
+            except FileNotFoundError:
+                pass
+        return total
 
 
 # ---- the safetensors format, streamed -----------------------------------------------------

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
+import stat
 import sys
 import warnings
 from contextlib import contextmanager
@@ -35,6 +37,7 @@ TEXT_KINDS = {".txt": "text", ".md": "markdown", ".markdown": "markdown"}
 PDF_MAGIC = b"%PDF-"
 MAGIC_WINDOW = 1024  # the PDF spec lets the header start anywhere in the first 1 KiB
 BINARY_SAMPLE = 8192
+WHITESPACE_CONTROLS = (9, 10, 11, 12, 13, 28, 29, 30, 31)  # tab, LF, VT, FF, CR and the separators str.isspace knows
 PAGE_SEPARATOR = "\n\n"
 
 OnPage = Callable[[int, int], None]
@@ -99,8 +102,17 @@ def iter_pdf_pages(path: Path, password: str | None = None) -> Iterator[tuple[in
 
 
 def _load_stdin(stream: TextIO) -> Document:
-    """Read all of stdin as plain text."""
-    text = normalise_plain_text(stream.read())
+    """Read all of stdin as plain text: its bytes decoded as a file's are (UTF-8 or UTF-16 with a
+    BOM, undecodable bytes replaced), so no lone surrogate ever reaches the tokenizer."""
+    raw = getattr(stream, "buffer", None)
+    if raw is not None:
+        data = raw.read()
+        if _looks_binary(data):
+            raise UnsupportedInput(f"-: standard input looks like binary data, not text; supported: {SUPPORTED}")
+        text = decode_text(data)
+    else:  # a text stream without bytes underneath (tests): drop what cannot be UTF-8
+        text = stream.read().encode("utf-8", errors="replace").decode("utf-8")
+    text = normalise_plain_text(text)
     if not text.strip():
         raise EmptyDocument("-: standard input is empty (only whitespace)")
     return Document(source=STDIN, text=text, pages=None, kind="text")
@@ -135,7 +147,7 @@ def _looks_binary(data: bytes) -> bool:
         return False
     if b"\x00" in sample:
         return True
-    controls = sum(1 for b in sample if b < 32 and b not in (9, 10, 12, 13))
+    controls = sum(1 for b in sample if b < 32 and b not in WHITESPACE_CONTROLS)
     return controls / len(sample) > 0.05
 
 
@@ -207,6 +219,7 @@ def strip_running_lines(pages: list[str], edge: int = 2, share: float = 0.5) -> 
 def _open_pdf(data: bytes, source: str, password: str | None) -> PdfReader:
     """Parse the PDF and decrypt it if needed; map every pypdf failure to a typed error."""
     from pypdf import PdfReader
+    from pypdf.errors import DependencyError
 
     try:
         with _quiet_pypdf():
@@ -216,6 +229,9 @@ def _open_pdf(data: bytes, source: str, password: str | None) -> PdfReader:
             len(reader.pages)  # forces the page tree to load, so damage shows here
     except SpecacheError:
         raise
+    except DependencyError as exc:  # AES without the 'cryptography' package, wherever pypdf notices
+        raise EncryptedDocument(f"{source}: the PDF uses AES encryption, which needs the 'cryptography' "
+                                "package (pip install cryptography)") from exc
     except Exception as exc:  # pypdf raises many types on damaged files
         raise _corrupt(source, exc) from exc
     return reader
@@ -299,13 +315,52 @@ def _quiet_pypdf() -> Iterator[None]:
 # ---------------------------------------------------------------- files
 
 
+def read_regular_file(path: str | Path) -> bytes:
+    """The bytes of a regular file given by the user (a document, --questions, --resume), with the
+    typed errors of documents: a FIFO, socket or device is refused (UnsupportedInput), never read."""
+    return _read_bytes(Path(path), str(path))
+
+
 def _read_bytes(path: Path, source: str) -> bytes:
-    """Read a whole file, mapping missing paths, folders and OS errors to typed errors."""
-    if path.is_dir():
-        raise UnsupportedInput(f"{source}: is a directory; supported inputs: {SUPPORTED}")
-    if not path.exists():
-        raise InputNotFound(f"{source}: no such file")
+    """Read a whole regular file, mapping missing paths, folders, FIFOs, sockets, devices and OS
+    errors to typed errors. The file is opened without blocking and checked after opening, so a
+    FIFO with no writer (or /dev/zero) is refused at once instead of hanging or never ending."""
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        what = "a broken symbolic link" if path.is_symlink() else "no such file"
+        raise InputNotFound(f"{source}: {what}") from None
+    except IsADirectoryError:
+        raise UnsupportedInput(f"{source}: is a directory; supported inputs: {SUPPORTED}") from None
+    except OSError as exc:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if stat.S_ISDIR(mode):
+            raise UnsupportedInput(f"{source}: is a directory; supported inputs: {SUPPORTED}") from None
+        if not stat.S_ISREG(mode):  # e.g. a socket: open() fails with ENXIO
+            raise UnsupportedInput(f"{source}: is {_file_kind(mode)}, not a regular file") from None
+        raise InputNotFound(f"{source}: cannot be read ({exc.strerror or exc})") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise UnsupportedInput(f"{source}: is a directory; supported inputs: {SUPPORTED}")
+        if not stat.S_ISREG(mode):
+            raise UnsupportedInput(f"{source}: is {_file_kind(mode)}, not a regular file; give a file, "
+                                   'or pipe the text to "-" (standard input)')
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
     except OSError as exc:
         raise InputNotFound(f"{source}: cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    """'a FIFO (named pipe)', 'a socket', ... for a file that is not regular."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
