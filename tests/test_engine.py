@@ -91,11 +91,14 @@ def test_chunk_size_does_not_change_prefill(tiny_model):
             torch.testing.assert_close(other, outs[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["full", "specache"])
+@pytest.mark.parametrize("mode", ["full", "specache", "window"])
 def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_model, monkeypatch, mode):
-    """The layers of a pass share one additive mask (0 / -inf); each layer used to build a boolean
-    one that attention converted again. Same logits as attention with the boolean mask."""
+    """Off the CPU split path, the layers of a pass share one additive mask (0 / -inf); each layer
+    used to build a boolean one that attention converted again. Same logits as attention with the
+    boolean mask, and as the CPU's split attention (past unmasked + causal block, merged by
+    log-sum-exp), which builds no mask at all."""
     import engine.kvcache.base
+    import engine.kvcache.full
     import engine.kvcache.guided
     from engine.kvcache.base import additive_mask
 
@@ -103,18 +106,52 @@ def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_mo
     assert additive_mask(None, torch.float32) is None
     assert torch.equal(additive_mask(allowed, torch.float32), torch.tensor([[0.0, float("-inf")], [0.0, 0.0]]))
     (p,) = prompts_of((200,))
-    config = CacheConfig(mode=mode, chunk_size=64, group=32, residual=16)
+    config = CacheConfig(mode=mode, chunk_size=64, group=32, residual=16, window=40)
     built = []
+
+    def prefill_logits():
+        cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
+        *_, logits = prefill(tiny_model, cache, p, 0, 64)
+        return logits
+
     for module in (engine.kvcache.guided, engine.kvcache.full):
         monkeypatch.setattr(module, "additive_mask", lambda a, dtype: built.append(1) or additive_mask(a, dtype))
-    cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
-    *_, shared = prefill(tiny_model, cache, p, 0, 64)
+    split = prefill_logits()
+    assert len(built) == 0 if tiny_model.device.type == "cpu" else 4
+    for module in (engine.kvcache.guided, engine.kvcache.full):
+        monkeypatch.setattr(module, "split_attention_applies", lambda q, step: False)
+    shared = prefill_logits()
     assert len(built) == 4  # 4 chunks, 3 layers each
     monkeypatch.setattr(engine.kvcache.guided, "additive_mask", lambda a, dtype: a)  # boolean masks, as before
     monkeypatch.setattr(engine.kvcache.base, "additive_mask", lambda a, dtype: a)
-    cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
-    *_, boolean = prefill(tiny_model, cache, p, 0, 64)
+    monkeypatch.setattr(engine.kvcache.full, "additive_mask", lambda a, dtype: a)
+    boolean = prefill_logits()
     torch.testing.assert_close(shared, boolean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split, boolean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_split_prefill_attention_equals_masked_sdpa(parts):
+    """The chunk's attention as past pieces (unmasked) + its causal block merged by log-sum-exp
+    equals one SDPA over [past, chunk] with the causal mask and K/V repeated per query head."""
+    from engine.kvcache.base import split_prefill_attention, ungroup_output
+
+    g = torch.Generator().manual_seed(parts)
+    b, h, hk, t, d = 1, 6, 2, 37, 32
+    sizes = [0, 50, 13][:parts]
+    q = torch.randn(b, h, t, d, generator=g) * 3
+    k = torch.randn(b, hk, sum(sizes) + t, d, generator=g)
+    v = torch.randn(b, hk, sum(sizes) + t, d, generator=g)
+    past, at = [], 0
+    for n in sizes:
+        past.append((k[:, :, at : at + n], v[:, :, at : at + n]))
+        at += n
+    out = ungroup_output(split_prefill_attention(q, past, k[:, :, at:], v[:, :, at:], 0.2), h, t)
+    n = at + t
+    allowed = torch.arange(n)[None, :] <= at + torch.arange(t)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(h // hk, 1),
+                                                           v.repeat_interleave(h // hk, 1), attn_mask=allowed, scale=0.2)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_is_seeded(tiny_model):

@@ -26,6 +26,8 @@ from engine.kvcache.base import (
     additive_mask,
     grouped_query,
     import_tensors,
+    split_attention_applies,
+    split_prefill_attention,
     ungroup_output,
 )
 from engine.kvcache.fused import FusedDecode, fused_applies
@@ -160,10 +162,12 @@ class GuidedLayer:
         return self.attend_decode(q, scaling, step)
 
     def attend_prefill(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk."""
+        """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk.
+        Past = the quantized prefix read from the exact store (sinks in window mode) + the residual
+        positions before the chunk; on the CPU attended without a mask and merged with the chunk's
+        causal block (split_prefill_attention), elsewhere one SDPA call with a shared mask."""
         row = step.rows.start
         start, t = step.starts[0], step.n_new
-        qg = grouped_query(q, self.shape.kv_heads)
         qend = int(self.qend[row])
         if self.store is not None:
             k_past, v_past = self.store.read(row, 0, qend)
@@ -171,6 +175,13 @@ class GuidedLayer:
             k_past, v_past = self.sink_k[row : row + 1, :, : min(self.sinks, qend)], \
                 self.sink_v[row : row + 1, :, : min(self.sinks, qend)]
         n_res = start + t - qend
+        if split_attention_applies(q, step):  # no mask: the past pieces whole, the chunk's block causal
+            rk, rv = self.res_k[row : row + 1], self.res_v[row : row + 1]
+            recent = start - qend  # residual positions before the chunk
+            out = split_prefill_attention(q, [(k_past, v_past), (rk[:, :, :recent], rv[:, :, :recent])],
+                                          rk[:, :, recent : recent + t], rv[:, :, recent : recent + t], scaling)
+            return ungroup_output(out, self.shape.heads, t)
+        qg = grouped_query(q, self.shape.kv_heads)
         keys = torch.cat([k_past, self.res_k[row : row + 1, :, :n_res]], dim=2)
         values = torch.cat([v_past, self.res_v[row : row + 1, :, :n_res]], dim=2)
         past = keys.shape[2] - n_res
