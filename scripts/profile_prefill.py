@@ -49,8 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (default: the engine's)")
     p.add_argument("--tree", default=None, help="import the engine from this checkout instead of this one")
     p.add_argument("--json", default=None)
-    p.add_argument("--prefill-linears", choices=("auto", "exact", "bf16"), default="auto",
-                   help="exact: the prefill linears in the model's dtype; bf16: in bf16; auto: as --dtype auto picks")
+    p.add_argument("--prefill", choices=("auto", "exact", "bf16"), default="auto",
+                   help="exact: prefill linears and attention in the model's dtype (torch); bf16: in bf16 "
+                        "(oneDNN linears, the native attention kernel); auto: as --dtype picks")
     p.add_argument("--no-components", action="store_true", help="time whole prefills only (no timers)")
     return p.parse_args(argv)
 
@@ -146,16 +147,18 @@ def main(argv=None) -> int:
 
     print(f"engine from {Path(engine.__file__).parent}", file=sys.stderr)
     lm = load_model(None, device="cpu", dtype=args.dtype)
-    if args.prefill_linears != "auto":
-        from engine.model.linears import use_skinny_linears
+    if args.prefill != "auto":
+        from engine.model.loading import prepare_model
 
-        use_skinny_linears(lm.model, torch.bfloat16 if args.prefill_linears == "bf16" else None)
+        prepare_model(lm.model, torch.bfloat16 if args.prefill == "bf16" else None)
     linears = {str(getattr(m, "prefill_dtype", None)) for m in lm.model.modules() if isinstance(m, torch.nn.Linear)}
+    attention = {str(getattr(m, "specache_prefill_dtype", None)) for m in lm.model.modules() if hasattr(m, "q_proj")}
     prompt = P.build_prompt(lm.tokenizer, load_document(args.doc).text, P.SUMMARIZE)
     config = CacheConfig().with_overrides(mode=args.mode, chunk_size=args.chunk, **model_defaults(lm))
     param = next(lm.model.parameters())
     print(f"{len(prompt.ids)} prompt tokens ({len(prompt.prefix)} document prefix), {config.mode}, "
-          f"{param.dtype} (prefill linears: {', '.join(sorted(linears))}), {torch.get_num_threads()} threads, "
+          f"{param.dtype} (prefill linears: {', '.join(sorted(linears))}, "
+          f"attention: {', '.join(sorted(attention))}), {torch.get_num_threads()} threads, "
           f"chunk {config.chunk_size}", file=sys.stderr)
 
     def one_prefill() -> float:
@@ -198,7 +201,7 @@ def main(argv=None) -> int:
             print(f"| {n} | {s:.2f} | {s / med:.0%} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"tree": str(root), "tokens": len(prompt.ids), "mode": config.mode,
-                                               "dtype": str(param.dtype), "prefill_linears": sorted(linears), "threads": torch.get_num_threads(),
+                                               "dtype": str(param.dtype), "prefill_linears": sorted(linears), "prefill_attention": sorted(attention), "threads": torch.get_num_threads(),
                                                "runs": runs}, indent=1))
     return 0
 

@@ -57,6 +57,9 @@ class Step:
     prefill: bool = False  # prompt tokens: attention over the exact past
     starts: list[int] = field(default_factory=list)  # start as Python ints (read by every layer)
     shared: dict = field(default_factory=dict, repr=False)  # values built once per pass (shared_value)
+    # prefill attention may compute in this dtype (bf16: the native kernel; None: the model's, exact);
+    # set from the attention module by engine.model.attention (prepare_model's prefill_dtype)
+    compute: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not self.starts:
@@ -160,6 +163,45 @@ def split_prefill_attention(q: torch.Tensor, past: list[tuple[torch.Tensor, torc
     out, lse = flash_attention(qg.view(b * hk, g, t, d), expand(k_new), expand(v_new), scaling, causal=True)
     parts.append((out.reshape(b, hk, g * t, d), lse.reshape(b, hk, g * t)))
     return merge_attention(parts)
+
+
+def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], scaling: float,
+                             start: int) -> torch.Tensor | None:
+    """A prefill chunk's attention by the native bf16 kernel (engine/native/attention_kernels.c):
+    Q, K, P and V rounded to bf16, products accumulated in fp32, causal, GQA by stacking the query
+    heads of a KV head. Not exact: the exact path is split_prefill_attention in fp32.
+
+    q [1, H, T, D] (positions start..start+T-1); pieces: (k, v) [1, H_kv, n_i, D], fp32 or bf16 with
+    contiguous rows, holding every position 0..start+T-1 once, in order (the chunk's own last).
+    -> [1, H_kv, G*T, D] fp32, or None where the kernel does not apply (no native library or no
+    AVX512-BF16, other layouts): the caller then takes the exact path."""
+    from engine import native
+
+    lib = native.lib()
+    pieces = [(k, v) for k, v in pieces if k.shape[2]]
+    b, h, t, d = q.shape
+    if lib is None or b != 1 or not 1 <= len(pieces) <= 3 or d % 32 or d > 256 or \
+            not lib.specache_prefill_attention_available():
+        return None
+    dtype = pieces[0][0].dtype
+    if dtype not in (torch.float32, torch.bfloat16) or any(
+            x.dtype != dtype or x.stride(-1) != 1 or x.stride() != pieces[0][0].stride()[:1] + x.stride()[1:]
+            for k, v in pieces for x in (k, v)) or any(k.stride() != v.stride() for k, v in pieces):
+        return None
+    if sum(k.shape[2] for k, _ in pieces) != start + t:
+        return None
+    hk = pieces[0][0].shape[1]
+    qg = grouped_query(q, hk).float().contiguous()  # [1, H_kv, G*T, D]
+    out = torch.empty_like(qg)
+    args = native.PrefillArgs(H=hk, G=h // hk, T=t, D=d, start=start, npieces=len(pieces),
+                              src_bf16=int(dtype == torch.bfloat16), nthreads=native.threads(), scaling=scaling,
+                              q=qg.data_ptr(), q_sh=qg.stride(1), out=out.data_ptr())
+    for i, (k, v) in enumerate(pieces):
+        args.k[i], args.v[i] = k.data_ptr(), v.data_ptr()
+        args.n[i], args.sr[i], args.sh[i] = k.shape[2], k.stride(2), k.stride(1)
+    if lib.specache_prefill_attention(args) != 0:
+        return None
+    return out
 
 
 def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:

@@ -11,6 +11,7 @@ from engine.kvcache.base import (
     causal_mask,
     grouped_query,
     import_tensors,
+    native_prefill_attention,
     split_attention_applies,
     split_prefill_attention,
     ungroup_output,
@@ -44,9 +45,11 @@ class FullLayer:
         if split_attention_applies(q, step):
             s, t = step.starts[0], step.n_new
             r = step.rows
-            out = split_prefill_attention(q, [(self.k[r, :, :s], self.v[r, :, :s])], self.k[r, :, s : s + t],
+            out = native_prefill_attention(q, [(self.k[r, :, : s + t], self.v[r, :, : s + t])], scaling, s) \
+                if step.compute == torch.bfloat16 else None
+            out = out if out is not None else split_prefill_attention(q, [(self.k[r, :, :s], self.v[r, :, :s])], self.k[r, :, s : s + t],
                                           self.v[r, :, s : s + t], scaling)
-            return ungroup_output(out, self.shape.heads, t)
+            return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         length = max(step.starts) + step.n_new
         keys = self.k[step.rows, :, :length]
         values = self.v[step.rows, :, :length]

@@ -26,6 +26,7 @@ from engine.kvcache.base import (
     additive_mask,
     grouped_query,
     import_tensors,
+    native_prefill_attention,
     split_attention_applies,
     split_prefill_attention,
     ungroup_output,
@@ -178,9 +179,12 @@ class GuidedLayer:
         if split_attention_applies(q, step):  # no mask: the past pieces whole, the chunk's block causal
             rk, rv = self.res_k[row : row + 1], self.res_v[row : row + 1]
             recent = start - qend  # residual positions before the chunk
-            out = split_prefill_attention(q, [(k_past, v_past), (rk[:, :, :recent], rv[:, :, :recent])],
+            out = native_prefill_attention(q, [(k_past, v_past), (rk[:, :, : recent + t], rv[:, :, : recent + t])],
+                                           scaling, start) if step.compute == torch.bfloat16 and qend == k_past.shape[2] \
+                else None
+            out = out if out is not None else split_prefill_attention(q, [(k_past, v_past), (rk[:, :, :recent], rv[:, :, :recent])],
                                           rk[:, :, recent : recent + t], rv[:, :, recent : recent + t], scaling)
-            return ungroup_output(out, self.shape.heads, t)
+            return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         qg = grouped_query(q, self.shape.kv_heads)
         keys = torch.cat([k_past, self.res_k[row : row + 1, :, :n_res]], dim=2)
         values = torch.cat([v_past, self.res_v[row : row + 1, :, :n_res]], dim=2)

@@ -147,11 +147,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.
     such a CPU and measurably less faithful (docs/engine.md, Prefill)."""
     if dtype not in DTYPES:
         raise BadArgument(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    if dtype != "auto":
-        return getattr(torch, dtype), None
-    if device.type != "cpu":
-        return torch.float16, None
-    return torch.float32, (torch.bfloat16 if cpu_has_native_bf16() else None)
+    fast = torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else None
+    if dtype == "auto":
+        return (torch.float32, fast) if device.type == "cpu" else (torch.float16, None)
+    return getattr(torch, dtype), (fast if dtype == "bfloat16" else None)
 
 
 def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -160,4 +159,7 @@ def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = No
     prefill chunks' linears in that dtype (None: the model's own, exact)."""
     model.set_attn_implementation(ATTENTION_NAME)
     use_skinny_linears(model, prefill_dtype)
+    for module in model.modules():  # the attention modules: prefill attention's compute dtype (Step.compute)
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            module.specache_prefill_dtype = prefill_dtype
     return model.eval()
