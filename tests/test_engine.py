@@ -358,3 +358,103 @@ def test_current_prefetch_selects_the_guides_top_k(tiny_model):
     assert len(seen) == len(cache.layers)
     for layer in cache.layers:
         assert set(layer.fidx[0, 0][layer.fvalid[0, 0]].tolist()) == seen[id(layer)]
+
+
+# ---- bf16: the limits against a bf16 DynamicCache, and the native bf16 prefill attention --------
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    """The tiny model in bf16 (weights, activations, K/V and the exact store), exact torch path."""
+    from conftest import TEST_DEVICE, make_tiny_model
+
+    from engine.model.loading import prepare_model
+
+    return prepare_model(make_tiny_model().to(torch.bfloat16)).to(TEST_DEVICE)
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(tiny_bf16):
+    ps = prompts_of((150, 97, 260))
+    return ps, [dynamic_cache_greedy(tiny_bf16, p) for p in ps]
+
+
+def test_bf16_full_cache_equals_bf16_dynamic_cache(tiny_bf16, reference_bf16):
+    ps, refs = reference_bf16
+    assert len(set(sum(refs, []))) > 3  # (the bf16 random model repeats itself more than the fp32 one)
+    assert run(tiny_bf16, ps, CacheConfig(mode="full", chunk_size=64)).tokens == refs
+
+
+@pytest.mark.parametrize("bits,group,chunk,prefetch", [(2, 32, 64, "speculative"), (1, 64, 512, "current")])
+def test_bf16_specache_with_k_at_least_context_equals_bf16_full_cache(tiny_bf16, reference_bf16, bits, group, chunk,
+                                                                      prefetch):
+    """In bf16 the guided decode path (scores and softmax in fp32 over bf16 K/V) rounds differently
+    from SDPA in bf16, so greedy tokens of a random model drift apart after a few near-ties; the
+    limit is checked teacher-forced instead: on the bf16 DynamicCache's own tokens, every step's
+    logits of specache with k >= context equal the bf16 full cache's (which equals DynamicCache
+    token for token, test above) within bf16 rounding, and the argmax is the forced token."""
+    from engine.generate.engine import teacher_forced
+
+    ps, refs = reference_bf16
+    config = CacheConfig(mode="specache", k=4096, bits=bits, group=group, residual=16, sinks=4, chunk_size=chunk,
+                         prefetch=prefetch)
+    for p, ref in zip(ps, refs):
+        full = torch.stack(list(teacher_forced(tiny_bf16, p, ref, CacheConfig(mode="full", chunk_size=chunk)))).float()
+        spec = torch.stack(list(teacher_forced(tiny_bf16, p, ref, config))).float()
+        assert full.argmax(-1).tolist() == ref
+        torch.testing.assert_close(spec, full, rtol=0, atol=0.0125 * float(full.abs().max()))  # ~3 bf16 ulps of the largest
+        top2 = full.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs()  # steps without a near-tie
+        assert spec.argmax(-1)[clear].tolist() == torch.tensor(ref)[clear].tolist()
+
+
+def _native_attention_or_skip():
+    from engine import native
+
+    lib = native.lib()
+    if lib is None or not lib.specache_prefill_attention_available():
+        pytest.skip("no native library with AVX512-BF16 on this machine")
+
+
+@pytest.mark.parametrize("t,d,sizes,dtype", [(37, 32, [0], torch.float32), (37, 32, [50, 13], torch.float32),
+                                             (100, 64, [33, 7], torch.float32), (70, 64, [129], torch.bfloat16)])
+def test_native_bf16_prefill_attention_is_close_to_the_exact_one(t, d, sizes, dtype):
+    """The native kernel (Q, K, P, V in bf16, fp32 sums) against the exact split attention in fp32:
+    within bf16 rounding, for any split of the past into pieces, a chunk longer than one query block
+    (32), odd lengths, and bf16 K/V. A wrong causal edge or a lost piece is off by far more."""
+    from engine.kvcache.base import native_prefill_attention, split_prefill_attention
+
+    _native_attention_or_skip()
+    g = torch.Generator().manual_seed(t)
+    h, hk, start = 6, 2, sum(sizes)
+    q = torch.randn(1, h, t, d, generator=g) * 2
+    k = torch.randn(1, hk, start + t, d, generator=g).to(dtype)
+    v = torch.randn(1, hk, start + t, d, generator=g).to(dtype)
+    pieces, at = [], 0
+    for n in sizes + [t]:  # each piece its own tensor (own strides), as the store and the residual buffer are
+        pieces.append((k[:, :, at : at + n].clone(), v[:, :, at : at + n].clone()))
+        at += n
+    out = native_prefill_attention(q, pieces, 0.2, start)
+    ref = split_prefill_attention(q, [(k[:, :, :start].float(), v[:, :, :start].float())], k[:, :, start:].float(),
+                                  v[:, :, start:].float(), 0.2)
+    assert out is not None and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=0, atol=4e-2)
+    assert (out - ref).abs().mean() < 4e-3
+    # the same kernel with the chunk's block made visible to every query would be far off
+    assert native_prefill_attention(q, pieces[:-1], 0.2, start) is None  # the pieces must hold every position
+
+
+def test_native_bf16_prefill_keeps_specache_equal_to_full(tiny_model, reference):
+    """With the native bf16 prefill attention (what --dtype auto takes on such a CPU) the prefill is no
+    longer exact, but k >= context still makes specache equal to the full cache: both prefill
+    through the same kernel and decode exactly."""
+    from engine.model.loading import prepare_model
+
+    _native_attention_or_skip()
+    ps, refs = reference
+    prepare_model(tiny_model, torch.bfloat16)
+    try:
+        full = run(tiny_model, ps, CacheConfig(mode="full", chunk_size=64)).tokens
+        spec = run(tiny_model, ps, CacheConfig(mode="specache", k=4096, group=32, residual=16, chunk_size=64)).tokens
+    finally:
+        prepare_model(tiny_model)
+    assert spec == full

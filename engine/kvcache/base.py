@@ -184,9 +184,9 @@ def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, t
             not lib.specache_prefill_attention_available():
         return None
     dtype = pieces[0][0].dtype
-    if dtype not in (torch.float32, torch.bfloat16) or any(
-            x.dtype != dtype or x.stride(-1) != 1 or x.stride() != pieces[0][0].stride()[:1] + x.stride()[1:]
-            for k, v in pieces for x in (k, v)) or any(k.stride() != v.stride() for k, v in pieces):
+    if dtype not in (torch.float32, torch.bfloat16) or any(x.dtype != dtype or x.stride(-1) != 1
+                                                           for k, v in pieces for x in (k, v)) \
+            or any(k.stride() != v.stride() for k, v in pieces):  # a piece's K and V: one layout (sr, sh)
         return None
     if sum(k.shape[2] for k, _ in pieces) != start + t:
         return None

@@ -179,11 +179,16 @@ class GuidedLayer:
         if split_attention_applies(q, step):  # no mask: the past pieces whole, the chunk's block causal
             rk, rv = self.res_k[row : row + 1], self.res_v[row : row + 1]
             recent = start - qend  # residual positions before the chunk
-            out = native_prefill_attention(q, [(k_past, v_past), (rk[:, :, : recent + t], rv[:, :, : recent + t])],
-                                           scaling, start) if step.compute == torch.bfloat16 and qend == k_past.shape[2] \
-                else None
-            out = out if out is not None else split_prefill_attention(q, [(k_past, v_past), (rk[:, :, :recent], rv[:, :, :recent])],
-                                          rk[:, :, recent : recent + t], rv[:, :, recent : recent + t], scaling)
+            out = None
+            if step.compute == torch.bfloat16 and qend == k_past.shape[2]:  # the pieces tile [0, start + t)
+                out = native_prefill_attention(q, [(k_past, v_past), (rk[:, :, : recent + t], rv[:, :, : recent + t])],
+                                               scaling, start)
+            if out is None:
+                past = [(k_past, v_past), (rk[:, :, :recent], rv[:, :, :recent])]
+                if q.dtype != torch.float32 and recent and k_past.shape[2]:  # one rounding of a 16-bit output less
+                    past = [(torch.cat([past[0][0], past[1][0]], dim=2), torch.cat([past[0][1], past[1][1]], dim=2))]
+                out = split_prefill_attention(q, past, rk[:, :, recent : recent + t], rv[:, :, recent : recent + t],
+                                              scaling)
             return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         qg = grouped_query(q, self.shape.kv_heads)
         keys = torch.cat([k_past, self.res_k[row : row + 1, :, :n_res]], dim=2)
