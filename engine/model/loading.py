@@ -137,14 +137,17 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """--dtype -> (the model's dtype: weights, activations, K/V and the exact store; the dtype of
-    the prefill linears where it differs, else None).
+    """--dtype -> (the model's dtype: weights, activations, K/V and the exact store; the dtype the
+    prefill chunks' linears and attention compute in, None: the model's own).
 
-    float32 / float16 / bfloat16: everything in that dtype (float32 on the CPU is the exact
-    reference). auto: fp16 on a GPU; on the CPU fp32, with the prefill chunks' linears in bf16
-    where the CPU multiplies bf16 natively (AVX512-BF16 or AMX): 4-5x faster linears and the
-    teacher-forced fidelity of fp32 within noise, where a bf16 model is no faster in attention on
-    such a CPU and measurably less faithful (docs/engine.md, Prefill)."""
+    float32 / float16: everything in that dtype (float32 on the CPU is the exact reference path:
+    the limit tests hold bit for bit against DynamicCache). bfloat16: everything in bf16, and on a
+    CPU with native bf16 the prefill attention by the native bf16 kernel. auto: fp16 on a GPU; on
+    the CPU fp32 (exact K/V, store and decode), with the prefill chunks' linears (oneDNN) and
+    attention (engine/native/attention_kernels.c) in bf16 where the CPU multiplies bf16 natively
+    (AVX512-BF16 or AMX flags): the prefill of report.pdf ran several times faster and its
+    teacher-forced fidelity against the exact fp32 full cache stayed within the noise of the
+    cache modes' own (docs/engine.md, Prefill); elsewhere all fp32."""
     if dtype not in DTYPES:
         raise BadArgument(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     fast = torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else None
@@ -155,8 +158,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.
 
 def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Switch an already built model (e.g. a test's random one) to the engine's attention function
-    and, on the CPU, to linears that are fast for decode steps (engine/linears.py); prefill_dtype:
-    prefill chunks' linears in that dtype (None: the model's own, exact)."""
+    and, on the CPU, to linears that are fast for decode steps (engine/linears.py). prefill_dtype:
+    prefill chunks' linears and attention compute in that dtype (bf16, resolve_dtype); None: in
+    the model's own (exact). Called again, it replaces the previous choice."""
     model.set_attn_implementation(ATTENTION_NAME)
     use_skinny_linears(model, prefill_dtype)
     for module in model.modules():  # the attention modules: prefill attention's compute dtype (Step.compute)

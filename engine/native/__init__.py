@@ -1,5 +1,6 @@
 """Native CPU kernels, compiled once per machine and loaded with ctypes: the guide kernels
-(``guide_kernels.c``) and the decode-step linear (``linear_kernels.c``).
+(``guide_kernels.c``), the decode-step linear (``linear_kernels.c``) and the bf16 prefill
+attention (``attention_kernels.c``, AVX512-BF16 only).
 
 The C sources are compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``)
 into one ``cache_root()/native/guide-<hash>.so``, the hash covering the sources, the compiler
