@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.bench.common import default_doc, load_texts  # noqa: E402
-from engine.bench.fidelity import compare_distributions, fit_prompt, forced_logps, free_run  # noqa: E402
-from engine.config import CacheConfig  # noqa: E402
-from engine.inputs.prompts import stop_ids  # noqa: E402
-from engine.model.loading import load_model, prepare_model, resolve_dtype  # noqa: E402
-from engine.plan.profiles import model_defaults  # noqa: E402
+from engine.bench.common import default_doc, load_texts
+from engine.bench.fidelity import compare_distributions, fit_prompt, forced_logps, free_run
+from engine.config import CacheConfig
+from engine.inputs.prompts import stop_ids
+from engine.model.loading import load_model, prepare_model, resolve_dtype
+from engine.plan.profiles import model_defaults
 
 
 def main(argv=None) -> int:

@@ -116,14 +116,11 @@ def instrument(model, cache_classes, timers: Timers) -> None:
                     setattr(klass, attr, timers.wrap(label, vars(klass)[attr]))
                     done.add((klass, attr))
     # the mask builders, wherever the tree defines them (old and new trees differ)
-    import engine.kvcache.base as base
-
     for modname in ("engine.kvcache.base", "engine.kvcache.full", "engine.kvcache.guided"):
         mod = sys.modules.get(modname)
         for fn in ("additive_mask", "causal_mask", "chunk_mask", "block_mask", "causal_block_mask"):
             if mod is not None and hasattr(mod, fn) and not hasattr(getattr(mod, fn), "__wrapped__"):
                 setattr(mod, fn, timers.wrap("mask", getattr(mod, fn)))
-    del base
 
 
 def main(argv=None) -> int:
@@ -136,7 +133,6 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     import engine
-
     from engine.config import CacheConfig
     from engine.generate.engine import prefill
     from engine.inputs import prompts as P
@@ -195,7 +191,7 @@ def main(argv=None) -> int:
           "runs " + ", ".join(f"{r['seconds']:.2f}" for r in runs))
     if runs[0]["components"]:
         names = sorted(runs[0]["components"], key=lambda n: -runs[0]["components"][n])
-        print(f"| component | seconds | share |\n|---|---|---|")
+        print("| component | seconds | share |\n|---|---|---|")
         for n in names:
             s = statistics.median(r["components"][n] for r in runs)
             print(f"| {n} | {s:.2f} | {s / med:.0%} |")

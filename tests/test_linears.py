@@ -130,12 +130,12 @@ def test_prefill_linears_in_bf16_only_for_many_rows_and_only_when_asked():
 def test_dtype_rule(monkeypatch):
     """--dtype auto: fp32 on the CPU, prefill in bf16 only where the CPU has native bf16; float32
     is all exact; bfloat16 is bf16 with the native prefill attention where it can run."""
-    import engine.model.loading as loading
     from engine.errors import BadArgument
+    from engine.model import loading
 
     cpu = torch.device("cpu")
     for native_bf16 in (True, False):
-        monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: native_bf16)
+        monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda v=native_bf16: v)
         fast = torch.bfloat16 if native_bf16 else None
         assert loading.resolve_dtype("auto", cpu) == (torch.float32, fast)
         assert loading.resolve_dtype("float32", cpu) == (torch.float32, None)

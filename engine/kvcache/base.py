@@ -159,7 +159,7 @@ def split_prefill_attention(q: torch.Tensor, past: list[tuple[torch.Tensor, torc
     g = h // hk
     qg = grouped_query(q, hk).contiguous()  # [b, H_kv, G*T, D]
     parts = [flash_attention(qg, k, v, scaling) for k, v in past if k.shape[2]]
-    expand = lambda x: x.reshape(b * hk, 1, t, d).expand(-1, g, -1, -1)  # noqa: E731  [b*H_kv, G, T, D]
+    expand = lambda x: x.reshape(b * hk, 1, t, d).expand(-1, g, -1, -1)  # [b*H_kv, G, T, D]
     out, lse = flash_attention(qg.view(b * hk, g, t, d), expand(k_new), expand(v_new), scaling, causal=True)
     parts.append((out.reshape(b, hk, g * t, d), lse.reshape(b, hk, g * t)))
     return merge_attention(parts)
