@@ -24,6 +24,7 @@ app = typer.Typer(
 
 # Each command module exposes register(app). Keep this list the only place commands are wired.
 from specache_cli import bench_cmd, cache_cmd, plan_cmd, run_cmds  # noqa: E402
+from specache_cli.console import print_error  # noqa: E402
 
 for _module in (run_cmds, plan_cmd, bench_cmd, cache_cmd):
     _module.register(app)
@@ -59,8 +60,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     """Run the command line; -> its exit code."""
-    from specache_cli.console import print_error
-
     command = typer.main.get_command(app)
     try:
         code = command.main(argv, prog_name="specache", standalone_mode=False)

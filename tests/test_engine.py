@@ -92,10 +92,13 @@ def test_chunk_size_does_not_change_prefill(tiny_model):
             torch.testing.assert_close(other, outs[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["full", "specache"])
+@pytest.mark.parametrize("mode", ["full", "specache", "window"])
 def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_model, monkeypatch, mode):
-    """The layers of a pass share one additive mask (0 / -inf); each layer used to build a boolean
-    one that attention converted again. Same logits as attention with the boolean mask."""
+    """Off the CPU split path, the layers of a pass share one additive mask (0 / -inf); each layer
+    used to build a boolean one that attention converted again. Same logits as attention with the
+    boolean mask, and as the CPU's split attention (past unmasked + causal block, merged by
+    log-sum-exp), which builds no mask at all."""
+    import engine.kvcache.base
     import engine.kvcache.full
     import engine.kvcache.guided
     from engine.kvcache.base import additive_mask
@@ -104,18 +107,52 @@ def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_mo
     assert additive_mask(None, torch.float32) is None
     assert torch.equal(additive_mask(allowed, torch.float32), torch.tensor([[0.0, float("-inf")], [0.0, 0.0]]))
     (p,) = prompts_of((200,))
-    config = CacheConfig(mode=mode, chunk_size=64, group=32, residual=16)
+    config = CacheConfig(mode=mode, chunk_size=64, group=32, residual=16, window=40)
     built = []
+
+    def prefill_logits():
+        cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
+        *_, logits = prefill(tiny_model, cache, p, 0, 64)
+        return logits
+
     for module in (engine.kvcache.guided, engine.kvcache.full):
         monkeypatch.setattr(module, "additive_mask", lambda a, dtype: built.append(1) or additive_mask(a, dtype))
-    cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
-    *_, shared = prefill(tiny_model, cache, p, 0, 64)
+    split = prefill_logits()
+    assert len(built) == 0 if tiny_model.device.type == "cpu" else 4
+    for module in (engine.kvcache.guided, engine.kvcache.full):
+        monkeypatch.setattr(module, "split_attention_applies", lambda q, step: False)
+    shared = prefill_logits()
     assert len(built) == 4  # 4 chunks, 3 layers each
     monkeypatch.setattr(engine.kvcache.guided, "additive_mask", lambda a, dtype: a)  # boolean masks, as before
+    monkeypatch.setattr(engine.kvcache.base, "additive_mask", lambda a, dtype: a)
     monkeypatch.setattr(engine.kvcache.full, "additive_mask", lambda a, dtype: a)
-    cache = make_cache(tiny_model.config, config, 1, 300, torch.float32, tiny_model.device)
-    *_, boolean = prefill(tiny_model, cache, p, 0, 64)
+    boolean = prefill_logits()
     torch.testing.assert_close(shared, boolean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split, boolean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_split_prefill_attention_equals_masked_sdpa(parts):
+    """The chunk's attention as past pieces (unmasked) + its causal block merged by log-sum-exp
+    equals one SDPA over [past, chunk] with the causal mask and K/V repeated per query head."""
+    from engine.kvcache.base import split_prefill_attention, ungroup_output
+
+    g = torch.Generator().manual_seed(parts)
+    b, h, hk, t, d = 1, 6, 2, 37, 32
+    sizes = [0, 50, 13][:parts]
+    q = torch.randn(b, h, t, d, generator=g) * 3
+    k = torch.randn(b, hk, sum(sizes) + t, d, generator=g)
+    v = torch.randn(b, hk, sum(sizes) + t, d, generator=g)
+    past, at = [], 0
+    for n in sizes:
+        past.append((k[:, :, at : at + n], v[:, :, at : at + n]))
+        at += n
+    out = ungroup_output(split_prefill_attention(q, past, k[:, :, at:], v[:, :, at:], 0.2), h, t)
+    n = at + t
+    allowed = torch.arange(n)[None, :] <= at + torch.arange(t)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(h // hk, 1),
+                                                           v.repeat_interleave(h // hk, 1), attn_mask=allowed, scale=0.2)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_is_seeded(tiny_model):
@@ -319,3 +356,103 @@ def test_current_prefetch_selects_the_guides_top_k(tiny_model):
     assert len(seen) == len(cache.layers)
     for layer in cache.layers:
         assert set(layer.fidx[0, 0][layer.fvalid[0, 0]].tolist()) == seen[id(layer)]
+
+
+# ---- bf16: the limits against a bf16 DynamicCache, and the native bf16 prefill attention --------
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    """The tiny model in bf16 (weights, activations, K/V and the exact store), exact torch path."""
+    from conftest import TEST_DEVICE, make_tiny_model
+
+    from engine.model.loading import prepare_model
+
+    return prepare_model(make_tiny_model().to(torch.bfloat16)).to(TEST_DEVICE)
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(tiny_bf16):
+    ps = prompts_of((150, 97, 260))
+    return ps, [dynamic_cache_greedy(tiny_bf16, p) for p in ps]
+
+
+def test_bf16_full_cache_equals_bf16_dynamic_cache(tiny_bf16, reference_bf16):
+    ps, refs = reference_bf16
+    assert len({t for r in refs for t in r}) > 3  # (the bf16 random model repeats itself more than the fp32 one)
+    assert run(tiny_bf16, ps, CacheConfig(mode="full", chunk_size=64)).tokens == refs
+
+
+@pytest.mark.parametrize("bits,group,chunk,prefetch", [(2, 32, 64, "speculative"), (1, 64, 512, "current")])
+def test_bf16_specache_with_k_at_least_context_equals_bf16_full_cache(tiny_bf16, reference_bf16, bits, group, chunk,
+                                                                      prefetch):
+    """In bf16 the guided decode path (scores and softmax in fp32 over bf16 K/V) rounds differently
+    from SDPA in bf16, so greedy tokens of a random model drift apart after a few near-ties; the
+    limit is checked teacher-forced instead: on the bf16 DynamicCache's own tokens, every step's
+    logits of specache with k >= context equal the bf16 full cache's (which equals DynamicCache
+    token for token, test above) within bf16 rounding, and the argmax is the forced token."""
+    from engine.generate.engine import teacher_forced
+
+    ps, refs = reference_bf16
+    config = CacheConfig(mode="specache", k=4096, bits=bits, group=group, residual=16, sinks=4, chunk_size=chunk,
+                         prefetch=prefetch)
+    for p, ref in zip(ps, refs):
+        full = torch.stack(list(teacher_forced(tiny_bf16, p, ref, CacheConfig(mode="full", chunk_size=chunk)))).float()
+        spec = torch.stack(list(teacher_forced(tiny_bf16, p, ref, config))).float()
+        assert full.argmax(-1).tolist() == ref
+        torch.testing.assert_close(spec, full, rtol=0, atol=0.0125 * float(full.abs().max()))  # ~3 bf16 ulps of the largest
+        top2 = full.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs()  # steps without a near-tie
+        assert spec.argmax(-1)[clear].tolist() == torch.tensor(ref)[clear].tolist()
+
+
+def _native_attention_or_skip():
+    from engine import native
+
+    lib = native.lib()
+    if lib is None or not lib.specache_prefill_attention_available():
+        pytest.skip("no native library with AVX512-BF16 on this machine")
+
+
+@pytest.mark.parametrize("t,d,sizes,dtype", [(37, 32, [0], torch.float32), (37, 32, [50, 13], torch.float32),
+                                             (100, 64, [33, 7], torch.float32), (70, 64, [129], torch.bfloat16)])
+def test_native_bf16_prefill_attention_is_close_to_the_exact_one(t, d, sizes, dtype):
+    """The native kernel (Q, K, P, V in bf16, fp32 sums) against the exact split attention in fp32:
+    within bf16 rounding, for any split of the past into pieces, a chunk longer than one query block
+    (32), odd lengths, and bf16 K/V. A wrong causal edge or a lost piece is off by far more."""
+    from engine.kvcache.base import native_prefill_attention, split_prefill_attention
+
+    _native_attention_or_skip()
+    g = torch.Generator().manual_seed(t)
+    h, hk, start = 6, 2, sum(sizes)
+    q = torch.randn(1, h, t, d, generator=g) * 2
+    k = torch.randn(1, hk, start + t, d, generator=g).to(dtype)
+    v = torch.randn(1, hk, start + t, d, generator=g).to(dtype)
+    pieces, at = [], 0
+    for n in sizes + [t]:  # each piece its own tensor (own strides), as the store and the residual buffer are
+        pieces.append((k[:, :, at : at + n].clone(), v[:, :, at : at + n].clone()))
+        at += n
+    out = native_prefill_attention(q, pieces, 0.2, start)
+    ref = split_prefill_attention(q, [(k[:, :, :start].float(), v[:, :, :start].float())], k[:, :, start:].float(),
+                                  v[:, :, start:].float(), 0.2)
+    assert out is not None and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=0, atol=4e-2)
+    assert (out - ref).abs().mean() < 4e-3
+    # the same kernel with the chunk's block made visible to every query would be far off
+    assert native_prefill_attention(q, pieces[:-1], 0.2, start) is None  # the pieces must hold every position
+
+
+def test_native_bf16_prefill_keeps_specache_equal_to_full(tiny_model, reference):
+    """With the native bf16 prefill attention (what --dtype auto takes on such a CPU) the prefill is no
+    longer exact, but k >= context still makes specache equal to the full cache: both prefill
+    through the same kernel and decode exactly."""
+    from engine.model.loading import prepare_model
+
+    _native_attention_or_skip()
+    ps, _ = reference
+    prepare_model(tiny_model, torch.bfloat16)
+    try:
+        full = run(tiny_model, ps, CacheConfig(mode="full", chunk_size=64)).tokens
+        spec = run(tiny_model, ps, CacheConfig(mode="specache", k=4096, group=32, residual=16, chunk_size=64)).tokens
+    finally:
+        prepare_model(tiny_model)
+    assert spec == full

@@ -101,3 +101,45 @@ def test_packed_kernel_declines_what_it_cannot_do():
     assert packed_linear(torch.randn(64, 2).t(), packed, None) is None  # rows not contiguous
     with torch.enable_grad():
         assert packed_linear(x.requires_grad_(), packed, None) is None  # autograd wants torch
+
+
+def test_prefill_linears_in_bf16_only_for_many_rows_and_only_when_asked():
+    """use_skinny_linears(prefill_dtype=bf16): prefill chunks (> 8 rows) multiply a bf16 copy of the
+    weight (results within bf16 rounding of fp32, returned in fp32); decode rows keep the exact
+    fp32/packed kernels; without a prefill dtype (the default) every result is fp32's."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(affine4_weight(64, 128))
+    x_many, x_few = torch.randn(40, 128), torch.randn(3, 128)
+    with torch.no_grad():
+        want_many, want_few = model(x_many), model(x_few)
+        use_skinny_linears(model, torch.bfloat16)
+        assert model[0].prefill_dtype == torch.bfloat16
+        got = model(x_many)
+        assert got.dtype == torch.float32 and model[0]._prefill_weight.dtype == torch.bfloat16
+        assert not torch.equal(got, want_many)  # really computed in bf16
+        torch.testing.assert_close(got, want_many, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(model(x_few), want_few, rtol=1e-5, atol=1e-5)  # decode rows: exact path
+        use_skinny_linears(model)  # back to exact
+        assert model[0].prefill_dtype is None
+        torch.testing.assert_close(model(x_many), want_many, rtol=1e-5, atol=1e-5)
+        use_skinny_linears(model.to(torch.bfloat16), torch.bfloat16)  # a bf16 model: nothing to change
+        assert model[0].prefill_dtype is None
+
+
+def test_dtype_rule(monkeypatch):
+    """--dtype auto: fp32 on the CPU, prefill in bf16 only where the CPU has native bf16; float32
+    is all exact; bfloat16 is bf16 with the native prefill attention where it can run."""
+    from engine.errors import BadArgument
+    from engine.model import loading
+
+    cpu = torch.device("cpu")
+    for native_bf16 in (True, False):
+        monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda v=native_bf16: v)
+        fast = torch.bfloat16 if native_bf16 else None
+        assert loading.resolve_dtype("auto", cpu) == (torch.float32, fast)
+        assert loading.resolve_dtype("float32", cpu) == (torch.float32, None)
+        assert loading.resolve_dtype("bfloat16", cpu) == (torch.bfloat16, fast)
+        assert loading.resolve_dtype("auto", torch.device("cuda")) == (torch.float16, None)
+    with pytest.raises(BadArgument):
+        loading.resolve_dtype("float8", cpu)

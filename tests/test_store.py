@@ -555,3 +555,14 @@ def test_cap_must_be_a_finite_positive_number(monkeypatch, value):
     if value != "abc":
         with pytest.raises(ValueError):
             S.max_bytes_from(float(value))
+
+
+def test_a_bf16_prefill_keys_its_own_entries(tiny_model):
+    """An entry prefilled with bf16 compute (--dtype auto on a CPU with native bf16) is not the exact
+    fp32 state: it gets its own key, so a --dtype float32 run never loads it."""
+    config = CacheConfig(mode="specache", k=16, group=32, residual=16)
+    cache = make_cache(tiny_model.config, config, 1, 64, torch.float32, torch.device("cpu"))
+    exact = store_settings(cache, torch.float32, "tiny")
+    assert store_settings(cache, torch.float32, "tiny", torch.float32) == exact
+    fast = store_settings(cache, torch.float32, "tiny", torch.bfloat16)
+    assert fast["prefill"] == "bfloat16" and make_key(fast, [1, 2, 3]) != make_key(exact, [1, 2, 3])

@@ -117,7 +117,8 @@ class Engine:
         infos: list[dict | None] = [None] * len(prompts)
         keys: dict[int, str] = {}
         if store is not None:
-            settings = store_settings(cache, self.dtype, store.model_id)
+            settings = store_settings(cache, self.dtype, store.model_id,
+                                      getattr(self.model, "specache_prefill_dtype", None))
             for r in heads:
                 keys[r] = make_key(settings, prompts[r][: pre[r]])
                 infos[r] = load_row(store, cache, r, keys[r], prompts[r][: pre[r]])

@@ -41,11 +41,14 @@ def prefix_layout(prompts: list[list[int]], shared_prefix: int, prefixes: list[i
     return pre, [r for r in range(batch) if pre[r]]
 
 
-def store_settings(cache: KVCache, dtype: torch.dtype, model_id: str) -> dict:
-    """Everything besides the token ids that a stored row state depends on."""
+def store_settings(cache: KVCache, dtype: torch.dtype, model_id: str, prefill_dtype: torch.dtype | None = None) -> dict:
+    """Everything besides the token ids that a stored row state depends on (prefill_dtype: the
+    prefill's compute dtype when it is not the model's, e.g. bf16 prefill of an fp32 model)."""
     shape, config, layer = cache.shape, cache.config, cache.layers[0]
     settings = {"model": model_id, "dtype": str(dtype).replace("torch.", ""), "mode": config.mode,
                 "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+    if prefill_dtype is not None and prefill_dtype != dtype:
+        settings["prefill"] = str(prefill_dtype).replace("torch.", "")
     if layer.quantizes:
         settings.update(residual=layer.residual, group=layer.group, sinks=layer.sinks,
                         bits=config.bits if layer.guide is not None else None)

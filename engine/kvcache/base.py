@@ -13,6 +13,7 @@ from typing import ClassVar, Protocol
 import torch
 from transformers.cache_utils import Cache
 
+from engine import native
 from engine.config import CacheConfig
 from engine.kvcache.sizes import kv_bytes_per_token
 from engine.kvcache.transfer import Transfer
@@ -57,6 +58,9 @@ class Step:
     prefill: bool = False  # prompt tokens: attention over the exact past
     starts: list[int] = field(default_factory=list)  # start as Python ints (read by every layer)
     shared: dict = field(default_factory=dict, repr=False)  # values built once per pass (shared_value)
+    # prefill attention may compute in this dtype (bf16: the native kernel; None: the model's, exact);
+    # set from the attention module by engine.model.attention (prepare_model's prefill_dtype)
+    compute: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not self.starts:
@@ -109,6 +113,94 @@ def additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Ten
     if allowed is None:
         return None
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def split_attention_applies(q: torch.Tensor, step: Step) -> bool:
+    """Whether a pass can take `split_prefill_attention`: a prefill chunk of one row (or rows that
+    start together) on the CPU, where torch's flash kernel returns the log-sum-exp it needs."""
+    return step.prefill and q.device.type == "cpu" and step.aligned and step.n_new > 1
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention, which also returns each query's log-sum-exp of scores.
+    q [B, H, M, D], k/v [B, H, N, D] (head strides may be 0: a KV head expanded to its group);
+    causal: query i sees keys <= i (top-left aligned, M == N). -> out [B, H, M, D], lse [B, H, M] fp32."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=scaling)
+    return out, lse
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine attentions of the same queries over disjoint sets of keys into the attention over
+    their union: each part's output weighted by exp(its log-sum-exp - the union's). parts: (out
+    [..., M, D], lse [..., M] fp32) each -> [..., M, D] in out's dtype (the sum taken in fp32)."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lse = torch.stack([p[1] for p in parts])  # [n, ..., M]
+    weights = torch.exp(lse - torch.logsumexp(lse, dim=0))  # [n, ..., M]
+    out = parts[0][0].float() * weights[0, ..., None]
+    for (o, _), w in zip(parts[1:], weights[1:]):
+        out.addcmul_(o.float(), w[..., None])
+    return out.to(parts[0][0].dtype)
+
+
+def split_prefill_attention(q: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], k_new: torch.Tensor,
+                            v_new: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Exact attention of a prefill chunk without a mask: each past piece (every key visible to every
+    query) by the flash kernel unmasked, the chunk's own block with its causal mask, merged by
+    log-sum-exp (`merge_attention`). GQA without repeating K/V: over the past, the G query heads of a
+    KV head are stacked as G*T rows against that head; in the block, the KV head is expanded (stride 0)
+    to its G query heads. Same result as one masked softmax over [past, chunk] up to float rounding.
+
+    q [b, H, T, D] (new tokens at positions start..start+T-1); past: (k, v) [b, H_kv, n_i, D] pieces
+    holding every earlier position once (empty pieces skipped); k_new/v_new [b, H_kv, T, D].
+    -> [b, H_kv, G*T, D], rows ordered (g, t) like grouped_query."""
+    b, h, t, d = q.shape
+    hk = k_new.shape[1]
+    g = h // hk
+    qg = grouped_query(q, hk).contiguous()  # [b, H_kv, G*T, D]
+    parts = [flash_attention(qg, k, v, scaling) for k, v in past if k.shape[2]]
+    expand = lambda x: x.reshape(b * hk, 1, t, d).expand(-1, g, -1, -1)  # [b*H_kv, G, T, D]
+    out, lse = flash_attention(qg.view(b * hk, g, t, d), expand(k_new), expand(v_new), scaling, causal=True)
+    parts.append((out.reshape(b, hk, g * t, d), lse.reshape(b, hk, g * t)))
+    return merge_attention(parts)
+
+
+def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], scaling: float,
+                             start: int) -> torch.Tensor | None:
+    """A prefill chunk's attention by the native bf16 kernel (engine/native/attention_kernels.c):
+    Q, K, P and V rounded to bf16, products accumulated in fp32, causal, GQA by stacking the query
+    heads of a KV head. Not exact: the exact path is split_prefill_attention in fp32.
+
+    q [1, H, T, D] (positions start..start+T-1); pieces: (k, v) [1, H_kv, n_i, D], fp32 or bf16 with
+    contiguous rows, holding every position 0..start+T-1 once, in order (the chunk's own last).
+    -> [1, H_kv, G*T, D] fp32, or None where the kernel does not apply (no native library or no
+    AVX512-BF16, other layouts): the caller then takes the exact path."""
+    lib = native.lib()
+    pieces = [(k, v) for k, v in pieces if k.shape[2]]
+    b, h, t, d = q.shape
+    if lib is None or b != 1 or not 1 <= len(pieces) <= 3 or d % 32 or d > 256 or \
+            not lib.specache_prefill_attention_available():
+        return None
+    dtype = pieces[0][0].dtype
+    if dtype not in (torch.float32, torch.bfloat16) or any(x.dtype != dtype or x.stride(-1) != 1
+                                                           for k, v in pieces for x in (k, v)) \
+            or any(k.stride() != v.stride() for k, v in pieces):  # a piece's K and V: one layout (sr, sh)
+        return None
+    if sum(k.shape[2] for k, _ in pieces) != start + t:
+        return None
+    hk = pieces[0][0].shape[1]
+    qg = grouped_query(q, hk).float().contiguous()  # [1, H_kv, G*T, D]
+    out = torch.empty_like(qg)
+    args = native.PrefillArgs(H=hk, G=h // hk, T=t, D=d, start=start, npieces=len(pieces),
+                              src_bf16=int(dtype == torch.bfloat16), nthreads=native.threads(), scaling=scaling,
+                              q=qg.data_ptr(), q_sh=qg.stride(1), out=out.data_ptr())
+    for i, (k, v) in enumerate(pieces):
+        args.k[i], args.v[i] = k.data_ptr(), v.data_ptr()
+        args.n[i], args.sr[i], args.sh[i] = k.shape[2], k.stride(2), k.stride(1)
+    if lib.specache_prefill_attention(args) != 0:
+        return None
+    return out
 
 
 def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:

@@ -11,6 +11,9 @@ from engine.kvcache.base import (
     causal_mask,
     grouped_query,
     import_tensors,
+    native_prefill_attention,
+    split_attention_applies,
+    split_prefill_attention,
     ungroup_output,
     write_rows,
 )
@@ -40,7 +43,17 @@ class FullLayer:
         write_rows(self.k, self.v, k, v, step)
 
     def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """Exact attention of q [b, H, T, D] over each row's past and new tokens -> [b, T, H, D]."""
+        """Exact attention of q [b, H, T, D] over each row's past and new tokens -> [b, T, H, D].
+        A prefill chunk on the CPU: the past without a mask, the chunk's block causal, merged
+        (split_prefill_attention); otherwise one SDPA call with the causal mask of the pass."""
+        if split_attention_applies(q, step):
+            s, t = step.starts[0], step.n_new
+            r = step.rows
+            out = native_prefill_attention(q, [(self.k[r, :, : s + t], self.v[r, :, : s + t])], scaling, s) \
+                if step.compute == torch.bfloat16 else None
+            out = out if out is not None else split_prefill_attention(q, [(self.k[r, :, :s], self.v[r, :, :s])], self.k[r, :, s : s + t],
+                                          self.v[r, :, s : s + t], scaling)
+            return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         length = max(step.starts) + step.n_new
         keys = self.k[step.rows, :, :length]
         values = self.v[step.rows, :, :length]

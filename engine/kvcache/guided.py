@@ -26,6 +26,9 @@ from engine.kvcache.base import (
     additive_mask,
     grouped_query,
     import_tensors,
+    native_prefill_attention,
+    split_attention_applies,
+    split_prefill_attention,
     ungroup_output,
 )
 from engine.kvcache.fused import FusedDecode, fused_applies
@@ -165,10 +168,12 @@ class GuidedLayer:
         return self.attend_decode(q, scaling, step)
 
     def attend_prefill(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk."""
+        """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk.
+        Past = the quantized prefix read from the exact store (sinks in window mode) + the residual
+        positions before the chunk; on the CPU attended without a mask and merged with the chunk's
+        causal block (split_prefill_attention), elsewhere one SDPA call with a shared mask."""
         row = step.rows.start
         start, t = step.starts[0], step.n_new
-        qg = grouped_query(q, self.shape.kv_heads)
         qend = int(self.qend[row])
         if self.store is not None:
             k_past, v_past = self.store.read(row, 0, qend)
@@ -176,6 +181,21 @@ class GuidedLayer:
             k_past, v_past = self.sink_k[row : row + 1, :, : min(self.sinks, qend)], \
                 self.sink_v[row : row + 1, :, : min(self.sinks, qend)]
         n_res = start + t - qend
+        if split_attention_applies(q, step):  # no mask: the past pieces whole, the chunk's block causal
+            rk, rv = self.res_k[row : row + 1], self.res_v[row : row + 1]
+            recent = start - qend  # residual positions before the chunk
+            out = None
+            if step.compute == torch.bfloat16 and qend == k_past.shape[2]:  # the pieces tile [0, start + t)
+                out = native_prefill_attention(q, [(k_past, v_past), (rk[:, :, : recent + t], rv[:, :, : recent + t])],
+                                               scaling, start)
+            if out is None:
+                past = [(k_past, v_past), (rk[:, :, :recent], rv[:, :, :recent])]
+                if q.dtype != torch.float32 and recent and k_past.shape[2]:  # one rounding of a 16-bit output less
+                    past = [(torch.cat([past[0][0], past[1][0]], dim=2), torch.cat([past[0][1], past[1][1]], dim=2))]
+                out = split_prefill_attention(q, past, rk[:, :, recent : recent + t], rv[:, :, recent : recent + t],
+                                              scaling)
+            return ungroup_output(out.to(q.dtype), self.shape.heads, t)
+        qg = grouped_query(q, self.shape.kv_heads)
         keys = torch.cat([k_past, self.res_k[row : row + 1, :, :n_res]], dim=2)
         values = torch.cat([v_past, self.res_v[row : row + 1, :, :n_res]], dim=2)
         past = keys.shape[2] - n_res

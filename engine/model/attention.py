@@ -17,7 +17,9 @@ def specache_attention(module, query, key, value, attention_mask, scaling=None, 
         raise RuntimeError("the specache attention needs kv_cache=<engine.kvcache.KVCache> in the forward call")
     layer = kv_cache.layers[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return layer.attend(query, scale, kv_cache.step), None
+    step = kv_cache.step
+    step.compute = getattr(module, "specache_prefill_dtype", None)  # set by engine.model.loading.prepare_model
+    return layer.attend(query, scale, step), None
 
 
 AttentionInterface.register(ATTENTION_NAME, specache_attention)

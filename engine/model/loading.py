@@ -17,10 +17,10 @@ from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from engine.errors import ModelLoadError
+from engine.errors import BadArgument, ModelLoadError
 from engine.model.attention import ATTENTION_NAME
 from engine.model.embedded import EMBEDDED_NAME, embedded_model_dir, find_embedded_gguf
-from engine.model.linears import use_skinny_linears
+from engine.model.linears import cpu_has_native_bf16, use_skinny_linears
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -118,8 +118,7 @@ def load_model(
     start = time.perf_counter()
     name, path = resolve_model_dir(spec, on_status)
     dev = pick_device(device)
-    torch_dtype = {"auto": torch.float32 if dev.type == "cpu" else torch.float16,
-                   "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    torch_dtype, prefill_dtype = resolve_dtype(dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
@@ -128,15 +127,44 @@ def load_model(
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
-    prepare_model(model.to(dev))
+    prepare_model(model.to(dev), prefill_dtype)
     config = json.loads((path / "config.json").read_text())
     max_context = int(config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 4096))
     return LoadedModel(model, tokenizer, name, path, fingerprint(path), max_context, time.perf_counter() - start)
 
 
-def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """--dtype -> (the model's dtype: weights, activations, K/V and the exact store; the dtype the
+    prefill chunks' linears and attention compute in, None: the model's own).
+
+    float32 / float16: everything in that dtype (float32 on the CPU is the exact reference path:
+    the limit tests hold bit for bit against DynamicCache). bfloat16: everything in bf16, and on a
+    CPU with native bf16 the prefill attention by the native bf16 kernel. auto: fp16 on a GPU; on
+    the CPU fp32 (exact K/V, store and decode), with the prefill chunks' linears (oneDNN) and
+    attention (engine/native/attention_kernels.c) in bf16 where the CPU multiplies bf16 natively
+    (AVX512-BF16 or AMX flags): the prefill of report.pdf ran several times faster and its
+    teacher-forced fidelity against the exact fp32 full cache stayed within the noise of the
+    cache modes' own (docs/engine.md, Prefill); elsewhere all fp32."""
+    if dtype not in DTYPES:
+        raise BadArgument(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    fast = torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else None
+    if dtype == "auto":
+        return (torch.float32, fast) if device.type == "cpu" else (torch.float16, None)
+    return getattr(torch, dtype), (fast if dtype == "bfloat16" else None)
+
+
+def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Switch an already built model (e.g. a test's random one) to the engine's attention function
-    and, on the CPU, to linears that are fast for decode steps (engine/linears.py)."""
+    and, on the CPU, to linears that are fast for decode steps (engine/linears.py). prefill_dtype:
+    prefill chunks' linears and attention compute in that dtype (bf16, resolve_dtype); None: in
+    the model's own (exact). Called again, it replaces the previous choice."""
     model.set_attn_implementation(ATTENTION_NAME)
-    use_skinny_linears(model)
+    use_skinny_linears(model, prefill_dtype)
+    model.specache_prefill_dtype = prefill_dtype  # read by the Engine: it keys the document store
+    for module in model.modules():  # the attention modules: prefill attention's compute dtype (Step.compute)
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            module.specache_prefill_dtype = prefill_dtype
     return model.eval()

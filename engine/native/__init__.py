@@ -1,5 +1,6 @@
 """Native CPU kernels, compiled once per machine and loaded with ctypes: the guide kernels
-(``guide_kernels.c``) and the decode-step linear (``linear_kernels.c``).
+(``guide_kernels.c``), the decode-step linear (``linear_kernels.c``) and the bf16 prefill
+attention (``attention_kernels.c``, AVX512-BF16 only).
 
 The C sources are compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``)
 into one ``cache_root()/native/guide-<hash>.so``, the hash covering the sources, the compiler
@@ -31,7 +32,8 @@ from engine.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"))
+SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
+           Path(__file__).with_name("attention_kernels.c"))
 ABI_VERSION = 5
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden")
 ENV_DISABLE = "SPECACHE_NATIVE"
@@ -67,6 +69,14 @@ class DecodeArgs(ctypes.Structure):
                    ("kc", _P), ("kc_sb", _I64), ("kc_sh", _I64), ("ks", _P), ("kz", _P), ("ks_sb", _I64), ("ks_sh", _I64),
                    ("vc", _P), ("vc_sb", _I64), ("vc_sh", _I64), ("vs", _P), ("vz", _P), ("vs_sb", _I64), ("vs_sh", _I64),
                    ("out", _P)])
+
+
+class PrefillArgs(ctypes.Structure):
+    """Mirror of the C struct PrefillArgs (attention_kernels.c, prefill attention in bf16)."""
+
+    _fields_ = ([(n, _I64) for n in ("H", "G", "T", "D", "start", "npieces", "src_bf16", "nthreads")]
+                + [("scaling", ctypes.c_float), ("q", _P), ("q_sh", _I64), ("k", _P * 3), ("v", _P * 3),
+                   ("n", _I64 * 3), ("sr", _I64 * 3), ("sh", _I64 * 3), ("out", _P)])
 
 
 def disabled() -> bool:
@@ -197,6 +207,9 @@ def _load(path: Path) -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.specache_unpack.argtypes = [_P, _I64, _I64, _I64, _I64, _P]  # (packed, fmt, n0, n1, K, W)
     lib.specache_unpack.restype = ctypes.c_int
+    lib.specache_prefill_attention.argtypes = [ctypes.POINTER(PrefillArgs)]
+    lib.specache_prefill_attention.restype = ctypes.c_int
+    lib.specache_prefill_attention_available.restype = ctypes.c_int
     return lib
 
 
