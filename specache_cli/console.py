@@ -6,6 +6,7 @@ import functools
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from engine.errors import SpecacheError
 
@@ -20,7 +21,7 @@ def guarded(fn):
         try:
             return fn(*args, **kwargs)
         except SpecacheError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
 
     return wrapper

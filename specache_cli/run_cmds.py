@@ -7,9 +7,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TextIO
 
 import typer
+from rich.markup import escape
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import KVStore, max_bytes_from
@@ -266,34 +267,40 @@ def worker_runner(session: Session) -> Runner:
     return own.runner
 
 
-def write_failure(source: str, error: SpecacheError, structured: bool, jsonl: bool,
-                  question: str | None = None) -> None:
-    """A document's (or question's) error: one line on stderr and, with --json/--jsonl, its error object."""
-    err_console.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-    if structured:
-        obj = {"source": source, **({"question": question} if question is not None else {}),
-               "error": {"code": error.code, "exit_code": error.exit_code, "message": str(error)}}
-        emit_json(obj, jsonl)
+def write_item(item: Result | Failed, stdout: TextIO, out: OutputOptions) -> None:
+    """One finished document (or question) of a job with workers, on `stdout`: as output() and the
+    error lines of summarize_cmd write them (a Failed's question, for ask, is in its error line)."""
+    if isinstance(item, Failed):
+        err_console.print(f"[bold red]error:[/] {escape(str(item.error))}", highlight=False, soft_wrap=True)
+        question = getattr(item, "question", None)
+        obj = {"source": item.source, **({"question": question} if question is not None else {}),
+               "error": {"code": item.error.code, "exit_code": item.error.exit_code, "message": str(item.error)}}
+    else:
+        obj = item.to_json()
+    if out.structured:
+        stdout.write((json.dumps(obj, ensure_ascii=False) if out.jsonl else
+                      json.dumps(obj, ensure_ascii=False, indent=2)) + "\n")
+    elif isinstance(item, Result):
+        label = f"Q: {item.question}" if item.question else f"# {item.source}"
+        stdout.write(f"{label}\n{item.text}\n\n")
+    stdout.flush()
+    if isinstance(item, Result) and not out.quiet:
+        print_timings(item)
 
 
 def run_on_workers(session: Session, config: WorkerConfig, tasks, total: int, out: OutputOptions,
                    noun: str) -> int:
     """Run tasks on the workers, writing each result as it completes; the number that failed."""
-    def write(item: Result | Failed) -> None:
-        if isinstance(item, Failed):
-            write_failure(item.source, item.error, out.structured, out.jsonl, getattr(item, "question", None))
-        else:
-            output([item], out.structured, out.jsonl, out.quiet, header=True)
-
     events = run_job(tasks, functools.partial(worker_runner, session), config)
-    return render_job(events, total, config.workers, out.quiet, write, noun).failed
+    return render_job(events, total, config.workers, out.quiet, functools.partial(write_item, out=out),
+                      noun).failed
 
 
 def summarize_on_workers(session: Session, config: WorkerConfig, files: list[str], docs: list, errors: dict,
                          out: OutputOptions) -> None:
     """summarize --workers N: unreadable files get their error line now, the rest go to the workers."""
     for i in sorted(errors):
-        write_failure(files[i], errors[i], out.structured, out.jsonl)
+        write_item(Failed(files[i], errors[i]), sys.stdout, out)
     failed = len(errors)
     if docs:
         tasks = summarize_tasks([(d.text, d.source) for _, d in docs], config.workers, session.batch)

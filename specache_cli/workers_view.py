@@ -4,14 +4,16 @@ Results are written by the caller's `write` as they complete, never cut by Ctrl-
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TextIO
 
 from rich.console import Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
@@ -61,10 +63,22 @@ def worker_line(s: WorkerState, now: float) -> str:
     return f"  worker {s.index + 1} ({where}): {what} for {now - s.since:.0f} s · {s.done} done"
 
 
-def render_job(events, total: int, workers: int, quiet: bool, write: Callable[[Result | Failed], None],
+def render_job(events, total: int, workers: int, quiet: bool, write: Callable[[Result | Failed, TextIO], None],
                noun: str = "documents") -> JobSummary:
-    """Drive run_job's events: results to `write` (Ctrl-C deferred while it runs), progress on stderr.
-    A KeyboardInterrupt closes the job (its workers are killed) and becomes Interrupted."""
+    """Drive run_job's events: results to `write(item, stdout)` (Ctrl-C deferred while it runs),
+    progress on stderr. A KeyboardInterrupt closes the job (its workers are killed) and becomes
+    Interrupted.
+
+    Ray's driver prints raylet messages ("A worker died ...") on sys.stdout from a thread of its
+    own; stdout carries results only, so for the job sys.stdout is stderr and `write` is handed
+    the real stdout."""
+    stdout = sys.stdout
+    with redirect_stdout(sys.stderr):
+        return _render(events, total, workers, quiet, lambda item: write(item, stdout), noun)
+
+
+def _render(events, total: int, workers: int, quiet: bool, write: Callable[[Result | Failed], None],
+            noun: str) -> JobSummary:
     summary = JobSummary()
     start = time.monotonic()
     states: dict[int, WorkerState] = {}
@@ -95,7 +109,7 @@ def render_job(events, total: int, workers: int, quiet: bool, write: Callable[[R
                                           f"({event.device}, {event.threads} threads)[/]", highlight=False)
                 elif isinstance(event, Retry):
                     err_console.print(f"[yellow]warning:[/] worker {event.worker + 1} died ({event.reason}) while "
-                                      f"working on {event.task}; Ray restarts it and its {event.units} "
+                                      f"working on {escape(event.task)}; Ray restarts it and its {event.units} "
                                       f"{noun if event.units != 1 else noun.rstrip('s')} are retried",
                                       highlight=False, soft_wrap=True)
                 elif isinstance(event, (Result, Failed)):

@@ -34,6 +34,7 @@ RAY_EXTRA = "pip install 'specache[ray]'"
 CHARS_PER_TOKEN = 4  # the token estimate used to order documents (the driver holds no tokenizer)
 DEFAULT_GROUP = 4  # documents handed to an actor at once (decoded together) when --batch is auto
 MAX_RESTARTS = 3  # restarts of one actor before it is given up
+RESTART_POLL_SECONDS = 0.25  # how often to ask whether a restarting actor is back
 OBJECT_STORE_MB = 256  # a local runtime's shared-memory object store: documents and results are small
 
 
@@ -297,7 +298,7 @@ def run_job(tasks: list[Task], make_runner: Callable[[], Runner], config: Worker
     job started it."""
     validate(config)
     ray = import_ray()
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
     started = connect(ray, config)
     actors = []
@@ -312,43 +313,58 @@ def run_job(tasks: list[Task], make_runner: Callable[[], Runner], config: Worker
         queue = deque(tasks)  # longest first
         idle: list[int] = []
         running: dict = {a.ready.remote(): (i, None) for i, a in enumerate(actors)}  # ref -> (actor, task)
-        deaths = [0] * len(actors)
+        restarting: dict[int, float] = {}  # actor -> when to ask again whether it is back
         while queue or any(task is not None for _, task in running.values()):
             while idle and queue:
                 i, task = idle.pop(0), queue.popleft()
                 running[actors[i].run.remote(task)] = (i, task)
                 states[i] = replace(states[i], state="working", task=task.label, since=time.monotonic())
                 yield states[i]
-            if not running:
+            now = time.monotonic()
+            for i in [i for i, due in restarting.items() if due <= now]:
+                del restarting[i]
+                running[actors[i].ready.remote()] = (i, None)
+            if not running and not restarting:
                 raise SpecacheError("every worker died; see the errors above")
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            wait = min([1.0] + [due - now for due in restarting.values()])
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=max(wait, 0.0)) if running else \
+                ([], time.sleep(max(wait, 0.0)))
             if not ready:
                 yield Tick()
                 continue
             i, task = running.pop(ready[0])
             try:
                 value = ray.get(ready[0])
-            except RayActorError as exc:  # the process died (killed, out of memory); Ray restarts it
-                deaths[i] += 1
-                reason = died_reason(exc)
-                if task is not None and task.attempt == 1:
-                    queue.extendleft(reversed(task.split(lambda: next(keys))))
-                    yield Retry(i, task.label, len(task.units()), reason)
-                elif task is not None:
-                    for source, question in task.units():
-                        yield failed(source, question, WorkerDied(
-                            f"{source}: the worker died twice on this document ({reason})"))
-                gone = deaths[i] > config.max_restarts
-                states[i] = replace(states[i], state="gone" if gone else "restarting", pid=None, task=None,
-                                    since=time.monotonic())
-                yield states[i]
-                if not gone:
-                    running[actors[i].ready.remote()] = (i, None)  # waits for the restarted actor
-                continue
+            except ActorUnavailableError:  # asked while Ray restarts it: ask again shortly
+                if task is None:
+                    restarting[i] = time.monotonic() + RESTART_POLL_SECONDS
+                    continue
+                value = None
+                exc_text = "its process died"
+            except ActorDiedError as exc:  # dead for good (restarts used up, or it cannot start)
+                value, exc_text = None, died_reason(exc)
+                if task is None:
+                    states[i] = replace(states[i], state="gone", pid=None, task=None, since=time.monotonic())
+                    yield states[i]
+                    continue
+            except RayActorError as exc:
+                value, exc_text = None, died_reason(exc)
             except RayTaskError as exc:  # an exception inside the actor: these documents fail, the job goes on
-                value = [failed(s, q, as_error(s, exc)) for s, q in task.units()] if task is not None else exc
                 if task is None:
                     raise as_error("a worker", exc) from None
+                value = [failed(s, q, as_error(s, exc)) for s, q in task.units()]
+            if value is None:  # the process running the task died (killed, out of memory)
+                if task.attempt == 1:
+                    queue.extendleft(reversed(task.split(lambda: next(keys))))
+                    yield Retry(i, task.label, len(task.units()), exc_text)
+                else:
+                    for source, question in task.units():
+                        yield failed(source, question, WorkerDied(
+                            f"{source}: the worker died twice on this document ({exc_text})"))
+                states[i] = replace(states[i], state="restarting", pid=None, task=None, since=time.monotonic())
+                yield states[i]
+                running[actors[i].ready.remote()] = (i, None)  # back when Ray has restarted it, or gone
+                continue
             if task is None:  # the actor has loaded the model
                 if value["error"] is not None:
                     raise value["error"]
