@@ -166,11 +166,11 @@ def read_questions(path: str) -> list[str]:
 def summarize_cmd(
     files: list[str] = typer.Argument(..., help="PDF, .txt or .md files; - reads stdin."),
     model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
-    resume: Optional[str] = RESUME, workers: WorkerOptions = None,
+    resume: Optional[str] = RESUME, work: WorkerOptions = None,
 ) -> None:
     """Summarize each document (several documents are decoded together in batches)."""
     session = Session(model, cache, gen, out.quiet)
-    config = worker_config(workers, model, out.quiet)
+    config = worker_config(work, model, out.quiet)
     quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     many = len(files) > 1
     if resume is not None:
@@ -222,7 +222,7 @@ def ask_cmd(
     questions_file: Optional[str] = typer.Option(None, "--questions", help="A file with one question per line "
                                                  "(all answered as decode batches sharing one prefill)."),
     model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
-    workers: WorkerOptions = None,
+    work: WorkerOptions = None,
 ) -> None:
     """Answer questions about a document or a corpus of documents (several questions share one prefill)."""
     asked = ([question] if question else []) + list(questions)
@@ -233,7 +233,7 @@ def ask_cmd(
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
     session = Session(model, cache, gen, out.quiet)
-    config = worker_config(workers, model, out.quiet)
+    config = worker_config(work, model, out.quiet)
     quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     docs = [read_document(source, out.password, quiet) for source in doc]
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)

@@ -35,7 +35,8 @@ class JobSummary:
     done: int = 0
     failed: int = 0
     tokens: int = 0  # prompt + generated tokens of the results
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the first worker ready to the last result
+    startup_seconds: float = 0.0  # starting (or joining) Ray and the first worker's model load
 
 
 @contextmanager
@@ -89,8 +90,8 @@ def _render(events, total: int, workers: int, quiet: bool, write: Callable[[Resu
     view = Group(bar, lines)
 
     def refresh() -> None:
-        elapsed = time.monotonic() - start
-        rate = summary.tokens / elapsed if elapsed > 0 else 0.0
+        elapsed = time.monotonic() - start - summary.startup_seconds if summary.startup_seconds else 0.0
+        rate = summary.tokens / elapsed if elapsed > 0 else 0.0  # over the job, since the first worker was ready
         bar.update(task, completed=summary.done + summary.failed,
                    description=f"{noun} on {workers} worker{'s' * (workers != 1)} · {rate:.0f} tok/s")
         now = time.monotonic()
@@ -104,6 +105,8 @@ def _render(events, total: int, workers: int, quiet: bool, write: Callable[[Resu
                 if isinstance(event, WorkerState):
                     before = states.get(event.index)
                     states[event.index] = event
+                    if event.state == "ready" and not summary.startup_seconds:
+                        summary.startup_seconds = time.monotonic() - start
                     if not quiet and event.state == "ready" and (before is None or before.state != "ready"):
                         err_console.print(f"[dim]worker {event.index + 1} ready: pid {event.pid} on {event.node} "
                                           f"({event.device}, {event.threads} threads)[/]", highlight=False)
@@ -127,13 +130,13 @@ def _render(events, total: int, workers: int, quiet: bool, write: Callable[[Resu
         events.close()  # kills the workers (and shuts down a runtime the job started)
         raise Interrupted(f"interrupted: {summary.done + summary.failed} of {total} {noun} written; "
                           "the workers are stopped (--resume OUT.jsonl goes on from here)") from None
-    summary.seconds = time.monotonic() - start
+    summary.seconds = max(time.monotonic() - start - summary.startup_seconds, 1e-9)
     if not quiet:
-        per_min = 60 * (summary.done + summary.failed) / summary.seconds if summary.seconds else 0.0
+        per_min = 60 * (summary.done + summary.failed) / summary.seconds
         err_console.print(f"[dim]{summary.done + summary.failed} {noun} ({summary.failed} failed) in "
-                          f"{summary.seconds:.1f} s on {workers} worker{'s' * (workers != 1)}: "
-                          f"{per_min:.1f} {noun}/min, {summary.tokens / summary.seconds:.0f} tok/s "
-                          f"(prompt + generated)[/]", highlight=False)
+                          f"{summary.seconds:.1f} s on {workers} worker{'s' * (workers != 1)} after "
+                          f"{summary.startup_seconds:.1f} s of start-up: {per_min:.1f} {noun}/min, "
+                          f"{summary.tokens / summary.seconds:.0f} tok/s (prompt + generated)[/]", highlight=False)
     return summary
 
 

@@ -95,7 +95,7 @@ def test_two_workers_do_every_document_once_with_the_single_process_text(ray_run
 
 def test_ask_questions_shared_out_among_workers(ray_runtime, cli, docs):
     questions = ["Who wrote this?", "What is proposed?", "Why a union?", "Which states?", "When?"]
-    args = ["ask", "--doc", docs[1], *sum((["-q", q] for q in questions), []), "--max-tokens", "12"]
+    args = ["ask", "--doc", docs[1], *[a for q in questions for a in ("-q", q)], "--max-tokens", "12"]
     one = cli(*args)
     many = cli(*args, "--workers", "2")
     assert one.exit_code == 0 and many.exit_code == 0, many.stderr

@@ -23,7 +23,7 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -225,7 +225,6 @@ class WorkerConfig:
     object_store_mb: int = OBJECT_STORE_MB
     gpus: bool | None = None
     max_restarts: int = MAX_RESTARTS
-    extra_env: dict = field(default_factory=dict)
 
 
 def validate(config: WorkerConfig) -> None:
