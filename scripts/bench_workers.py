@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,25 +76,32 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", default=None, help="local HF folder (default: the embedded model)")
     parser.add_argument("--single", action="store_true", help="also run without --workers (one process)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the worker counts this many times, interleaved "
+                        "(later rounds in reverse order), and compare the medians: on a shared machine the load "
+                        "drifts between runs")
     parser.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     args = parser.parse_args()
 
     counts = [int(w) for w in args.workers.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         files = cut_documents(args.docs, Path(tmp))
-        runs = ([run(files, None, args)] if args.single else []) + [run(files, w, args) for w in counts]
+        runs = [run(files, None, args)] if args.single else []
+        for r in range(args.repeat):
+            runs += [run(files, w, args) for w in (counts if r % 2 == 0 else counts[::-1])]
     for r in runs:
         if sorted(r.pop("sources")) != sorted(files):
             raise SystemExit(f"error: the run with workers={r['workers']} did not give every document exactly once")
     reference = runs[0]["texts"]
     for r in runs:
         r["same_texts_as_first_run"] = r.pop("texts") == reference
-    base = next(r for r in runs if r["workers"] == counts[0])
-    report = {"documents": args.docs, "max_tokens": args.max_tokens, "runs": runs,
-              "ratio_wall": {str(r["workers"]): round(r["docs_per_minute_wall"] / base["docs_per_minute_wall"], 2)
-                             for r in runs if r["workers"] is not None},
-              "ratio_job": {str(r["workers"]): round(r["docs_per_minute_job"] / base["docs_per_minute_job"], 2)
-                            for r in runs if r["workers"] is not None and r["docs_per_minute_job"]}}
+    median = {w: {k: statistics.median(r[k] for r in runs if r["workers"] == w)
+                  for k in ("docs_per_minute_wall", "docs_per_minute_job")} for w in counts}
+    base = median[counts[0]]
+    report = {"documents": args.docs, "max_tokens": args.max_tokens, "runs": runs, "median": median,
+              "ratio_wall": {str(w): round(m["docs_per_minute_wall"] / base["docs_per_minute_wall"], 2)
+                             for w, m in median.items()},
+              "ratio_job": {str(w): round(m["docs_per_minute_job"] / base["docs_per_minute_job"], 2)
+                            for w, m in median.items()}}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -104,7 +112,7 @@ def main() -> int:
               f"{r['docs_per_minute_wall']:>14} {r['docs_per_minute_job'] or '-':>13} "
               f"{'yes' if r['same_texts_as_first_run'] else 'NO':>11}")
     for w, ratio in report["ratio_wall"].items():
-        print(f"workers {w} / workers {counts[0]}: {ratio}x documents per minute (wall), "
+        print(f"workers {w} / workers {counts[0]}: {ratio}x documents per minute (wall, median), "
               f"{report['ratio_job'].get(w, '-')}x (job)")
     return 0
 

@@ -58,7 +58,9 @@ def deferred_sigint() -> Iterator[None]:
 def worker_line(s: WorkerState, now: float) -> str:
     where = f"pid {s.pid}" if s.pid else "no process"
     if s.device:
-        where += f", {s.device}" + (f" x{s.threads} threads" if s.threads and s.device == "cpu" else "")
+        where += f", {s.device}"
+        if s.threads and s.device == "cpu":
+            where += f", {s.threads} thread{'s' * (s.threads != 1)}"
     what = {"working": f"working on {s.task}", "starting": "loading the model", "restarting": "restarting",
             "gone": "gone (died too often)"}.get(s.state, s.state)
     return f"  worker {s.index + 1} ({where}): {what} for {now - s.since:.0f} s · {s.done} done"
@@ -109,7 +111,7 @@ def _render(events, total: int, workers: int, quiet: bool, write: Callable[[Resu
                         summary.startup_seconds = time.monotonic() - start
                     if not quiet and event.state == "ready" and (before is None or before.state != "ready"):
                         err_console.print(f"[dim]worker {event.index + 1} ready: pid {event.pid} on {event.node} "
-                                          f"({event.device}, {event.threads} threads)[/]", highlight=False)
+                                          f"({event.device}, {event.threads} thread{'s' * (event.threads != 1)})[/]", highlight=False)
                 elif isinstance(event, Retry):
                     err_console.print(f"[yellow]warning:[/] worker {event.worker + 1} died ({event.reason}) while "
                                       f"working on {escape(event.task)}; Ray restarts it and its {event.units} "
