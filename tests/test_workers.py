@@ -27,11 +27,22 @@ SIZES = (2400, 600, 1800, 300, 1200, 2000)  # characters: the tiny model's windo
 COMMON = ("--quiet", "--no-store", "--jsonl")
 
 
+MARK = f"SPECACHE_TEST_WORKERS={os.getpid()}"  # in the environment of this module's Ray processes only
+
+
 @pytest.fixture(scope="module")
-def ray_runtime():
+def ray_runtime(monkeypatch_module):
+    name, value = MARK.split("=")
+    monkeypatch_module.setenv(name, value)  # inherited by the runtime's processes, so kills hit only them
     start_local_ray(ray, num_cpus=2, object_store_mb=200, quiet=True)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
 
 
 @pytest.fixture(scope="module")
@@ -127,16 +138,19 @@ def test_ctrl_c_leaves_whole_lines_and_resume_finishes_without_duplicates(ray_ru
 
 
 def kill_running_worker(times: int, killed: list[int], stop: threading.Event) -> None:
-    """Kill (SIGKILL) a Ray worker process while it runs a task (its title is ray::DocWorker.run), `times` times."""
+    """Kill (SIGKILL) a worker of this module's Ray runtime while it runs a task (its process title is
+    ray::DocWorker.run), `times` times."""
     while len(killed) < times and not stop.is_set():
         for pid in os.listdir("/proc"):
             if not pid.isdigit() or int(pid) in killed:
                 continue
             try:
                 title = Path(f"/proc/{pid}/cmdline").read_bytes()
+                ours = title.startswith(b"ray::DocWorker.run") and \
+                    MARK.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if title.startswith(b"ray::DocWorker.run"):
+            if ours:
                 os.kill(int(pid), signal.SIGKILL)
                 killed.append(int(pid))
                 break
