@@ -85,7 +85,7 @@ class WorkerOptions:
 
     workers: Annotated[Optional[int], typer.Option(
         "--workers", help="Run the job on N Ray actors, each holding the model (needs the extra: "
-        "pip install 'specache[ray]'). Longest documents first; results as they complete.")] = None
+        "pip install 'specache\\[ray]'). Longest documents first; results as they complete.")] = None
     ray_address: Annotated[Optional[str], typer.Option(
         "--ray-address", help="Join a Ray cluster: auto or HOST:PORT (default: a local runtime for the job).")] = None
     threads_per_worker: Annotated[Optional[int], typer.Option(
