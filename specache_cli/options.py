@@ -79,7 +79,21 @@ class OutputOptions:
         return self.json_out or self.jsonl
 
 
-GROUPS = (ModelOptions, CacheOptions, GenerationOptions, OutputOptions)
+@dataclass
+class WorkerOptions:
+    PANEL: ClassVar[str] = "Workers (Ray)"  # the heading of these options in --help
+
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", help="Run the job on N Ray actors, each holding the model (needs the extra: "
+        "pip install 'specache\\[ray]'). Longest documents first; results as they complete.")] = None
+    ray_address: Annotated[Optional[str], typer.Option(
+        "--ray-address", help="Join a Ray cluster: auto or HOST:PORT (default: a local runtime for the job).")] = None
+    threads_per_worker: Annotated[Optional[int], typer.Option(
+        "--threads-per-worker", help="Torch threads (and Ray CPUs) per worker (default: the cores divided "
+        "among the workers).")] = None
+
+
+GROUPS = (ModelOptions, CacheOptions, GenerationOptions, OutputOptions, WorkerOptions)
 
 
 def grouped(fn):

@@ -1,15 +1,18 @@
 """`specache summarize` and `specache ask`."""
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import re
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TextIO
 
 import typer
+from rich.markup import escape
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import KVStore, check_folder, max_bytes_from
@@ -22,7 +25,8 @@ from engine.errors import (
     SpecacheError,
 )
 from engine.inputs.documents import STDIN, decode_text, load_document, read_regular_file
-from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, count_tokens, summarize_many
+from engine.jobs.pipeline import STRATEGIES, Failed, Result, Runner, ask_many, count_tokens, summarize_many
+from engine.jobs.workers import WorkerConfig, ask_tasks, import_ray, run_job, summarize_tasks, validate
 from engine.model.embedded import EMBEDDED_NAME
 from engine.model.loading import load_model
 from engine.paths import cache_root
@@ -33,9 +37,11 @@ from specache_cli.options import (
     GenerationOptions,
     ModelOptions,
     OutputOptions,
+    WorkerOptions,
     grouped,
 )
 from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
+from specache_cli.workers_view import render_job
 
 
 def parse_batch(batch: str) -> int | None:
@@ -259,11 +265,12 @@ def read_questions(path: str) -> list[str]:
 def summarize_cmd(
     files: list[str] = typer.Argument(..., help="PDF, .txt or .md files; - reads stdin."),
     model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
-    resume: Optional[str] = RESUME,
+    resume: Optional[str] = RESUME, work: WorkerOptions = None,
 ) -> None:
     """Summarize each document (several documents are decoded together in batches)."""
     check_stdin_once(files)
     session = Session(model, cache, gen, out.quiet)
+    config = worker_config(work, model, out.quiet)
     quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     many = len(files) > 1
     if resume is not None:
@@ -287,6 +294,8 @@ def summarize_cmd(
             if not many:
                 raise
             errors[i] = exc
+    if config is not None:
+        return summarize_on_workers(session, config, files, docs, errors, out)
     stream = not many and not structured
     good = iter(render_jobs(summarize_many(session.runner, [(d.text, d.source) for _, d in docs], stream=stream),
                             quiet, stream)) if docs else iter(())
@@ -314,6 +323,7 @@ def ask_cmd(
     questions_file: Optional[str] = typer.Option(None, "--questions", help="A file with one question per line "
                                                  "(all answered as decode batches sharing one prefill)."),
     model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
+    work: WorkerOptions = None,
 ) -> None:
     """Answer questions about a document or a corpus of documents (several questions share one prefill)."""
     check_stdin_once(doc, questions_file)
@@ -325,14 +335,91 @@ def ask_cmd(
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
     session = Session(model, cache, gen, out.quiet)
+    config = worker_config(work, model, out.quiet)
     quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     docs = [read_document(source, out.password, quiet) for source in doc]
     text = docs[0].text if len(docs) == 1 else "\n\n".join(f"=== {d.source} ===\n{d.text}" for d in docs)
     source = ", ".join(d.source for d in docs)
     session.saw(text + "\n" + max(asked, key=len))
+    if config is not None:
+        return ask_on_workers(session, config, text, source, asked, out)
     stream = len(asked) == 1 and not structured
     results = render_jobs(ask_many(session.runner, text, source, asked, stream=stream), quiet, stream)
     output(results, structured, jsonl, quiet, header=not stream)
+
+
+# ---- --workers N: the same jobs on Ray actors (engine.jobs.workers) ---------------------------
+
+def worker_config(opts: WorkerOptions, model: ModelOptions, quiet: bool) -> WorkerConfig | None:
+    """--workers and friends checked up front (Ray installed, sane numbers); None without --workers."""
+    if opts.workers is None:
+        if opts.ray_address is not None or opts.threads_per_worker is not None:
+            raise BadArgument("--ray-address and --threads-per-worker go with --workers N")
+        return None
+    config = WorkerConfig(workers=opts.workers, address=opts.ray_address, threads=opts.threads_per_worker,
+                          device=model.device, quiet=quiet)
+    validate(config)
+    import_ray()
+    return config
+
+
+def worker_runner(session: Session) -> Runner:
+    """The Runner an actor builds from the driver's Session (quietly: the driver shows progress)."""
+    own = copy.copy(session)
+    own.quiet = True
+    return own.runner
+
+
+def write_item(item: Result | Failed, stdout: TextIO, out: OutputOptions) -> None:
+    """One finished document (or question) of a job with workers, on `stdout`: as output() and the
+    error lines of summarize_cmd write them (a Failed's question, for ask, is in its error line)."""
+    if isinstance(item, Failed):
+        err_console.print(f"[bold red]error:[/] {escape(str(item.error))}", highlight=False, soft_wrap=True)
+        question = getattr(item, "question", None)
+        obj = {"source": item.source, **({"question": question} if question is not None else {}),
+               "error": {"code": item.error.code, "exit_code": item.error.exit_code, "message": str(item.error)}}
+    else:
+        obj = item.to_json()
+    if out.structured:
+        stdout.write((json.dumps(obj, ensure_ascii=False) if out.jsonl else
+                      json.dumps(obj, ensure_ascii=False, indent=2)) + "\n")
+    elif isinstance(item, Result):
+        label = f"Q: {item.question}" if item.question else f"# {item.source}"
+        stdout.write(f"{label}\n{item.text}\n\n")
+    stdout.flush()
+    if isinstance(item, Result) and not out.quiet:
+        print_timings(item)
+
+
+def run_on_workers(session: Session, config: WorkerConfig, tasks, total: int, out: OutputOptions,
+                   noun: str) -> int:
+    """Run tasks on the workers, writing each result as it completes; the number that failed."""
+    events = run_job(tasks, functools.partial(worker_runner, session), config)
+    return render_job(events, total, config.workers, out.quiet, functools.partial(write_item, out=out),
+                      noun).failed
+
+
+def summarize_on_workers(session: Session, config: WorkerConfig, files: list[str], docs: list, errors: dict,
+                         out: OutputOptions) -> None:
+    """summarize --workers N: unreadable files get their error line now, the rest go to the workers."""
+    for i in sorted(errors):
+        write_item(Failed(files[i], errors[i]), sys.stdout, out)
+    failed = len(errors)
+    if docs:
+        tasks = summarize_tasks([(d.text, d.source) for _, d in docs], config.workers, session.batch)
+        failed += run_on_workers(session, config, tasks, len(docs), out, "documents")
+    if failed:
+        raise BatchFailures(f"{failed} of {len(files)} documents failed")
+
+
+def ask_on_workers(session: Session, config: WorkerConfig, text: str, source: str, asked: list[str],
+                   out: OutputOptions) -> None:
+    """ask --workers N: the questions are shared out among the workers (each prefills the corpus or
+    loads it from the store)."""
+    tasks = ask_tasks(text, source, asked, config.workers, session.batch)
+    failed = run_on_workers(session, config, tasks, len(asked), out, "questions")
+    if failed:
+        raise BatchFailures(f"{failed} of {len(asked)} questions failed")
 
 
 def register(app: typer.Typer) -> None:
