@@ -1,6 +1,7 @@
 """Validated configuration dataclasses for the cache engine and for generation."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from engine.errors import BadArgument
@@ -60,18 +61,46 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding settings. temperature 0 means greedy."""
+    """Decoding settings. temperature 0 means greedy. Every processor is off by default here (the engine's
+    exactness tests run with these); the CLI's defaults are DECODING_DEFAULTS, chosen by `specache bench task`.
+
+    repeat_penalty: transformers' RepetitionPenaltyLogitsProcessor over the answer so far (1 = off);
+    no_repeat_ngram: NoRepeatNGramLogitsProcessor size over the answer so far (0 = off);
+    top_k (0 = off), top_p (1 = off), min_p (0 = off): only when sampling (temperature > 0)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    repeat_penalty: float = 1.0
+    no_repeat_ngram: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise BadArgument(f"--max-tokens must be >= 1, not {self.max_tokens}")
-        if self.temperature < 0:
-            raise BadArgument(f"--temperature must be >= 0, not {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise BadArgument(f"--temperature must be a number >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:  # also refuses NaN
             raise BadArgument(f"--top-p must be in (0, 1], not {self.top_p}")
+        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise BadArgument(f"--repeat-penalty must be a number > 0 (1 is off), not {self.repeat_penalty}")
+        if self.no_repeat_ngram < 0:
+            raise BadArgument(f"--no-repeat-ngram must be >= 0 (0 is off), not {self.no_repeat_ngram}")
+        if self.top_k < 0:
+            raise BadArgument(f"--top-k must be >= 0 (0 is off), not {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise BadArgument(f"--min-p must be in [0, 1) (0 is off), not {self.min_p}")
+
+    @property
+    def processors_off(self) -> bool:
+        """Greedy with nothing that changes the argmax: the tokens equal a plain argmax decode."""
+        return self.temperature == 0 and self.repeat_penalty == 1.0 and self.no_repeat_ngram == 0
+
+
+# What summarize / ask use unless told otherwise: the row of `specache bench task` picked in the README
+# ("Results", decoding table). The engine's own GenerationConfig() keeps every processor off.
+DECODING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
+                     "no_repeat_ngram": 0}

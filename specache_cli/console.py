@@ -9,7 +9,7 @@ from rich.console import Console
 
 from engine.errors import SpecacheError
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # log lines are never cut at 80 columns
 
 
 def guarded(fn):
