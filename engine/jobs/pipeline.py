@@ -197,7 +197,7 @@ class Runner:
                     if token is not None:
                         ids[row].append(token)
                 if stream and event.ids[0] is not None:
-                    text = self.lm.tokenizer.decode(ids[0], skip_special_tokens=True)
+                    text = self.lm.tokenizer.decode(ids[0], skip_special_tokens=True).lstrip()
                     if len(ids[0]) > max_tokens - HOLD_TOKENS:  # near the budget: whole sentences only
                         text = text[: max(len(shown), sentence_end(text, len(shown)))]
                     if len(text) > len(shown) and not text.endswith("\ufffd"):
@@ -208,7 +208,7 @@ class Runner:
                     result.add(event, row)  # a store hit shows in the timing line and in --json "store"
         texts = []
         for row, (result, out) in enumerate(zip(results, ids)):
-            text = self.lm.tokenizer.decode(out, skip_special_tokens=True)
+            text = self.lm.tokenizer.decode(out, skip_special_tokens=True).lstrip()
             result.finish_reason = "length" if len(out) >= max_tokens else "stop"
             if result.finish_reason == "length":
                 text = cut_at_sentence(text, len(shown) if stream and row == 0 else 0)
