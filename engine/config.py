@@ -102,5 +102,7 @@ class GenerationConfig:
 
 # What summarize / ask use unless told otherwise: the row of `specache bench task` picked in the README
 # ("Results", decoding table). The engine's own GenerationConfig() keeps every processor off.
+# no_repeat_ngram 4: in bench-results/task.md it removed the one repeated 6-gram (greedy specache), left the
+# full cache's summary unchanged and agreed best with it; repeat_penalty 1.3 rewrote the full cache's summary.
 DECODING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
-                     "no_repeat_ngram": 0}
+                     "no_repeat_ngram": 4}

@@ -280,9 +280,10 @@ def cell(value) -> str:
 def task_markdown(result: dict) -> str:
     """The table of rows, then every summary that repeats a 6-gram and every wrong answer."""
     s = result["settings"]
-    env = result.get("environment", {})
+    model = result.get("environment", {}).get("model", "?")
+    model = model.get("name", "?") if isinstance(model, dict) else model
     lines = [f"# Task bench: ask, needle, summary health{' (quick)' if result.get('quick') else ''}\n",
-             f"- model: {env.get('model', '?')}; questions: {s['questions']} ({s['asks_per_mode']} asks per mode and "
+             f"- model: {model}; questions: {s['questions']} ({s['asks_per_mode']} asks per mode and "
              f"decoding); summaries of {', '.join(s['summary_documents'])}; needle lengths {s['needle_lengths']} "
              f"depths {s['needle_depths']}; answer tokens {s['answer_tokens']}, summary tokens {s['summary_tokens']}; "
              f"{result.get('seconds', 0):.0f} s\n",
