@@ -62,13 +62,22 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Decoding settings. temperature 0 means greedy."""
+    """Decoding settings. temperature 0 means greedy. Every processor is off by default here (the engine's
+    exactness tests run with these); the CLI's defaults are DECODING_DEFAULTS, chosen by `specache bench task`.
+
+    repeat_penalty: transformers' RepetitionPenaltyLogitsProcessor over the answer so far (1 = off);
+    no_repeat_ngram: NoRepeatNGramLogitsProcessor size over the answer so far (0 = off);
+    top_k (0 = off), top_p (1 = off), min_p (0 = off): only when sampling (temperature > 0)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    repeat_penalty: float = 1.0
+    no_repeat_ngram: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -79,3 +88,24 @@ class GenerationConfig:
             raise BadArgument(f"--top-p must be in (0, 1], not {self.top_p}")
         if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise BadArgument(f"--seed must be in [-2**63, 2**64 - 1], not {self.seed}")
+        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise BadArgument(f"--repeat-penalty must be a number > 0 (1 is off), not {self.repeat_penalty}")
+        if self.no_repeat_ngram < 0:
+            raise BadArgument(f"--no-repeat-ngram must be >= 0 (0 is off), not {self.no_repeat_ngram}")
+        if self.top_k < 0:
+            raise BadArgument(f"--top-k must be >= 0 (0 is off), not {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise BadArgument(f"--min-p must be in [0, 1) (0 is off), not {self.min_p}")
+
+    @property
+    def processors_off(self) -> bool:
+        """Greedy with nothing that changes the argmax: the tokens equal a plain argmax decode."""
+        return self.temperature == 0 and self.repeat_penalty == 1.0 and self.no_repeat_ngram == 0
+
+
+# What summarize / ask use unless told otherwise: the row of `specache bench task` picked in the README
+# ("Results", decoding table). The engine's own GenerationConfig() keeps every processor off.
+# no_repeat_ngram 4: in bench-results/task.md it removed the one repeated 6-gram (greedy specache), left the
+# full cache's summary unchanged and agreed best with it; repeat_penalty 1.3 rewrote the full cache's summary.
+DECODING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
+                     "no_repeat_ngram": 4}

@@ -22,6 +22,24 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("specache")
+        except PackageNotFoundError:  # running from a checkout that is not installed
+            v = "unknown (not installed)"
+        typer.echo(f"specache {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Summarize and question long documents with a local LLM (SpeCache KV caching)."""
+
+
 # Each command module exposes register(app). Keep this list the only place commands are wired.
 from specache_cli import bench_cmd, cache_cmd, plan_cmd, run_cmds  # noqa: E402
 from specache_cli.console import print_error  # noqa: E402

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.bench.common import (
+    REPO_ROOT,
     BenchProgress,
     BenchResult,
     default_doc,
@@ -35,6 +36,17 @@ from engine.bench.report import (
 )
 from engine.bench.speed import run_speed
 from engine.bench.store import run_store_bench
+from engine.bench.task import (
+    COLUMNS,
+    DECODINGS,
+    QUESTIONS_FILE,
+    SUMMARY_DOCS,
+    cell,
+    load_questions,
+    parse_decodings,
+    run_task,
+    task_markdown,
+)
 from engine.config import PREFETCH
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
@@ -56,7 +68,10 @@ DECODE_MODES = "full,specache,kivi,hf"
 DECODE_QUICK_MODES = "full,specache,hf"
 
 MODEL = typer.Option(None, "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
-OUT = typer.Option(Path("bench-results"), "--out", help="Folder for <bench>.json and <bench>.md.")
+RESULTS = Path("bench-results")  # the committed results (full runs only)
+QUICK_RESULTS = RESULTS / "quick"  # where --quick writes by default (ignored by git)
+OUT = typer.Option(None, "--out", help="Folder for <bench>.json and <bench>.md (default bench-results/; with "
+                   "--quick bench-results/quick/: a quick run never replaces the committed results).")
 QUICK = typer.Option(False, "--quick", help="A small version that runs in seconds (what the tests run).")
 JSON = typer.Option(False, "--json", help="Print the JSON result on stdout instead of the table.")
 DEVICE = typer.Option("cpu", help="cpu, cuda or auto.")
@@ -74,11 +89,11 @@ def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optiona
             raise BadArgument("--threads must be >= 1")
         torch.set_num_threads(threads)
 
-    status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False))
+    status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False, soft_wrap=True))
     lm = load_model(model, device=device, on_status=status)
     if not quiet:
         err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}), window {lm.max_context} tokens, "
-                          f"loaded in {lm.load_seconds:.1f} s[/]", highlight=False)
+                          f"loaded in {lm.load_seconds:.1f} s[/]", highlight=False, soft_wrap=True)
     return lm
 
 
@@ -106,6 +121,17 @@ def _drive(events, quiet: bool) -> dict:
         elif isinstance(event, BenchResult):
             return event.data
     raise RuntimeError("the bench ended without a result")
+
+
+def out_dir(out: Optional[Path], quick: bool) -> Path:
+    """Where a bench writes: --out, else bench-results/ (bench-results/quick/ for --quick). A quick run
+    into the committed bench-results/ itself is refused: its small numbers would replace the real ones."""
+    if out is None:
+        return QUICK_RESULTS if quick else RESULTS
+    if quick and Path(out).resolve() in {RESULTS.resolve(), (REPO_ROOT / "bench-results").resolve()}:
+        raise BadArgument(f"--quick would overwrite the committed results in {out}; use another --out "
+                          f"(default {QUICK_RESULTS})")
+    return Path(out)
 
 
 def _save(out: Path, name: str, result: dict, markdown: str, quiet: bool, extra: dict[str, bytes] | None = None) -> None:
@@ -144,6 +170,7 @@ def needle_cmd(
     seed: int = typer.Option(0, help="Seed of the pass keys."),
 ) -> None:
     """Pass-key retrieval over context lengths x needle depths, per cache mode; writes a heatmap PNG."""
+    out = out_dir(out, quick)
 
     specs = parse_modes(modes)
     depth_list = parse_floats(depths, "--depths") if depths else ([0.25, 0.75] if quick else [0.1, 0.5, 0.9])
@@ -196,6 +223,7 @@ def fidelity_cmd(
     context: Optional[int] = typer.Option(None, "--context", help="Most prompt tokens (default: what the window allows; quick 600)."),
 ) -> None:
     """Teacher-forced and free-running agreement with the full cache, and the guide's selection quality."""
+    out = out_dir(out, quick)
 
     specs = parse_modes(modes or (FIDELITY_QUICK_MODES if quick else FIDELITY_MODES))
     n_tokens = tokens if tokens is not None else (16 if quick else 64)
@@ -245,6 +273,7 @@ def speed_cmd(
     isolate: bool = typer.Option(True, "--isolate/--in-process", help="Run each mode in a child process (honest peak RSS)."),
 ) -> None:
     """Prefill tokens/s, decode ms/token and peak RSS per mode, next to transformers' generate."""
+    out = out_dir(out, quick)
 
     specs = parse_modes(modes or (SPEED_QUICK_MODES if quick else SPEED_MODES), allow_hf=True)
     batch_list = parse_ints(batches, "--batches") if batches else ([1, 2] if quick else [1, 4])
@@ -294,6 +323,7 @@ def decode_cmd(
     repeats: Optional[int] = typer.Option(None, help="Rounds of turns; the median is reported (default 6; quick 2)."),
 ) -> None:
     """Decode ms/step of the modes taking turns in one process: robust ratios on a shared machine."""
+    out = out_dir(out, quick)
 
     specs = parse_modes(modes or (DECODE_QUICK_MODES if quick else DECODE_MODES), allow_hf=True)
     batch_list = parse_ints(batches, "--batches") if batches else ([1, 2] if quick else [1, 4])
@@ -344,6 +374,7 @@ def store_cmd(
     max_tokens: int = typer.Option(8, "--max-tokens", help="Answer tokens per ask."),
 ) -> None:
     """Time to first token of an ask on a stored document against a cold one; on-disk bytes per token."""
+    out = out_dir(out, False)
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if not mode_list or any(m not in ("full", "specache", "kivi", "window") for m in mode_list):
@@ -369,6 +400,98 @@ def store_cmd(
         table.add_row(mode, fmt(r["cold_ttft_s"], 2), fmt(r["hit_ttft_s"], 3), fmt(r["cold_over_hit"], 1),
                       fmt(r["bytes_per_token"], 0), fmt(r["vs_fp16"], 2))
     _print(table)
+
+
+# ---- task ----------------------------------------------------------------------------------
+
+TASK_MODES = "full,specache"
+# quick: the documents cut to their first 1500 characters (they fit a tiny model's window), the questions
+# answered there, one short summary, one needle
+TASK_QUICK = {"decodings": "greedy,rp1.3", "questions": 3, "summary_docs": ("texts/origin-of-species-introduction.txt",),
+              "lengths": [256], "depths": [0.5], "needles": 1, "answer_tokens": 8, "summary_tokens": 24,
+              "doc_chars": 1500}
+
+
+@bench_app.command("task")
+@guarded
+def task_cmd(
+    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
+    quiet: bool = QUIET, threads: Optional[int] = THREADS,
+    modes: str = typer.Option(TASK_MODES, help="Comma-separated cache modes (docs/bench.md labels)."),
+    decoding: Optional[str] = typer.Option(None, "--decoding", help=f"Comma-separated decoding settings: greedy or "
+                                           f"e.g. rp1.1, nr4, rp1.1-nr4, t0.2-p0.9 (default {DECODINGS}; quick "
+                                           f"{TASK_QUICK['decodings']})."),
+    questions: Path = typer.Option(QUESTIONS_FILE, "--questions", help="The questions file (examples/questions.json)."),
+    summaries: Optional[str] = typer.Option(None, "--summaries", help="Comma-separated documents under examples/ "
+                                            f"to summarize (default {','.join(SUMMARY_DOCS)})."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Ask only the first N questions (quick: 3)."),
+    ask_docs: Optional[str] = typer.Option(None, "--ask-docs", help="Comma-separated documents to ask against "
+                                           "(default: every document the questions name)."),
+    lengths: Optional[str] = typer.Option(None, help="Needle context lengths (default 2048,6144; quick 256; "
+                                          "0: no needle)."),
+    depths: Optional[str] = typer.Option(None, help="Needle depths (default 0.1,0.5,0.9; quick 0.5)."),
+    needles: Optional[int] = typer.Option(None, help="Needles per cell (default 2; quick 1)."),
+    seed: int = typer.Option(0, help="Sampling seed of the sampled decodings."),
+) -> None:
+    """Job-level quality: ask accuracy (fits / map-reduce), needle, summary health, per mode and decoding."""
+    out = out_dir(out, quick)
+    specs = parse_modes(modes)
+    decs = parse_decodings(decoding or (TASK_QUICK["decodings"] if quick else DECODINGS), seed)
+    items = load_questions(questions)
+    n = limit if limit is not None else (TASK_QUICK["questions"] if quick else None)
+    if n is not None:
+        if n < 1:
+            raise BadArgument("--limit must be >= 1")
+        items = items[:n]
+    docs = [d.strip() for d in summaries.split(",") if d.strip()] if summaries is not None else \
+        list(TASK_QUICK["summary_docs"] if quick else SUMMARY_DOCS)
+    if lengths == "0":
+        length_list = []
+    else:
+        length_list = parse_ints(lengths, "--lengths", minimum=64) if lengths else (TASK_QUICK["lengths"] if quick
+                                                                                     else [2048, 6144])
+    depth_list = parse_floats(depths, "--depths") if depths else (TASK_QUICK["depths"] if quick else [0.1, 0.5, 0.9])
+    n_needles = needles if needles is not None else (TASK_QUICK["needles"] if quick else 2)
+    if n_needles < 1:
+        raise BadArgument("--needles must be >= 1")
+    asked_docs = [d.strip() for d in ask_docs.split(",") if d.strip()] if ask_docs is not None else None
+    texts = _texts([], "long-report.pdf")
+    lm = _load_model(model, device, quiet, threads)
+    specs = _with_model_defaults(specs, lm)
+    length_list = [n for n in length_list if n <= lm.max_context - 16]
+    result = _drive(run_task(lm, specs, decs, items, docs, texts, length_list, depth_list, n_needles,
+                             answer_tokens=TASK_QUICK["answer_tokens"] if quick else 32,
+                             summary_tokens=TASK_QUICK["summary_tokens"] if quick else 256, quick=quick,
+                             ask_docs=asked_docs, doc_chars=TASK_QUICK["doc_chars"] if quick else None), quiet)
+    _save(out, "task", result, task_markdown(result), quiet)
+    if json_out:
+        emit_json(result, lines=False)
+        return
+    table = Table(title="task quality per decoding and cache mode", title_justify="left")
+    for key, head in COLUMNS:
+        table.add_column(head, justify="left" if key in ("decoding", "mode") else "right")
+    for row in result["rows"]:
+        table.add_row(*[cell(row[k]) for k, _ in COLUMNS])
+    _print(table)
+
+
+# ---- heatmap -------------------------------------------------------------------------------
+
+@bench_app.command("heatmap")
+@guarded
+def heatmap_cmd(
+    source: Path = typer.Argument(RESULTS / "needle.json", help="A needle bench JSON result."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Where to write (default: needle-heatmap.png next to it)."),
+) -> None:
+    """Redraw the needle heatmap PNG from a needle JSON result (the committed picture comes from the committed JSON)."""
+    try:
+        result = json.loads(Path(source).read_text(encoding="utf-8"))
+        data = needle_heatmap(result)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadArgument(f"{source}: not a needle bench result ({exc})") from None
+    target = png or Path(source).with_name("needle-heatmap.png")
+    write_atomic(target, data)
+    err_console.print(f"[dim]wrote {target}[/]", highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from engine.errors import INTERRUPTED_EXIT, DoesNotFit, SpecacheError, StorageError
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # log lines are never cut at 80 columns
 
 DEBUG_ENV = "SPECACHE_DEBUG"  # set to 1 to get the Python traceback of an unexpected error
 _OOM_SIGNS = ("out of memory", "can't allocate memory", "cannot allocate memory")

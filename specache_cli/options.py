@@ -12,6 +12,10 @@ from typing import Annotated, ClassVar, Optional, get_type_hints
 
 import typer
 
+from engine.config import DECODING_DEFAULTS, GenerationConfig
+
+D = DECODING_DEFAULTS
+
 
 @dataclass
 class ModelOptions:
@@ -55,14 +59,33 @@ class CacheOptions:
 class GenerationOptions:
     PANEL: ClassVar[str] = "Generation"  # the heading of these options in --help
 
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate per answer.")] = 256
-    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", help="Most tokens to generate per answer (an answer cut by it ends at its last complete "
+        "sentence; --json says finish_reason \"length\").")] = 256
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = D["temperature"]
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1 is off; with --temperature > 0).")
+                     ] = D["top_p"]
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample from the k likeliest tokens only (0 is off; with "
+                                       "--temperature > 0).")] = D["top_k"]
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens less likely than this share of the likeliest "
+                                         "(0 is off; with --temperature > 0).")] = D["min_p"]
+    repeat_penalty: Annotated[float, typer.Option(
+        "--repeat-penalty", help="Divide the scores of tokens already in the answer by this (1 is off).")
+                              ] = D["repeat_penalty"]
+    no_repeat_ngram: Annotated[int, typer.Option(
+        "--no-repeat-ngram", help="Never repeat an n-gram of this many tokens within the answer (0 is off).")
+                               ] = D["no_repeat_ngram"]
     seed: Annotated[int, typer.Option(help="Sampling seed: the same seed gives the same output.")] = 0
     strategy: Annotated[str, typer.Option(
         help="auto, single or map-reduce (for documents longer than the window).")] = "auto"
     batch: Annotated[str, typer.Option(
         "--batch", help="Sequences decoded together: auto (memory planner) or a number.")] = "auto"
+
+    def config(self) -> GenerationConfig:
+        """The engine's decoding settings (validated: a bad value raises BadArgument)."""
+        return GenerationConfig(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                seed=self.seed, top_k=self.top_k, min_p=self.min_p,
+                                repeat_penalty=self.repeat_penalty, no_repeat_ngram=self.no_repeat_ngram)
 
 
 @dataclass

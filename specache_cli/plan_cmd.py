@@ -58,7 +58,8 @@ def _hardware(gpu: str, measure: bool) -> HardwareProfile:
     hw = detect_hardware(measure=measure)
     if hw.kind == "cpu":
         note(f"no CUDA device found; planning for the CPU with this machine's RAM ({size(hw.device_memory_bytes)}, "
-             f"{size(hw.free_memory_bytes)} available) as device memory")
+             f"{size(hw.free_memory_bytes)} available) as device memory; the exact store of specache is in the "
+             "same RAM and counted in device / sequence")
         return hw
     how = "measured" if measure else "profile figure"
     note(f"detected {hw.source.removeprefix('detected: ')}: {size(hw.device_memory_bytes)} total, "
@@ -96,13 +97,18 @@ def render_table(p: Plan) -> Table:
     row("shared: prefill activations", [size(mp.shared_device_bytes.get("prefill_activations")) for mp in modes])
     row("max batch", [f"{mp.max_batch} ({mp.limited_by})" for mp in modes])
     row("k (per layer, KV head)", [str(mp.k) if mp.mode == "specache" else "-" for mp in modes])
-    row("host RAM / sequence", [size(mp.host_bytes_per_sequence) for mp in modes])
-    row("host RAM at max batch", [_host_cell(mp.host_bytes_per_sequence * mp.max_batch, host_usable) for mp in modes])
-    row("transfer / step", [f"{size(mp.transfer_bytes_per_step)}, {ms(mp.transfer_seconds_per_step)}"
-                            if mp.transfer_bytes_per_step else "-" for mp in modes])
+    cpu = hw.kind == "cpu"
+    if not cpu:  # on a CPU the exact store is in the same RAM: counted in "device / sequence" above
+        row("host RAM / sequence", [size(mp.host_bytes_per_sequence) for mp in modes])
+        row("host RAM at max batch", [_host_cell(mp.host_bytes_per_sequence * mp.max_batch, host_usable)
+                                      for mp in modes])
+        # on a CPU specache reads its chosen rows in place (--prefetch current): no copy to hide
+        row("transfer / step", [f"{size(mp.transfer_bytes_per_step)}, {ms(mp.transfer_seconds_per_step)}"
+                                if mp.transfer_bytes_per_step else "-" for mp in modes])
     row("compute / step", [ms(mp.compute_seconds_per_step) for mp in modes])
-    row("prefetch hidden", [("yes" if mp.prefetch_hidden else f"no (k <= {mp.k_max_hidden} would)")
-                            if mp.mode == "specache" else "-" for mp in modes])
+    if not cpu:
+        row("prefetch hidden", [("yes" if mp.prefetch_hidden else f"no (k <= {mp.k_max_hidden} would)")
+                                if mp.mode == "specache" else "-" for mp in modes])
     row("decode tokens/s", [f"{mp.tokens_per_second:,.0f}" for mp in modes])
     row("speedup vs full", ["-" if mp.predicted_speedup_vs_full is None else f"{mp.predicted_speedup_vs_full:.2f}x"
                             for mp in modes])
@@ -112,8 +118,8 @@ def render_table(p: Plan) -> Table:
 def _host_cell(needed: int, usable: int | None) -> str:
     if not needed:
         return "-"
-    if usable is None:
-        return f"{size(needed)} (host RAM unknown)"
+    if usable is None:  # no --host-ram for a GPU profile named by --gpu: say how to check it
+        return f"{size(needed)} (pass --host-ram to check)"
     return f"{size(needed)} ({'fits' if needed <= usable else 'exceeds'} {size(usable)})"
 
 

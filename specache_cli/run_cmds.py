@@ -14,7 +14,7 @@ from typing import Optional, TextIO
 import typer
 from rich.markup import escape
 
-from engine.config import CacheConfig, GenerationConfig
+from engine.config import CacheConfig
 from engine.docstore.store import KVStore, check_folder, max_bytes_from
 from engine.errors import (
     BadArgument,
@@ -143,8 +143,7 @@ class Session:
                               prefetch=cache.prefetch)
         CacheConfig(mode=cache.cache).with_overrides(**self.overrides)  # validate now
         self.model_opts, self.cache_opts, self.quiet = model, cache, quiet
-        self.gen = GenerationConfig(max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                                    seed=gen.seed)
+        self.gen = gen.config()
         self.strategy, self.batch = gen.strategy, parse_batch(gen.batch)
         try:
             self.store_max_bytes = max_bytes_from(cache.cache_max_gb)
@@ -196,7 +195,7 @@ class Session:
 def read_document(source: str, password: Optional[str], quiet: bool):
     """Read one document, with a page progress bar for PDFs."""
     with progress_bar(quiet) as bar:
-        task = bar.add_task(f"reading {Path(source).name}", total=None)
+        task = bar.add_task(f"reading {Path(source).name}", total=None, unit="pages")
         return load_document(source, password=password, stdin=sys.stdin,
                              on_page=lambda i, n: bar.update(task, completed=i + 1, total=n))
 

@@ -177,3 +177,151 @@ def test_batched_answers_equal_one_by_one(cli):
     together = [json.loads(x)["text"] for x in cli(*args, "A?", "-q", "B?").stdout.strip().splitlines()]
     alone = [json.loads(cli(*args, q).stdout)["text"] for q in ("A?", "B?")]
     assert together == alone
+
+
+# ---- what a person sees: a terminal, a log, the version, finish_reason ----------------------------
+
+def _run_in_pty(args: list[str], cols: int = 160, rows: int = 60, timeout: float = 240.0) -> tuple[str, str]:
+    """Run args with stdout and stderr on one pseudo-terminal of cols x rows; return (the screen's text as
+    a terminal emulator (pyte) shows it, the raw bytes decoded)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import time
+
+    import pyte
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": str(cols), "LINES": str(rows)}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "specache_cli", *args], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=slave, env=env, cwd=Path(__file__).parent.parent, close_fds=True)
+    os.close(slave)
+    raw, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            raw += chunk
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    assert proc.returncode == 0, raw.decode(errors="replace")[-2000:]
+    screen = pyte.Screen(cols, rows)
+    stream = pyte.ByteStream(screen)
+    stream.feed(raw.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))  # the pty's own output mode may vary
+    return "\n".join(line.rstrip() for line in screen.display).strip("\n"), raw.decode(errors="replace")
+
+
+def test_streamed_text_in_a_terminal_reads_like_the_piped_text(tiny_model_dir):
+    # the answer streams token by token into a terminal while rich shows the prefill bar on the same
+    # terminal; the screen must show the same text as a pipe gets, on as many lines as it has, with
+    # the progress display gone (it used to print one token per line through rich's stdout redirect)
+    import subprocess
+    import sys
+
+    args = ["summarize", str(DATA / "sample.txt"), "--model", str(tiny_model_dir), "--no-store",
+            "--max-tokens", "60", "--chunk-size", "64"]
+    piped = subprocess.run([sys.executable, "-m", "specache_cli", *args, "--quiet"], capture_output=True, text=True,
+                           cwd=Path(__file__).parent.parent, timeout=240)
+    assert piped.returncode == 0, piped.stderr
+    text = piped.stdout.removesuffix("\n")
+    assert len(text.split()) > 5 and text == text.strip()
+    screen, raw = _run_in_pty(args)
+    assert "\x1b[" in raw  # rich did draw a live display on the terminal
+    lines = screen.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("model ")) + 1
+    end = max(i for i, line in enumerate(lines) if line.startswith("single: prefill"))  # timings after the text
+    wrapped = [part.rstrip() for line in text.splitlines() for part in
+               ([line[i: i + 160] for i in range(0, len(line), 160)] or [""])]
+    assert lines[start:end] == wrapped, screen
+    assert "━" not in screen and "prefill" not in "\n".join(lines[:end])
+
+
+def test_progress_in_a_log_is_plain_lines(tiny_model_dir):
+    # stderr not a terminal (a batch job's log): one plain line per finished stage, counts and seconds
+    r = CliRunner().invoke(app, ["summarize", str(EXAMPLES / "report.pdf"), "--model", str(tiny_model_dir),
+                                 "--no-store", "--max-tokens", "4", "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert "\x1b" not in r.stderr and "\r" not in r.stderr
+    lines = r.stderr.splitlines()
+    assert any(line.startswith("reading report.pdf: 14/14 pages in ") for line in lines), r.stderr
+    sections = [line for line in lines if line.startswith("section ")]
+    obj = json.loads(r.stdout)
+    assert len(sections) == obj["sections"]
+    assert all(" tokens in " in line and line.endswith(" s") for line in sections)
+    assert any(line.startswith("combine: ") for line in lines)
+
+
+def test_log_progress_prints_running_stages_now_and_then():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from specache_cli.render import LOG_EVERY, LogProgress
+
+    now = [0.0]
+    out = StringIO()
+    log = LogProgress(Console(file=out, width=40), clock=lambda: now[0])
+    task = log.add_task("prefill", total=9000, unit="tokens")
+    log.update(task, completed=512)
+    assert out.getvalue() == ""
+    now[0] = LOG_EVERY + 1
+    log.update(task, completed=1024)
+    now[0] = LOG_EVERY + 5
+    log.update(task, completed=9000)
+    log.update(task, completed=9000)  # printed once
+    assert out.getvalue().splitlines() == [f"prefill: 1024/9000 tokens in {LOG_EVERY + 1:.1f} s so far",
+                                           f"prefill: 9000/9000 tokens in {LOG_EVERY + 5:.1f} s"]
+
+
+def test_version():
+    r = CliRunner().invoke(app, ["--version"])
+    assert r.exit_code == 0
+    assert r.stdout.startswith("specache ") and r.stdout.split()[1][0].isdigit()
+
+
+def test_finish_reason_length_and_the_answer_ends_at_a_sentence(cli):
+    r = cli("summarize", str(DATA / "sample.txt"), "--max-tokens", "3", "--json")
+    obj = json.loads(r.stdout)
+    assert obj["finish_reason"] == "length" and obj["generated_tokens"] == 3
+
+
+def test_cut_at_sentence():
+    from engine.jobs.pipeline import cut_at_sentence
+
+    assert cut_at_sentence("One. Two three") == "One."
+    assert cut_at_sentence('He said "go." and then') == 'He said "go."'
+    assert cut_at_sentence("no sentence end") == "no sentence end"
+    assert cut_at_sentence("Pi is 3.14 and") == "Pi is 3.14 and"
+    assert cut_at_sentence("One. Two three", shown=8) == "One. Two three"  # already on the screen: kept
+
+
+@pytest.mark.parametrize("flag, value", [("--repeat-penalty", "0"), ("--repeat-penalty", "nan"),
+                                         ("--no-repeat-ngram", "-1"), ("--top-k", "-2"), ("--min-p", "1.5"),
+                                         ("--temperature", "nan")])
+def test_bad_decoding_flags(cli, flag, value):
+    r = cli("summarize", str(DATA / "sample.txt"), flag, value)
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and flag in r.stderr
+
+
+def test_plan_on_a_cpu_has_no_host_or_transfer_rows():
+    runner = CliRunner(env={"COLUMNS": "250"})  # table rows on one line each
+    r = runner.invoke(app, ["plan", "--gpu", "cpu"])
+    assert r.exit_code == 0, r.stderr
+    assert "host RAM unknown" not in r.stdout and "transfer / step" not in r.stdout
+    assert "prefetch hidden" not in r.stdout and "exact store (same RAM)" in r.stdout
+    gpu = runner.invoke(app, ["plan", "--gpu", "rtx-a6000"])
+    assert "transfer / step" in gpu.stdout and "pass --host-ram to check" in gpu.stdout

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 from engine.bench.common import (
@@ -77,8 +78,9 @@ def build_needle_prompt(tokenizer, corpus_ids: list[int], length: int, depth: fl
 
 def run_needle(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec], lengths: Sequence[int],
                depths: Sequence[float], needles: int, max_tokens: int = 12, seed: int = 0,
-               quick: bool = False) -> Iterator[BenchProgress | BenchResult]:
-    """Yields progress, then BenchResult (see docs/bench.md for the JSON layout)."""
+               quick: bool = False, decoding: GenerationConfig | None = None) -> Iterator[BenchProgress | BenchResult]:
+    """Yields progress, then BenchResult (see docs/bench.md for the JSON layout). decoding: the processors
+    to decode with (default: greedy, every processor off); its max_tokens and stop ids are replaced."""
     t_start = time.perf_counter()
     tok, model = lm.tokenizer, lm.model
     limit = lm.max_context - max_tokens - 2
@@ -88,7 +90,7 @@ def run_needle(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec], 
     corpus_ids = encode(tok, "\n\n".join(t for _, t in texts))
     if not corpus_ids:
         raise BadArgument("the needle documents have no text")
-    gen = GenerationConfig(max_tokens=max_tokens, stop_ids=stop_ids(tok))
+    gen = replace(decoding or GenerationConfig(), max_tokens=max_tokens, stop_ids=stop_ids(tok))
 
     prompts = {}  # (length, depth) -> list of prompt dicts, the same for every mode
     for length in lengths:

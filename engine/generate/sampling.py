@@ -1,35 +1,59 @@
 """Next-token choice, built from transformers' logits processors (the same ones `generate` uses).
 
 A Sampler is made once per job from the GenerationConfig: its LogitsProcessorList turns a step's
-logits into scores (temperature, top-p, ...), then the token is the argmax (temperature 0) or a
-draw from the scores' softmax with the job's seeded generator. The step loops hand it each row's
-token history (prompt + output so far) for the processors that look back (repetition controls)."""
+logits into scores, then the token is the argmax (temperature 0) or a draw from the scores'
+softmax with the job's seeded generator. Processors, in the order transformers' generate applies
+them: repetition penalty, no-repeat n-gram (both look back), then, when sampling, temperature,
+top-k, top-p, min-p. Every cache mode decodes through the same Sampler, so they apply identically.
+
+The step loops hand the Sampler each row's token history (prompt + output so far). The look-back
+processors see only the answer: the Sampler remembers each row's history length at its first call
+(the prompt) and gives the processors what came after it. A penalty over the prompt would punish
+the document's own words, which answers are meant to quote; llama.cpp's `repeat_last_n` window
+includes the prompt, ours does not."""
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine.config import GenerationConfig
 
 
 def build_processors(gen: GenerationConfig) -> LogitsProcessorList:
-    """The processors of these settings, in the order transformers' generate applies them."""
+    """The processors of these settings, in the order transformers' generate applies them (empty when
+    every one is off)."""
     processors = LogitsProcessorList()
+    if gen.repeat_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(gen.repeat_penalty))
+    if gen.no_repeat_ngram > 0:
+        processors.append(NoRepeatNGramLogitsProcessor(gen.no_repeat_ngram))
     if gen.temperature > 0:
         if gen.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(gen.temperature))
+        if gen.top_k > 0:
+            processors.append(TopKLogitsWarper(gen.top_k))
         if gen.top_p < 1.0:
             processors.append(TopPLogitsWarper(gen.top_p))
+        if gen.min_p > 0:
+            processors.append(MinPLogitsWarper(gen.min_p))
     return processors
 
 
 def history_ids(history: list[list[int]], device: torch.device, window: int | None = None) -> torch.Tensor:
     """Rows of token ids as one tensor [B, n] for the processors: each row's last `window` tokens
-    (all if None), left-padded with the row's own first token to the longest row."""
+    (all if None), left-padded with the row's own first token to the longest row (n may be 0)."""
     rows = [h[-window:] if window else h for h in history]
-    n = max(1, max(map(len, rows)))
+    n = max(map(len, rows), default=0)
     padded = [[(r[0] if r else 0)] * (n - len(r)) + r for r in rows]
-    return torch.tensor(padded, dtype=torch.long, device=device)
+    return torch.tensor(padded, dtype=torch.long, device=device).reshape(len(rows), n)
 
 
 class Sampler:
@@ -40,12 +64,20 @@ class Sampler:
         self.processors = build_processors(gen)
         self.greedy = gen.temperature <= 0
         self.generator = torch.Generator(device=device).manual_seed(gen.seed)
+        self.prompt_lengths: list[int] | None = None  # each row's history length at the first call
+
+    def answers(self, history: list[list[int]]) -> list[list[int]]:
+        """Each row's tokens after its prompt (the first call's history is the prompt)."""
+        if self.prompt_lengths is None or len(self.prompt_lengths) != len(history):
+            self.prompt_lengths = [len(h) for h in history]
+        return [h[n:] for h, n in zip(history, self.prompt_lengths)]
 
     def scores(self, logits: torch.Tensor, history: list[list[int]]) -> torch.Tensor:
         """logits [B, V] -> processed scores [B, V] (fp32; -inf where a processor removed a token)."""
         scores = logits.float()
+        answers = self.answers(history)
         if len(self.processors):
-            scores = self.processors(history_ids(history, logits.device), scores)
+            scores = self.processors(history_ids(answers, logits.device), scores)
         return scores
 
     def probs(self, logits: torch.Tensor, history: list[list[int]]) -> torch.Tensor:

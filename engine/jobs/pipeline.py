@@ -3,7 +3,8 @@ window, map-reduce over window-sized sections when it does not. Generators yield
 (Status, Stage progress, TextDelta) and end with a Result; the CLI renders them."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 from engine.config import CacheConfig, GenerationConfig
@@ -18,6 +19,23 @@ from engine.plan.planner import plan_for_run
 
 STRATEGIES = ("auto", "single", "map-reduce")
 PART_MAX_TOKENS = (48, 160)  # a section's partial summary or answer: --max-tokens clamped to this range
+# while streaming, the last HOLD_TOKENS of the --max-tokens budget are shown a sentence at a time, so an
+# answer cut by the budget can end at its last complete sentence without unprinting anything
+HOLD_TOKENS = 64
+SENTENCE_END = re.compile(r"""[.!?]["')\]”’]*(?=\s|$)""")
+
+
+def sentence_end(text: str, start: int = 0) -> int:
+    """The length of text up to its last complete sentence (after `start`), or 0 when there is none."""
+    ends = [m.end() for m in SENTENCE_END.finditer(text, start)]
+    return ends[-1] if ends else 0
+
+
+def cut_at_sentence(text: str, shown: int = 0) -> str:
+    """An answer cut by the token budget: up to its last complete sentence when there is one at or after
+    the `shown` characters already streamed; else the whole text (nothing to cut, or it was printed)."""
+    end = sentence_end(text)
+    return text[:end] if end and end >= shown else text
 
 
 @dataclass
@@ -65,6 +83,9 @@ class Result:
     question: str | None = None
     sections: int = 1
     cache: dict = field(default_factory=dict)
+    # "stop": the model ended its answer; "length": --max-tokens ended it (the text then ends at its last
+    # complete sentence when it has one)
+    finish_reason: str = "stop"
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -160,8 +181,7 @@ class Runner:
         """One batched model call; yields progress (and, for a single prompt, text deltas if stream);
         returns the answer texts. shared_prefix: the prompts share that many first tokens (one
         document); otherwise each P.Prompt's own document prefix is its reusable part."""
-        gen = GenerationConfig(max_tokens, self.gen.temperature, self.gen.top_p, self.gen.seed,
-                               P.stop_ids(self.lm.tokenizer))
+        gen = replace(self.gen, max_tokens=max_tokens, stop_ids=P.stop_ids(self.lm.tokenizer))
         prefixes = [len(p.prefix) if isinstance(p, P.Prompt) else 0 for p in prompts]
         prompts = [p.ids if isinstance(p, P.Prompt) else p for p in prompts]
         ids: list[list[int]] = [[] for _ in prompts]
@@ -177,14 +197,22 @@ class Runner:
                     if token is not None:
                         ids[row].append(token)
                 if stream and event.ids[0] is not None:
-                    text = self.lm.tokenizer.decode(ids[0], skip_special_tokens=True)
+                    text = self.lm.tokenizer.decode(ids[0], skip_special_tokens=True).lstrip()
+                    if len(ids[0]) > max_tokens - HOLD_TOKENS:  # near the budget: whole sentences only
+                        text = text[: max(len(shown), sentence_end(text, len(shown)))]
                     if len(text) > len(shown) and not text.endswith("\ufffd"):
                         yield TextDelta(text[len(shown):])
                         shown = text
             elif isinstance(event, Finished):
                 for row, result in enumerate(results):
                     result.add(event, row)  # a store hit shows in the timing line and in --json "store"
-        texts = [self.lm.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+        texts = []
+        for row, (result, out) in enumerate(zip(results, ids)):
+            text = self.lm.tokenizer.decode(out, skip_special_tokens=True).lstrip()
+            result.finish_reason = "length" if len(out) >= max_tokens else "stop"
+            if result.finish_reason == "length":
+                text = cut_at_sentence(text, len(shown) if stream and row == 0 else 0)
+            texts.append(text)
         if stream and len(texts[0]) > len(shown):
             yield TextDelta(texts[0][len(shown):])
         return [t.strip() for t in texts]
@@ -272,6 +300,16 @@ def summarize(runner: Runner, text: str, source: str) -> Iterator[Status | Stage
     yield result
 
 
+QUESTION_ALLOWANCE = 96  # tokens kept for the question when cutting a long document into sections for ask
+
+
+def ask_section_budget(runner: Runner, question: str) -> int:
+    """Document tokens per section for asking `question`: the same for every question up to
+    QUESTION_ALLOWANCE tokens, so the sections (and their stored KV) are shared by all of them."""
+    plain = runner.budget(P.ASK_PART.format(question=""), runner.part_tokens)
+    return min(plain - QUESTION_ALLOWANCE, runner.budget(P.ASK_PART.format(question=question), runner.part_tokens))
+
+
 def ask(runner: Runner, text: str, source: str, question: str) -> Iterator[Status | Stage | TextDelta | Result]:
     """Answer a question about a document (or corpus); long ones are asked section by section."""
     if not text.strip():
@@ -285,7 +323,7 @@ def ask(runner: Runner, text: str, source: str, question: str) -> Iterator[Statu
         result.text = yield from runner.complete(prompt, "prefill", runner.gen.max_tokens, result, stream=True)
         yield result
         return
-    sections = split_sections(tok, text, runner.budget(P.ASK_PART.format(question=question), runner.part_tokens))
+    sections = split_sections(tok, text, ask_section_budget(runner, question))
     result.sections = len(sections)
     yield Status(f"{source}: {n} tokens, over the window; asking {len(sections)} sections")
     found = []
