@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.bench.common import (
-    REPO_ROOT,
+    EXAMPLES,
     BenchProgress,
     BenchResult,
     default_doc,
@@ -128,7 +128,7 @@ def out_dir(out: Optional[Path], quick: bool) -> Path:
     into the committed bench-results/ itself is refused: its small numbers would replace the real ones."""
     if out is None:
         return QUICK_RESULTS if quick else RESULTS
-    if quick and Path(out).resolve() in {RESULTS.resolve(), (REPO_ROOT / "bench-results").resolve()}:
+    if quick and Path(out).resolve() in {RESULTS.resolve(), (EXAMPLES.parent / "bench-results").resolve()}:
         raise BadArgument(f"--quick would overwrite the committed results in {out}; use another --out "
                           f"(default {QUICK_RESULTS})")
     return Path(out)

@@ -25,7 +25,8 @@ class ModelOptions:
         "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")] = None
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto"
     dtype: Annotated[str, typer.Option(
-        help="auto (fp32 on CPU, fp16 on GPU), float32, float16 or bfloat16.")] = "auto"
+        help="auto (GPU: fp16; CPU: fp32, with prefill computed in bf16 where the CPU has native bf16), "
+        "float32 (exact everywhere), float16 or bfloat16.")] = "auto"
 
 
 @dataclass

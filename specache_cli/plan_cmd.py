@@ -1,12 +1,14 @@
 """`specache plan`: how many sequences fit, which k, and whether the prefetch hides (docs/planner.md)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from engine.errors import BadArgument
 from engine.plan.planner import (
     DEFAULT_PREFILL_CHUNK,
     GIB,
@@ -149,6 +151,8 @@ def plan_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (docs/planner.md, JSON contract)."),
 ) -> None:
     """Plan batch size and k from first principles for full cache, KIVI and SpeCache."""
+    if host_ram is not None and not math.isfinite(host_ram):
+        raise BadArgument(f"--host-ram must be a finite number of GB, not {host_ram}")
     host_bytes = None if host_ram is None else int(host_ram * GIB)
     profile = load_model_profile(model)
     context = profile.max_context if context is None else context

@@ -390,14 +390,13 @@ def test_bf16_specache_with_k_at_least_context_equals_bf16_full_cache(tiny_bf16,
     limit is checked teacher-forced instead: on the bf16 DynamicCache's own tokens, every step's
     logits of specache with k >= context equal the bf16 full cache's (which equals DynamicCache
     token for token, test above) within bf16 rounding, and the argmax is the forced token."""
-    from engine.generate.engine import teacher_forced
-
     ps, refs = reference_bf16
     config = CacheConfig(mode="specache", k=4096, bits=bits, group=group, residual=16, sinks=4, chunk_size=chunk,
                          prefetch=prefetch)
     for p, ref in zip(ps, refs):
-        full = torch.stack(list(teacher_forced(tiny_bf16, p, ref, CacheConfig(mode="full", chunk_size=chunk)))).float()
-        spec = torch.stack(list(teacher_forced(tiny_bf16, p, ref, config))).float()
+        full = torch.stack(list(Engine(tiny_bf16, CacheConfig(mode="full", chunk_size=chunk)).teacher_forced(p, ref)))
+        spec = torch.stack(list(Engine(tiny_bf16, config).teacher_forced(p, ref)))
+        full, spec = full.float(), spec.float()
         assert full.argmax(-1).tolist() == ref
         torch.testing.assert_close(spec, full, rtol=0, atol=0.0125 * float(full.abs().max()))  # ~3 bf16 ulps of the largest
         top2 = full.topk(2, dim=-1).values

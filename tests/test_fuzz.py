@@ -505,6 +505,8 @@ def test_usage_errors_are_one_line(world):
                          (["cache", "rm"], "missing argument"), (["summarize", "x.txt", "--k"], "requires an argument"),
                          (["ask", "--doc"], "requires an argument")):
         assert_one_error(world.run(argv), 2, needle)
+    for value in ("nan", "inf"):  # plan's --host-ram
+        assert_one_error(world.run(["plan", "--gpu", "l4", "--host-ram", value]), 2, "--host-ram")
     help_out = world.run([])  # no arguments: the help (Click's exit 2), no error line, no traceback
     assert help_out.rc == 2 and "Usage" in help_out.stdout + help_out.stderr and "Traceback" not in help_out.stderr
 
