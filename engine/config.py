@@ -5,7 +5,8 @@ from dataclasses import dataclass, field, replace
 
 from engine.errors import BadArgument
 
-CACHE_MODES = ("full", "specache", "kivi", "window")
+CACHE_MODES = ("full", "specache", "kivi", "window", "exact")
+GAMMA_MAX = 16  # exact: most draft tokens per verification
 PREFETCH = ("speculative", "current")
 
 
@@ -14,7 +15,9 @@ class CacheConfig:
     """How the KV cache is kept.
 
     mode: full (exact, preallocated), specache (guide + exact top-k prefetch),
-    kivi (guide + residual window only, k = 0), window (sinks + recent exact window).
+    kivi (guide + residual window only, k = 0), window (sinks + recent exact window),
+    exact (the specache cache drafts gamma tokens, one exact pass over the host store verifies them:
+    the full cache's output).
     """
 
     mode: str = "specache"
@@ -32,6 +35,7 @@ class CacheConfig:
     # speculative token; current = one token per step that picks its own set from its guide
     # attention, then attends (the paper's non-speculative baseline: no transfer to hide on a CPU)
     prefetch: str = "speculative"
+    gamma: int | None = None  # exact: draft tokens per verification (None: adapted to the measured acceptance)
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
@@ -50,6 +54,8 @@ class CacheConfig:
             raise BadArgument(f"--sinks must be >= 0, not {self.sinks}")
         if self.window is not None and self.window < 1:
             raise BadArgument(f"--window must be >= 1, not {self.window}")
+        if self.gamma is not None and not 1 <= self.gamma <= GAMMA_MAX:
+            raise BadArgument(f"--gamma must be in 1..{GAMMA_MAX}, not {self.gamma}")
         if self.chunk_size < 16:
             raise BadArgument(f"--chunk-size must be >= 16, not {self.chunk_size}")
 
