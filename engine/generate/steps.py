@@ -137,6 +137,12 @@ def decoder_for(config: CacheConfig):
 
 # ---- exact mode: the guided cache drafts, one exact pass verifies (engine/kvcache/exact.py) ------------
 
+# exact mode's pass costs when they are not timed (GammaChooser.timed), relative to a verification
+# of one token: a draft pass, and what each further verified token adds (measured: README "Results")
+UNTIMED_DRAFT = 0.5
+UNTIMED_VERIFY_SLOPE = 0.1
+
+
 @dataclass
 class GammaChooser:
     """Draft tokens per cycle: `fixed`, or the gamma in 1..GAMMA_MAX that maximises the expected
@@ -146,6 +152,8 @@ class GammaChooser:
     least-squares line of verify seconds over tokens fed."""
 
     fixed: int | None = None
+    timed: bool = True  # False: the pass costs are the fixed ratio below, not timings (sampling: a seed
+    # must reproduce its output, and the random draws depend on gamma)
     start: int = 4  # until both passes were timed
     decay: float = 0.9  # weight of the older measurements, per cycle
     accepted: float = 1.4  # pseudo-counts: a prior acceptance of 0.7
@@ -178,6 +186,8 @@ class GammaChooser:
 
     def record(self, accepted: int, rejected: int, gamma: int, draft_s: float, verify_s: float) -> None:
         """One cycle: accepted draft tokens and rejections over its active rows, its pass times."""
+        if not self.timed:
+            draft_s, verify_s = gamma * UNTIMED_DRAFT, 1 + UNTIMED_VERIFY_SLOPE * gamma
         d = self.decay
         self.accepted, self.rejected = d * self.accepted + accepted, d * self.rejected + rejected
         if gamma:
@@ -287,7 +297,7 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
     t0 = pick(logits, hist)
     _append(hist, t0)
     yield [[t] for t in t0.tolist()], logits[:, None]
-    chooser = GammaChooser(cache.config.gamma)
+    chooser = GammaChooser(cache.config.gamma, timed=sampler is None or sampler.greedy)
     totals = {"drafted": 0, "accepted": 0, "row_cycles": 0, "tokens": 0, "verifies": 0, "gamma_sum": 0,
               "draft_s": 0.0, "draft_passes": 0, "verify_s": 0.0}
     while True:
