@@ -51,7 +51,7 @@ class Session:
             raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {gen.strategy!r}")
         self.overrides = dict(bits=cache.bits, group=cache.group, k=cache.k, residual=cache.residual,
                               sinks=cache.sinks, chunk_size=cache.chunk_size, measure_hits=cache.hit_rate or None,
-                              prefetch=cache.prefetch)
+                              prefetch=cache.prefetch, gamma=cache.gamma)
         CacheConfig(mode=cache.cache).with_overrides(**self.overrides)  # validate now
         self.model_opts, self.cache_opts, self.quiet = model, cache, quiet
         self.gen = GenerationConfig(max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p,

@@ -135,7 +135,7 @@ class Runner:
                 self.plan["k"] = self.cache.k
             return min(self.batch, rows)
 
-        mode = {"window": "kivi"}.get(self.cache.mode, self.cache.mode)
+        mode = {"window": "kivi", "exact": "specache"}.get(self.cache.mode, self.cache.mode)  # exact: specache's device bytes
         params = sum(p.numel() for p in self.lm.model.parameters())
         mp = plan_for_run(self.lm.model.config, context, mode, bits=self.cache.bits, group=self.cache.group,
                           k=self.cache.k if mode == "specache" else None, residual=self.cache.residual,
