@@ -263,3 +263,31 @@ def test_planner_exact_row():
     assert gpu.tokens_per_second == pytest.approx(gpu.max_batch / per_token)
     cpu = P.plan(load_hardware("cpu"), load_model_profile("smollm2-135m"), 6500).mode("exact")
     assert cpu.transfer_bytes_per_step == 0 and "verify_buffers" not in cpu.device_breakdown
+
+
+def test_cli_exact_equals_full_and_reports_its_figures(tiny_model_dir):
+    """`ask --cache exact` (and --gamma) through the CLI: full's text, the exact figures in the JSON,
+    a bad --gamma a one-line error with the bad-argument exit code."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from specache_cli.app import app
+
+    doc = str(Path(__file__).parent / "data" / "sample.txt")
+    runner = CliRunner()
+
+    def ask(*extra):
+        return runner.invoke(app, ["ask", "--model", str(tiny_model_dir), "--quiet", "--no-store", "--doc", doc,
+                                   "What is this about?", "--max-tokens", "12", "--json", "--group", "32", *extra])
+
+    full, exact, fixed = ask("--cache", "full"), ask("--cache", "exact"), ask("--cache", "exact", "--gamma", "3")
+    assert full.exit_code == exact.exit_code == fixed.exit_code == 0, exact.stderr
+    f, e, g = (json.loads(r.stdout) for r in (full, exact, fixed))
+    assert e["text"] == f["text"] == g["text"]
+    assert e["cache"]["mode"] == "exact" and e["cache"]["gamma"] == "auto" and g["cache"]["gamma"] == 3
+    assert {"acceptance_rate", "tokens_per_verify", "gamma_mean", "verify_ms", "draft_pass_ms"} <= set(e["cache"])
+    bad = ask("--cache", "exact", "--gamma", "0")
+    assert bad.exit_code == BadArgument.exit_code and bad.stderr.strip().startswith("error:") and "--gamma" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
