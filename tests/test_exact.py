@@ -291,3 +291,33 @@ def test_cli_exact_equals_full_and_reports_its_figures(tiny_model_dir):
     bad = ask("--cache", "exact", "--gamma", "0")
     assert bad.exit_code == BadArgument.exit_code and bad.stderr.strip().startswith("error:") and "--gamma" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bench_decode_and_fidelity_take_exact(tiny_model_dir, tmp_path):
+    """`bench decode` times exact per token of a row (a step is a cycle) with its figures and
+    target; `bench fidelity` runs exact and finds it identical to full."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specache_cli.app import app
+
+    def bench(name, *args):
+        r = CliRunner().invoke(app, ["bench", name, "--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path),
+                                     "--threads", "1", "--json", *args], catch_exceptions=False)
+        assert r.exit_code == 0, r.stderr
+        return json.loads(r.stdout), (tmp_path / f"{name}.md").read_text()
+
+    result, md = bench("decode", "--modes", "full,exact-gamma3", "--batches", "1,2", "--length", "200")
+    rows = {(x["mode"], x["batch"]): x for x in result["rows"]}
+    for batch in (1, 2):
+        x = rows[("exact-gamma3", batch)]
+        assert x["exact"]["gamma"] == 3 and 0 <= x["exact"]["acceptance_rate"] <= 1
+        assert 1 <= x["exact"]["tokens_per_verify"] <= 4
+        assert x["speedup_vs_full"] == pytest.approx(rows[("full", batch)]["ms_per_step"] / x["ms_per_step"], rel=1e-2)
+    assert [t["goal"] for t in result["targets"]] == [">= 1.3x"] * 2
+    assert "tokens/verify" in md
+    result, _ = bench("fidelity", "--modes", "full,exact", "--tokens", "8")
+    exact_rows = [r for r in result["rows"] if r["mode"] == "exact"]
+    assert exact_rows and all(r["teacher_forced"]["top1_agreement"] == 1.0 for r in exact_rows)
+    assert all(r["free_running"]["equal_share"] == 1.0 for r in exact_rows)
