@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, GenerationConfig
+from engine.errors import BadArgument
 from engine.generate import steps
-from engine.generate.engine import Engine, Finished
+from engine.generate.engine import Engine
 from engine.generate.sampling import Sampler
 from engine.generate.steps import exact_cycles, greedy
-from engine.errors import BadArgument
-from tests.conftest import make_tiny_model
 from tests.test_engine import dynamic_cache_greedy, prompts_of, run
 
 NEW = 24
-TINY = dict(k=16, residual=32, group=32, sinks=4)  # a small fetched set: the draft is often wrong
+TINY = {"k": 16, "residual": 32, "group": 32, "sinks": 4}  # a small fetched set: the draft is often wrong
 
 
 @pytest.fixture(scope="module")
