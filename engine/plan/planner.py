@@ -43,7 +43,7 @@ SCORE_COPIES = 4  # score-sized buffers alive at once: scores, joined with the r
 PAST_VIEWS = 2  # prefill of a guided layer: past exact K/V copied from the host store, then joined with the residual
 LOGIT_UPCAST_BYTES = 4  # the reference baseline's fp32 copy of the logits
 DEFAULT_PREFILL_CHUNK = 512  # engine.config.CacheConfig.chunk_size
-EXACT_ACCEPTANCE = 0.8  # exact mode: share of draft tokens the exact pass accepts (measured, docs/planner.md)
+EXACT_ACCEPTANCE = 0.9  # exact mode: share of draft tokens the exact pass accepts (measured, docs/planner.md)
 EXACT_GAMMA_MAX = 16  # exact mode: most draft tokens per verification (engine.config.GAMMA_MAX)
 VERIFY_BUFFERS = 2  # exact mode on a GPU: one layer's exact K/V attended while the next layer's is copied in
 
