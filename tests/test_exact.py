@@ -320,3 +320,13 @@ def test_bench_decode_and_fidelity_take_exact(tiny_model_dir, tmp_path):
     exact_rows = [r for r in result["rows"] if r["mode"] == "exact"]
     assert exact_rows and all(r["teacher_forced"]["top1_agreement"] == 1.0 for r in exact_rows)
     assert all(r["free_running"]["equal_share"] == 1.0 for r in exact_rows)
+
+
+def test_gamma_chooser_ignores_an_untimed_first_cycle():
+    """A slow first cycle (one-time costs) must not fix the verify-time slope for good."""
+    chooser = steps.GammaChooser()
+    chooser.record(accepted=4, rejected=0, gamma=4, draft_s=None, verify_s=None)
+    assert chooser.draft_s is None and chooser.choose() == chooser.start and chooser.acceptance > 0.7
+    for _ in range(20):
+        chooser.record(accepted=4, rejected=0, gamma=4, draft_s=4 * 0.05, verify_s=0.17)
+    assert chooser.choose() > 4  # flat verify cost, cheap drafts, everything accepted: draft longer

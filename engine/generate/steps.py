@@ -184,12 +184,15 @@ class GammaChooser:
         a = min(self.acceptance, 1 - 1e-9)
         return (1 - a ** (gamma + 1)) / (1 - a) / (gamma * self.draft_s + self.verify_seconds(gamma + 1))
 
-    def record(self, accepted: int, rejected: int, gamma: int, draft_s: float, verify_s: float) -> None:
-        """One cycle: accepted draft tokens and rejections over its active rows, its pass times."""
+    def record(self, accepted: int, rejected: int, gamma: int, draft_s: float | None, verify_s: float | None) -> None:
+        """One cycle: accepted draft tokens and rejections over its active rows, its pass times
+        (None: not timed, e.g. the first cycle, which pays one-time costs)."""
         if not self.timed:
             draft_s, verify_s = gamma * UNTIMED_DRAFT, 1 + UNTIMED_VERIFY_SLOPE * gamma
         d = self.decay
         self.accepted, self.rejected = d * self.accepted + accepted, d * self.rejected + rejected
+        if draft_s is None or verify_s is None:
+            return
         if gamma:
             per = draft_s / gamma
             self.draft_s = per if self.draft_s is None else d * self.draft_s + (1 - d) * per
@@ -328,7 +331,9 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
         n_active = sum(active)
         acc = sum(n for n, a in zip(n_acc, active) if a)
         rejected = sum(1 for n, a in zip(n_acc, active) if a and n < gamma)
-        chooser.record(acc, rejected, gamma, t_drafted - t_start, t_verified - t_drafted)
+        warm = totals["verifies"] > 0  # the first cycle builds kernels' state and warms caches: not timed
+        chooser.record(acc, rejected, gamma, t_drafted - t_start if warm else None,
+                       t_verified - t_drafted if warm else None)
         for key, value in (("drafted", gamma * n_active), ("accepted", acc), ("row_cycles", n_active),
                            ("tokens", acc + n_active), ("verifies", 1), ("gamma_sum", gamma),
                            ("draft_s", t_drafted - t_start), ("draft_passes", gamma),
