@@ -4,8 +4,6 @@ token whatever the draft does, the cache after a cycle holds exactly what a cach
 accepted tokens holds, and sampling draws from the full cache's distribution."""
 from __future__ import annotations
 
-import glob
-
 import pytest
 import torch
 
@@ -222,25 +220,29 @@ def test_gamma_chooser_follows_acceptance_and_costs():
     assert steps.GammaChooser(fixed=5).choose() == 5
 
 
+FIDELITY_DOCS = ["report.pdf", "texts/federalist.txt", "texts/origin-of-species-introduction.txt"]
+
+
 @pytest.mark.slow
-def test_embedded_model_exact_equals_full_on_the_fidelity_documents(embedded_dir):
-    """Greedy exact == full over 256 tokens on every document bench fidelity uses (examples/)."""
+@pytest.mark.parametrize("name", FIDELITY_DOCS)
+def test_embedded_model_exact_equals_full_on_the_fidelity_documents(name):
+    """Greedy exact == full over 256 tokens on each document bench fidelity uses (examples/),
+    the prompt cut to 2048 tokens (the bench's whole window would take minutes per mode here)."""
     from engine.bench.common import EXAMPLES, load_texts
     from engine.bench.fidelity import fit_prompt
     from engine.model.loading import load_model
     from engine.plan.profiles import model_defaults
 
     lm = load_model(None, device="cpu")
-    docs = [str(EXAMPLES / "report.pdf")] + sorted(glob.glob(str(EXAMPLES / "texts" / "*.txt")))
-    defaults = model_defaults(lm)
     gen = GenerationConfig(max_tokens=256)
-    for source, text in load_texts(docs):
-        prompt, _ = fit_prompt(lm.tokenizer, text, 2048)
-        full = run(lm.model, [prompt], CacheConfig(mode="full"), gen)
-        exact = run(lm.model, [prompt], CacheConfig(mode="exact", **defaults), gen)
-        assert exact.tokens == full.tokens, source
-        assert len(full.tokens[0]) == 256, source
-        assert exact.cache_stats["acceptance_rate"] > 0.5, source
+    ((source, text),) = load_texts([str(EXAMPLES / name)])
+    prompt, _ = fit_prompt(lm.tokenizer, text, 2048)
+    full = run(lm.model, [prompt], CacheConfig(mode="full"), gen)
+    exact = run(lm.model, [prompt], CacheConfig(mode="exact", **model_defaults(lm)), gen)
+    assert exact.tokens == full.tokens, source
+    assert len(full.tokens[0]) == 256, source
+    assert exact.cache_stats["acceptance_rate"] > 0.5, source
+    print(source, len(prompt), len(full.tokens[0]), exact.cache_stats)
 
 
 def test_planner_exact_row():
