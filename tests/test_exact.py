@@ -332,3 +332,17 @@ def test_gamma_chooser_ignores_an_untimed_first_cycle():
     for _ in range(20):
         chooser.record(accepted=4, rejected=0, gamma=4, draft_s=4 * 0.05, verify_s=0.17)
     assert chooser.choose() > 4  # flat verify cost, cheap drafts, everything accepted: draft longer
+
+
+def test_gamma_chooser_verify_cost_is_never_extrapolated_below_what_was_seen():
+    """Verify times 0.15 s at 2 tokens, 0.2 at 5, 1.5 at 17 (convex): 3 tokens interpolate, 1 token
+    costs what 2 did, 20 tokens continue the 5 -> 17 slope; so gamma neither collapses to 1 on a
+    negative extrapolation nor runs to 16."""
+    chooser = steps.GammaChooser()
+    for gamma, verify in ((1, 0.15), (4, 0.2), (16, 1.5)):
+        chooser.record(accepted=gamma, rejected=0, gamma=gamma, draft_s=gamma * 0.06, verify_s=verify)
+    assert chooser.verify_seconds(2) == pytest.approx(0.15)
+    assert chooser.verify_seconds(1) == chooser.verify_seconds(2)
+    assert 0.15 < chooser.verify_seconds(3) < 0.2
+    assert chooser.verify_seconds(20) == pytest.approx(1.5 + 3 * (1.5 - 0.2) / 12)
+    assert 2 < chooser.choose() < 16

@@ -148,8 +148,8 @@ class GammaChooser:
     """Draft tokens per cycle: `fixed`, or the gamma in 1..GAMMA_MAX that maximises the expected
     tokens per second of a row, (1 - a^(g+1)) / (1 - a) tokens per g draft passes + one verify of
     g + 1 tokens, from decayed measurements: the acceptance a (accepted drafts / (accepted +
-    rejections): a row's accepted run is geometric in a), the seconds of a draft pass, and a
-    least-squares line of verify seconds over tokens fed."""
+    rejections): a row's accepted run is geometric in a), the seconds of a draft pass, and the
+    seconds of a verification per number of tokens fed (verify_seconds)."""
 
     fixed: int | None = None
     timed: bool = True  # False: the pass costs are the fixed ratio below, not timings (sampling: a seed
@@ -159,24 +159,33 @@ class GammaChooser:
     accepted: float = 1.4  # pseudo-counts: a prior acceptance of 0.7
     rejected: float = 0.6
     draft_s: float | None = None
-    fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: w, t, t^2, y, t*y
+    verify: dict = field(default_factory=dict)  # tokens fed -> [decayed weight, decayed sum of seconds]
 
     @property
     def acceptance(self) -> float:
         return self.accepted / max(self.accepted + self.rejected, 1e-9)
 
     def verify_seconds(self, tokens: int) -> float:
-        """The fitted verify time for `tokens` tokens per row (slope >= 0; flat until two sizes were seen)."""
-        w, t, tt, y, ty = self.fit
-        mean_t, mean_y = t / w, y / w
-        var = tt / w - mean_t ** 2
-        slope = max(0.0, (ty / w - mean_t * mean_y) / var) if var > 1e-9 else 0.0
-        return max(mean_y + slope * (tokens - mean_t), 1e-9)
+        """Verify time for `tokens` tokens per row: the decayed mean at that size when seen, else
+        linear between the nearest sizes seen, past the largest along the slope of the last two
+        (flat when one size was seen, so that a longer draft gets tried), below the smallest its
+        time. (A straight-line fit through all sizes extrapolated below zero: the cost is convex,
+        e.g. past 8 rows the linears leave their native kernel.)"""
+        seen = sorted((t, y / w) for t, (w, y) in self.verify.items())
+        below = [p for p in seen if p[0] <= tokens]
+        above = [p for p in seen if p[0] >= tokens]
+        if below and above:
+            (t0, y0), (t1, y1) = below[-1], above[0]
+            return y0 if t1 == t0 else y0 + (y1 - y0) * (tokens - t0) / (t1 - t0)
+        if below:  # past the largest size seen: the slope of the last two sizes (flat with one: explore)
+            (t0, y0), (t1, y1) = seen[-2] if len(seen) > 1 else seen[-1], seen[-1]
+            return y1 + max(0.0, (y1 - y0) / (t1 - t0) if t1 > t0 else 0.0) * (tokens - t1)
+        return above[0][1]
 
     def choose(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        if self.draft_s is None:
+        if self.draft_s is None or not self.verify:
             return self.start
         return max(range(1, GAMMA_MAX + 1), key=self.tokens_per_second)
 
@@ -196,8 +205,10 @@ class GammaChooser:
         if gamma:
             per = draft_s / gamma
             self.draft_s = per if self.draft_s is None else d * self.draft_s + (1 - d) * per
-        t = gamma + 1
-        self.fit = [d * s + x for s, x in zip(self.fit, (1.0, t, t * t, verify_s, t * verify_s))]
+        for entry in self.verify.values():
+            entry[0], entry[1] = d * entry[0], d * entry[1]
+        entry = self.verify.setdefault(gamma + 1, [0.0, 0.0])
+        entry[0], entry[1] = entry[0] + 1.0, entry[1] + verify_s
 
 
 @torch.inference_mode()
