@@ -6,8 +6,9 @@ from dataclasses import dataclass, field, replace
 
 from engine.errors import BadArgument
 
-CACHE_MODES = ("full", "specache", "kivi", "window")
+CACHE_MODES = ("full", "specache", "kivi", "window", "exact")
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (a negative seed wraps around)
+GAMMA_MAX = 16  # exact: most draft tokens per verification
 PREFETCH = ("speculative", "current")
 
 
@@ -16,7 +17,9 @@ class CacheConfig:
     """How the KV cache is kept.
 
     mode: full (exact, preallocated), specache (guide + exact top-k prefetch),
-    kivi (guide + residual window only, k = 0), window (sinks + recent exact window).
+    kivi (guide + residual window only, k = 0), window (sinks + recent exact window),
+    exact (the specache cache drafts gamma tokens, one exact pass over the host store verifies them:
+    the full cache's output).
     """
 
     mode: str = "specache"
@@ -34,6 +37,7 @@ class CacheConfig:
     # speculative token; current = one token per step that picks its own set from its guide
     # attention, then attends (the paper's non-speculative baseline: no transfer to hide on a CPU)
     prefetch: str = "speculative"
+    gamma: int | None = None  # exact: draft tokens per verification (None: adapted to the measured acceptance)
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
@@ -52,6 +56,8 @@ class CacheConfig:
             raise BadArgument(f"--sinks must be >= 0, not {self.sinks}")
         if self.window is not None and self.window < 1:
             raise BadArgument(f"--window must be >= 1, not {self.window}")
+        if self.gamma is not None and not 1 <= self.gamma <= GAMMA_MAX:
+            raise BadArgument(f"--gamma must be in 1..{GAMMA_MAX}, not {self.gamma}")
         if self.chunk_size < 16:
             raise BadArgument(f"--chunk-size must be >= 16, not {self.chunk_size}")
 

@@ -33,7 +33,8 @@ class ModelOptions:
 class CacheOptions:
     PANEL: ClassVar[str] = "KV cache"  # the heading of these options in --help
 
-    cache: Annotated[str, typer.Option("--cache", help="KV cache mode: full, specache, kivi or window.")] = "specache"
+    cache: Annotated[str, typer.Option("--cache", help="KV cache mode: full, specache, kivi, window or exact (specache drafts, the exact store verifies: "
+        "the output of full).")] = "specache"
     bits: Annotated[Optional[int], typer.Option(help="Guide code width, 1 or 2 (default: the model profile's).")] = None
     group: Annotated[Optional[int], typer.Option(
         help="Quantization group size, 32 or 64 (default: the model profile's).")] = None
@@ -47,6 +48,8 @@ class CacheOptions:
         "--prefetch", help="specache: speculative (two tokens per step, the next step's exact K/V fetched while "
         "this one computes; default on a GPU) or current (one token per step fetches its own; default on a CPU, "
         "where there is no transfer to hide).")] = None
+    gamma: Annotated[Optional[int], typer.Option(
+        "--gamma", help="exact: draft tokens per verification, 1..16 (default: adapted to the measured acceptance).")] = None
     hit_rate: Annotated[bool, typer.Option(
         "--hit-rate", help="specache: measure the prefetch hit rate (costs a full attention per step).")] = False
     no_store: Annotated[bool, typer.Option(

@@ -30,6 +30,7 @@ BREAKDOWN_LABELS = {
     "sinks": "  sink tokens",
     "fetch_buffers": "  fetch buffers (x2)",
     "host_store": "  exact store (same RAM)",
+    "verify_buffers": "  verify buffers (x2 layers)",
     "decode_working_set": "  decode working set",
     "prefill_activations": "  prefill activations",
 }
@@ -98,7 +99,7 @@ def render_table(p: Plan) -> Table:
     row("shared: weights", [size(mp.shared_device_bytes["weights"]) for mp in modes])
     row("shared: prefill activations", [size(mp.shared_device_bytes.get("prefill_activations")) for mp in modes])
     row("max batch", [f"{mp.max_batch} ({mp.limited_by})" for mp in modes])
-    row("k (per layer, KV head)", [str(mp.k) if mp.mode == "specache" else "-" for mp in modes])
+    row("k (per layer, KV head)", [str(mp.k) if mp.mode in ("specache", "exact") else "-" for mp in modes])
     cpu = hw.kind == "cpu"
     if not cpu:  # on a CPU the exact store is in the same RAM: counted in "device / sequence" above
         row("host RAM / sequence", [size(mp.host_bytes_per_sequence) for mp in modes])
@@ -111,6 +112,9 @@ def render_table(p: Plan) -> Table:
     if not cpu:
         row("prefetch hidden", [("yes" if mp.prefetch_hidden else f"no (k <= {mp.k_max_hidden} would)")
                                 if mp.mode == "specache" else "-" for mp in modes])
+    row("exact: gamma at acceptance", [f"{mp.gamma} at {mp.acceptance:g}" if mp.gamma else "-" for mp in modes])
+    row("exact: draft step / verify", [f"{ms(mp.draft_seconds)} / {ms(mp.verify_seconds)}" if mp.gamma else "-"
+                                       for mp in modes])
     row("decode tokens/s", [f"{mp.tokens_per_second:,.0f}" for mp in modes])
     row("speedup vs full", ["-" if mp.predicted_speedup_vs_full is None else f"{mp.predicted_speedup_vs_full:.2f}x"
                             for mp in modes])

@@ -140,7 +140,7 @@ class Session:
         check_device(model.device, model.dtype)
         self.overrides = dict(bits=cache.bits, group=cache.group, k=cache.k, residual=cache.residual,
                               sinks=cache.sinks, chunk_size=cache.chunk_size, measure_hits=cache.hit_rate or None,
-                              prefetch=cache.prefetch)
+                              prefetch=cache.prefetch, gamma=cache.gamma)
         CacheConfig(mode=cache.cache).with_overrides(**self.overrides)  # validate now
         self.model_opts, self.cache_opts, self.quiet = model, cache, quiet
         self.gen = gen.config()

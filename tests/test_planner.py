@@ -409,7 +409,7 @@ def test_json_contract():
     out = json.loads(r.stdout)
     assert {"gpu", "model", "context", "modes"} <= set(out)
     assert (out["gpu"], out["model"], out["context"]) == ("rtx-a6000", "mistral-7b", 32768)
-    assert [m["mode"] for m in out["modes"]] == ["full", "kivi", "specache"]
+    assert [m["mode"] for m in out["modes"]] == ["full", "kivi", "specache", "exact"]
     for mode in out["modes"]:
         assert MODE_KEYS <= set(mode)
         assert isinstance(mode["prefetch_hidden"], bool) and isinstance(mode["max_batch"], int)

@@ -5,7 +5,7 @@ Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode one of full, specache
 (and ``hf`` = stock transformers ``generate`` with DynamicCache, speed and decode benches),
 options ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual
 window, ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``current`` /
-``speculative`` (prefetch: each pass picks its own fetched set and feeds one token, or the
+``gamma<n>`` (exact mode's draft tokens per verification; default adaptive), ``speculative`` (prefetch: each pass picks its own fetched set and feeds one token, or the
 design's two-token speculative steps), ``both`` / ``spec`` (the fetch set is selected with the
 output token's attention as well as the speculative token's, or with the speculative token's
 alone), ``resync`` / ``noresync`` (re-sync a missed speculation by prompt lookup, or keep the
@@ -80,6 +80,9 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
         raise BadArgument(f"mode {label!r}: must start with one of {', '.join(CACHE_MODES + (HF_MODE,))}")
     fields: dict[str, int | bool | str] = {}
     for opt in parts[1:]:
+        if re.fullmatch(r"gamma\d+", opt.lower()):  # exact: draft tokens per verification
+            fields["gamma"] = int(opt[5:])
+            continue
         if opt.lower() in ("both", "spec"):  # select with the output token's attention too, or not
             fields["select_both"] = opt.lower() == "both"
             continue

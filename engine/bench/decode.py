@@ -3,7 +3,9 @@
 Every mode (and ``hf``: stock transformers, i.e. DynamicCache, SDPA attention and plain
 nn.Linear, stepped the way ``generate`` steps it: one forward per token, greedy) gets the same prompts and its own
 prefilled cache; then the modes take turns, `burst` steps each, `repeats` times, and the
-median of each mode's bursts is reported. A load change on a shared machine then hits all
+median of each mode's bursts is reported, in ms per token of a row (a step gives each row one
+token; exact mode's step is a whole cycle of drafts and one verification, so its burst's time is
+divided by the tokens it gave; its rows carry the cycle figures under "exact"). A load change on a shared machine then hits all
 modes alike, which a one-mode-after-another bench (`bench speed`) cannot promise; the
 ratios against full and against hf are the point of this bench.
 """
@@ -26,25 +28,39 @@ from engine.bench.common import (
     target,
 )
 from engine.bench.speed import _sync, make_prompts
+from engine.config import GAMMA_MAX
 from engine.generate.engine import Engine
-from engine.generate.steps import greedy
+from engine.generate.steps import decode_headroom, exact_cycles, greedy
 
 TARGET_VS_FULL = 1.5
 TARGET_VS_HF = 2.5
+TARGET_EXACT_VS_FULL = 1.3
 
 
-def engine_steps(model, config, prompts: list[list[int]], extra: int) -> Iterator[None]:
-    """Prefill a cache for `prompts`, then yield after each decode step of the engine's loop."""
+def engine_steps(model, config, prompts: list[list[int]], extra: int, figures: dict | None = None) -> Iterator[float]:
+    """Prefill a cache for `prompts`, then yield after each decode step of the engine's loop the
+    tokens it gave each row (1; exact mode: a step is a cycle, its mean new tokens per row, and
+    `figures` follows the cache's exact-mode figures)."""
     engine = Engine(model, config)
-    with engine.new_cache(len(prompts), max(map(len, prompts)) + extra + 4) as cache:
+    exact = config.mode == "exact"
+    room = extra * (GAMMA_MAX + 1) + decode_headroom(config) if exact else extra
+    with engine.new_cache(len(prompts), max(map(len, prompts)) + room + 4) as cache:
         lasts = [list(engine.prefill(cache, p, row))[-1] for row, p in enumerate(prompts)]
+        if exact:
+            loop = exact_cycles(model, cache, torch.stack(lasts), greedy, history=prompts)
+            next(loop)  # the first token comes from the prefill logits (no model call)
+            for emitted, _ in loop:
+                if figures is not None:
+                    figures.update(cache.decode_stats)
+                yield sum(map(len, emitted)) / len(prompts)
+            return
         loop = engine.steps(cache, torch.stack(lasts), greedy, history=prompts)
-        next(loop)  # the first token comes from the prefill logits (no model call)
+        next(loop)
         for _ in loop:
-            yield
+            yield 1.0
 
 
-def hf_steps(model, prompts: list[list[int]], chunk: int = 512) -> Iterator[None]:
+def hf_steps(model, prompts: list[list[int]], chunk: int = 512) -> Iterator[float]:
     """Stock transformers (DynamicCache, SDPA, nn.Linear): chunked prefill, then one greedy forward per token."""
     from transformers import DynamicCache
 
@@ -58,7 +74,7 @@ def hf_steps(model, prompts: list[list[int]], chunk: int = 512) -> Iterator[None
         token = logits.argmax(-1, keepdim=True)
         with stock_transformers(model):
             logits = model(token, cache=cache, use_cache=True).logits[:, -1]
-        yield
+        yield 1.0
 
 
 @torch.inference_mode()
@@ -78,10 +94,11 @@ def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Seque
     for batch in batches:
         prompts = make_prompts(corpus, length, batch)
         steppers = {}
+        figures: dict[str, dict] = {spec.label: {} for spec in modes if spec.mode == "exact"}
         for spec in modes:
             t0 = time.perf_counter()
             it = hf_steps(lm.model, prompts) if spec.mode == HF_MODE else \
-                engine_steps(lm.model, spec.config, prompts, burst * repeats + 2)
+                engine_steps(lm.model, spec.config, prompts, burst * repeats + 2, figures.get(spec.label))
             next(it)  # prefill and one step (warm-up)
             steppers[spec.label] = it
             done += 1
@@ -92,10 +109,11 @@ def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Seque
             for label, it in steppers.items():
                 _sync(dev)
                 t = time.perf_counter()
+                tokens = 0.0
                 for _ in range(burst):
-                    next(it)
+                    tokens += next(it)
                 _sync(dev)
-                times[label].append((time.perf_counter() - t) / burst * 1000)
+                times[label].append((time.perf_counter() - t) / tokens * 1000)  # ms per token of a row
             done += 1
             yield BenchProgress(f"decode batch {batch}: round {r + 1}/{repeats}", done, total)
         for it in steppers.values():
@@ -109,7 +127,8 @@ def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Seque
                          "ms_per_step_all": [round(x, 2) for x in times[spec.label]],
                          "tokens_per_s": round(batch * 1000 / ms, 2),
                          "speedup_vs_full": round(med[full] / ms, 3) if full else None,
-                         "speedup_vs_hf": round(med[hf] / ms, 3) if hf else None})
+                         "speedup_vs_hf": round(med[hf] / ms, 3) if hf else None,
+                         **({"exact": figures[spec.label]} if spec.label in figures else {})})
     result["rows"] = rows
     result["targets"] = targets(rows, modes, batches)
     result["seconds"] = round(time.perf_counter() - t_start, 2)
@@ -117,10 +136,18 @@ def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Seque
 
 
 def targets(rows: list[dict], modes: Sequence[ModeSpec], batches: Sequence[int]) -> list[dict]:
+    out = []
+    for exact in (m for m in modes if m.mode == "exact"):  # issue 14: exact >= 1.3x full per token
+        for batch in batches:
+            v = next(r for r in rows if r["mode"] == exact.label and r["batch"] == batch)["speedup_vs_full"]
+            if v is not None:
+                out.append(target(f"{exact.label} decode vs full, batch {batch}", f">= {TARGET_EXACT_VS_FULL}x", v,
+                                  v >= TARGET_EXACT_VS_FULL))
     spec = next((m for m in modes if m.is_default_specache), None) or next((m for m in modes if m.mode == "specache"), None)
     if spec is None:
+        if out:
+            return out
         return [target("specache decode speed-up", "measured", None, None, "no specache mode among --modes")]
-    out = []
     for batch in batches:
         row = next(r for r in rows if r["mode"] == spec.label and r["batch"] == batch)
         for key, goal, name in (("speedup_vs_full", TARGET_VS_FULL, "full"),

@@ -41,7 +41,7 @@ from engine.bench.common import (
 )
 from engine.config import CacheConfig
 from engine.generate.engine import Engine
-from engine.generate.steps import greedy
+from engine.generate.steps import decode_headroom, greedy
 from engine.inputs.prompts import SUMMARIZE, build_prompt, stop_ids
 from engine.kvcache import ModelShape, quant
 from engine.kvcache.sizes import quant_boundary
@@ -122,7 +122,7 @@ def probing(model):
 def free_run(model, prompt: list[int], config: CacheConfig, n: int, stops: Sequence[int]):
     """Greedy decoding in a mode. -> (tokens, log-probs [len, V] before each token, cache)."""
     engine = Engine(model, config)
-    with engine.new_cache(1, len(prompt) + n + 2) as cache:
+    with engine.new_cache(1, len(prompt) + n + 2 + decode_headroom(config)) as cache:
         *_, last = engine.prefill(cache, prompt, 0)
         tokens, logps = [], []
         for ids, logits in engine.steps(cache, last[None], greedy, history=[prompt]):

@@ -128,12 +128,22 @@ def decode_markdown(r: dict) -> str:
     out = [md_header("Decode, modes side by side", r),
            f"Documents: {', '.join(s['documents'])}; context {s['length']} tokens. Each mode prefilled its own cache, "
            f"then the modes took turns: {s['burst']} greedy steps each, {s['repeats']} rounds; median ms per step "
-           "(a step gives every row one output token). hf = stock transformers (DynamicCache, SDPA, nn.Linear), one "
-           "forward per token as `generate` does it.\n", "## Results\n"]
+           "(a step gives every row one output token; exact mode's step is one cycle of drafts and a verification, "
+           "its time divided by the tokens it gave each row). hf = stock transformers (DynamicCache, SDPA, "
+           "nn.Linear), one forward per token as `generate` does it.\n", "## Results\n"]
     rows = [[x["mode"], x["batch"], fmt(x["ms_per_step"], 1), fmt(x["tokens_per_s"], 1), fmt(x["speedup_vs_full"], 2),
              fmt(x["speedup_vs_hf"], 2), " ".join(fmt(v, 1) for v in x["ms_per_step_all"])] for x in r["rows"]]
     out.append(md_table(["mode", "batch", "ms/step (median)", "tokens/s (all rows)", "x full", "x hf",
                          "every round's ms/step"], rows) + "\n")
+    exact = [x for x in r["rows"] if "exact" in x]
+    if exact:
+        out.append("Exact mode (acceptance = accepted drafts / drafted; tokens per verification per row; mean "
+                   "gamma; mean ms of a draft pass and of a verification):\n")
+        out.append(md_table(["mode", "batch", "acceptance", "tokens/verify", "gamma", "draft ms", "verify ms"],
+                            [[x["mode"], x["batch"], fmt(x["exact"].get("acceptance_rate"), 3),
+                              fmt(x["exact"].get("tokens_per_verify"), 2), fmt(x["exact"].get("gamma_mean"), 2),
+                              fmt(x["exact"].get("draft_pass_ms"), 1), fmt(x["exact"].get("verify_ms"), 1)]
+                             for x in exact]) + "\n")
     out.append("## Targets\n")
     out.append(md_targets(r["targets"]) + "\n")
     return "\n".join(out)

@@ -18,7 +18,7 @@ from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import make_key
 from engine.generate.prefixes import StoreUse, load_row, prefix_layout, save_row, store_settings
 from engine.generate.sampling import Sampler
-from engine.generate.steps import Picker, decoder_for, forward, prefill
+from engine.generate.steps import Picker, decode_headroom, decoder_for, forward, prefill
 from engine.kvcache import KVCache, make_cache
 
 
@@ -77,10 +77,13 @@ class Engine:
         """Feed one row's prompt in chunks; yields tokens done after each chunk, then the last logits [V]."""
         return prefill(self.model, cache, prompt, row, self.config.chunk_size)
 
-    def steps(self, cache: KVCache, logits: torch.Tensor, pick: Picker,
-              history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The mode's decode loop from the prefill's last logits [B, V]: yields (ids [B], their logits)."""
-        return decoder_for(self.config)(self.model, cache, logits, pick, history=history)
+    def steps(self, cache: KVCache, logits: torch.Tensor, pick: Picker, history: list[list[int]] | None = None,
+              finished: list[bool] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The mode's decode loop from the prefill's last logits [B, V]: yields (ids [B], their logits;
+        an id of -1: no token for that row at this step, exact mode). finished: the caller's live
+        list of rows it no longer needs (exact mode stops committing tokens for them)."""
+        extra = {"finished": finished} if self.config.mode == "exact" else {}
+        return decoder_for(self.config)(self.model, cache, logits, pick, history=history, **extra)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -95,7 +98,7 @@ class Engine:
         Each prompt's document prefix is filled on its own first (prefix_layout: one shared prefix
         filled once and copied, or one per row), loaded from the store when it is there and saved
         to it after its prefill otherwise; labels name each row's document in the store."""
-        max_len = max(len(p) for p in prompts) + gen.max_tokens + 2
+        max_len = max(len(p) for p in prompts) + gen.max_tokens + 2 + decode_headroom(self.config)
         with self.new_cache(len(prompts), max_len) as cache:
             t0 = time.perf_counter()
             infos, writing, last = yield from self.fill(cache, prompts, shared_prefix, prefixes, labels)
@@ -159,10 +162,13 @@ class Engine:
         outputs: list[list[int]] = [[] for _ in history]
         finished = [False] * len(history)
         steps = 0
-        for next_ids, _ in self.steps(cache, logits, pick, history=history):
+        for next_ids, _ in self.steps(cache, logits, pick, history=history, finished=finished):
             steps += 1
             emitted: list[int | None] = []
             for r, t in enumerate(next_ids.tolist()):
+                if t < 0:  # no token for this row at this step (exact mode)
+                    emitted.append(None)
+                    continue
                 if finished[r] or t in gen.stop_ids:
                     finished[r] = True
                     emitted.append(None)
@@ -180,10 +186,10 @@ class Engine:
     def teacher_forced(self, prompt: list[int], forced: list[int]) -> Iterator[torch.Tensor]:
         """Feed `forced` as the output tokens (e.g. the full cache's own output) through the mode's real
         step loop; yield the next-token logits [V] that preceded each forced token."""
-        with self.new_cache(1, len(prompt) + len(forced) + 2) as cache:
+        with self.new_cache(1, len(prompt) + len(forced) + 2 + decode_headroom(self.config)) as cache:
             *_, last = self.prefill(cache, prompt, 0)
-            it = iter(forced)
-            pick: Picker = lambda logits, _: torch.tensor([next(it)], device=logits.device)  # noqa: E731
+            it = iter(forced)  # (exact mode may ask past the end within its last cycle: 0 then)
+            pick: Picker = lambda logits, _: torch.tensor([next(it, 0)], device=logits.device)  # noqa: E731
             for i, (_, logits) in enumerate(self.steps(cache, last[None], pick, history=[prompt])):
                 yield logits[0]
                 if i + 1 == len(forced):

@@ -1,5 +1,5 @@
 """The KV cache: one KVCache (engine.kvcache.base) holding one layer object per model layer, of
-the policy `CacheConfig.mode` names. Policies: full.py, specache.py, kivi.py, window.py; each
+the policy `CacheConfig.mode` names. Policies: full.py, specache.py, kivi.py, window.py, exact.py; each
 registers itself (registry.py). Shared below them: base.py (Step, masks, the layer protocol),
 sizes.py (formulas the planner uses too), quant.py / guide.py (the 1/2-bit guide), transfer.py
 (host store and prefetch), fused.py (the native CPU decode call)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig
-from engine.kvcache import full, kivi, specache, window  # noqa: F401  (each registers its policy)
+from engine.kvcache import exact, full, kivi, specache, window  # noqa: F401  (each registers its policy)
 from engine.kvcache.base import KVCache, ModelShape, Step
 from engine.kvcache.registry import POLICIES
 from engine.kvcache.transfer import Transfer

@@ -61,6 +61,7 @@ class Step:
     # prefill attention may compute in this dtype (bf16: the native kernel; None: the model's, exact);
     # set from the attention module by engine.model.attention (prepare_model's prefill_dtype)
     compute: torch.dtype | None = None
+    exact: bool = False  # exact mode's verification: every new token into the store, exact attention over it
 
     def __post_init__(self) -> None:
         if not self.starts:
@@ -239,6 +240,7 @@ class CacheLayer(Protocol):
     quantizes: ClassVar[bool]  # True: the layer moves a quantization boundary on commits (boundaries/after_step)
     fetches: ClassVar[bool]  # True: CacheConfig.k exact positions are fetched per step (k matters)
     plan_mode: ClassVar[str]  # the memory planner's mode whose sizes this policy has (engine.plan.planner.MODES)
+    verifies: ClassVar[bool]  # True: decoded by drafting and one exact verification pass per cycle (exact)
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
@@ -293,26 +295,33 @@ class KVCache(Cache):
         self.step: Step | None = None
         self._bounds: list[int] | None = None  # the layers' quantization boundaries after the last commit
         self._acting = [layer for layer in layers if layer.quantizes]  # layers that act on a commit
+        self.decode_stats: dict = {}  # what a step loop measured (exact mode: gamma, acceptance), for --json
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
-              prefill: bool = False) -> Step:
-        """Start a forward pass over `rows` feeding n_new tokens each."""
+              prefill: bool = False, exact: bool = False) -> Step:
+        """Start a forward pass over `rows` feeding n_new tokens each (exact: a verification pass,
+        engine/kvcache/exact.py)."""
         start = self.lengths[rows].clone()
         starts = start.tolist()
         if max(starts) + n_new > self.max_len:
             raise RuntimeError(f"cache overflow: {max(starts) + n_new} > planned {self.max_len} tokens")
-        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select, prefill, starts)
+        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select, prefill, starts, exact=exact)
         return self.step
 
-    def commit(self) -> None:
+    def commit(self, kept: torch.Tensor | None = None, draft: bool = False) -> None:
         """Advance the lengths of the step's rows by the kept tokens; let the layers act on it
         (guided layers quantize the groups that left the residual window). Most decode steps
         move no boundary: then the layers are not called (the boundary rule is the same in every
-        layer, so one check per step does)."""
+        layer, so one check per step does).
+
+        kept [b]: tokens kept per row instead of step.keep (a verification accepts a different
+        number in each row). draft: only advance the lengths, so the next draft token sees this
+        one, and leave every boundary where it is: nothing of a draft is ever quantized; rollback()
+        then restores the committed lengths."""
         step = self.step
-        self.lengths[step.rows] += step.keep
+        self.lengths[step.rows] += step.keep if kept is None else kept.to(self.lengths.device)
         self.step = None
-        if not self._acting:
+        if draft or not self._acting:
             return
         bounds = self._acting[0].boundaries(self.lengths).tolist()
         if bounds == self._bounds:
@@ -320,6 +329,12 @@ class KVCache(Cache):
         for layer in self._acting:
             layer.after_step(step, self.lengths)
         self._bounds = bounds
+
+    def rollback(self, rows: slice, lengths: torch.Tensor) -> None:
+        """Forget the draft commits of `rows`: their lengths go back to `lengths` [b] (what they were
+        before drafting). Draft K/V past those lengths are garbage no read sees: a verification pass
+        overwrites every position a draft wrote (engine/kvcache/exact.py)."""
+        self.lengths[rows] = lengths
 
     def copy_row(self, src: int, dst: int) -> None:
         """Row dst starts as a copy of row src (prefill a shared prefix once, then copy it)."""
@@ -378,6 +393,7 @@ class KVCache(Cache):
                  "host_bytes": self.host_bytes(), "full_fp16_bytes": self.full_fp16_bytes()}
         stats["device_vs_full_fp16"] = round(stats["device_bytes"] / max(stats["full_fp16_bytes"], 1), 4)
         stats.update(self.layers[0].run_stats(self.layers))
+        stats.update(self.decode_stats)
         return stats
 
     def allocated_device_bytes(self) -> int:

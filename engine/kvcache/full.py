@@ -22,11 +22,24 @@ from engine.kvcache.sizes import layer_kv_bytes_per_token
 from engine.kvcache.transfer import Transfer
 
 
+def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, step: Step,
+                    shape: ModelShape) -> torch.Tensor:
+    """Exact causal attention of the step's new tokens' queries q [b, H, T, D] over each row's
+    exact K/V keys/values [b, H_kv, max(start) + T, D] (positions past a row's own are masked)
+    -> [b, T, H, D]. The full cache's attention; exact mode's verification pass reuses it."""
+    length = keys.shape[2]
+    qg = grouped_query(q, shape.kv_heads)
+    mask = step.shared_value(("causal", shape.group, length, q.dtype),
+                             lambda: additive_mask(causal_mask(step, shape.group, length), q.dtype))
+    out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
+    return ungroup_output(out, shape.heads, step.n_new)
+
+
 @register("full")
 class FullLayer:
     """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
 
-    quantizes, fetches, plan_mode = False, False, "full"
+    quantizes, fetches, verifies, plan_mode = False, False, False, "full"
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
@@ -55,13 +68,8 @@ class FullLayer:
                                           self.v[r, :, s : s + t], scaling)
             return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         length = max(step.starts) + step.n_new
-        keys = self.k[step.rows, :, :length]
-        values = self.v[step.rows, :, :length]
-        qg = grouped_query(q, self.shape.kv_heads)
-        mask = step.shared_value(("causal", self.shape.group, length, q.dtype),
-                                 lambda: additive_mask(causal_mask(step, self.shape.group, length), q.dtype))
-        out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
-        return ungroup_output(out, self.shape.heads, step.n_new)
+        return exact_attention(q, self.k[step.rows, :, :length], self.v[step.rows, :, :length], scaling, step,
+                               self.shape)
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Make row dst hold row src's first `length` tokens (a shared document prefix)."""

@@ -49,7 +49,7 @@ class GuidedLayer:
     that fixes how many positions it fetches (topk), whether it keeps a guide and an exact host store,
     and its window (engine/kvcache/specache.py, kivi.py, window.py)."""
 
-    quantizes, fetches = True, False
+    quantizes, fetches, verifies = True, False, False
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:

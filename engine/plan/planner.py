@@ -1,6 +1,6 @@
 """Memory and throughput planner: from a hardware profile, a model profile and a context length to
 the largest batch, the fetch size k and a roofline estimate of a decode step, for the full cache,
-KIVI (guide + residual window only) and SpeCache. Every formula and constant is explained in
+KIVI (guide + residual window only), SpeCache and exact mode (SpeCache drafts, the exact store verifies). Every formula and constant is explained in
 docs/planner.md; each formula is a small pure function here so it can be tested alone.
 
 Public entry points:
@@ -55,8 +55,11 @@ SCORE_COPIES = 4  # score-sized buffers alive at once: scores, joined with the r
 PAST_VIEWS = 2  # prefill of a guided layer: past exact K/V copied from the host store, then joined with the residual
 LOGIT_UPCAST_BYTES = 4  # the reference baseline's fp32 copy of the logits
 DEFAULT_PREFILL_CHUNK = 512  # engine.config.CacheConfig.chunk_size
+EXACT_ACCEPTANCE = 0.9  # exact mode: share of draft tokens the exact pass accepts (measured, docs/planner.md)
+EXACT_GAMMA_MAX = 16  # exact mode: most draft tokens per verification (engine.config.GAMMA_MAX)
+VERIFY_BUFFERS = 2  # exact mode on a GPU: one layer's exact K/V attended while the next layer's is copied in
 
-MODES = ("full", "kivi", "specache")
+MODES = ("full", "kivi", "specache", "exact")
 REFERENCES = ("engine", "paper")
 
 
@@ -201,6 +204,10 @@ class ModePlan:
     tokens_per_second: float
     predicted_speedup_vs_full: float | None
     k_max_hidden: int | None  # largest k whose prefetch still hides behind the step (specache)
+    gamma: int | None = None  # exact: the draft tokens per verification that maximise tokens/s
+    acceptance: float | None = None  # exact: the acceptance the prediction assumes
+    verify_seconds: float | None = None  # exact: one verification (the slower of its compute and its copy)
+    draft_seconds: float | None = None  # exact: one draft step
 
     @property
     def fits(self) -> bool:
@@ -337,15 +344,58 @@ def _sizing(mode: str, hw: HardwareProfile, m: ModelProfile, context: int, bits:
                  "residual_window": residual_slots(residual, group, chunk) * kvb, "sinks": sink_slots(sinks) * kvb}
     queries, read = 1, state["guide"] + (tail + min(sinks, context)) * kvb
     host = 0
-    if mode == "specache":
+    if mode in ("specache", "exact"):
         state["fetch_buffers"] = fetch_buffer_bytes(m, k, eb, PAPER_FETCH_BUFFERS if paper else FETCH_BUFFERS)
         queries, read, host = SPECULATIVE_TOKENS, read + k * kvb, context * kvb
         if hw.unified_memory:
             state["host_store"] = host
+    if mode == "exact":  # drafts feed one token; a verification streams every layer's exact K/V through
+        queries = 1
+        if hw.kind == "cuda" and not hw.unified_memory:
+            state["verify_buffers"] = verify_buffer_bytes(m, context, eb)
     prefill = prefill_activation_bytes(m, min(chunk, context), eb, past_tokens=context, past_views=PAST_VIEWS,
                                        mask=True)
     return _Sizing(state, decode_working_set_bytes(m, context, queries, eb, guided=True),
                    prefill, reference == "paper", host, read, queries)
+
+
+def verify_buffer_bytes(model: ModelProfile, context: int, element_bytes: int = 2) -> int:
+    """Exact mode on a GPU: device buffers for one verification's exact K/V, per sequence: one
+    layer's K and V of the whole context, VERIFY_BUFFERS times (the next layer's is copied in while
+    this one is attended)."""
+    return VERIFY_BUFFERS * context * kv_bytes_per_token(model, element_bytes) // model.layers
+
+
+def expected_tokens(acceptance: float, gamma: int) -> float:
+    """Tokens per row per verification when each draft token is accepted with probability a (the
+    accepted run is geometric, cut at gamma) plus the exact token: (1 - a^(gamma+1)) / (1 - a)."""
+    if acceptance >= 1:
+        return gamma + 1.0
+    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+
+
+def exact_cycle(hw: HardwareProfile, m: ModelProfile, s: _Sizing, batch: int, k: int, context: int, eb: int,
+                acceptance: float = EXACT_ACCEPTANCE) -> tuple[int, int, float, float, float]:
+    """Exact mode at this batch: (gamma, transfer bytes per verification, draft step seconds,
+    verify seconds, seconds per output token of a row) for the gamma in 1..16 that maximises
+    tokens/s. A draft step is a SpeCache step of one token whose own fetch (k rows per layer and
+    KV head) is not hidden; a verification feeds gamma + 1 tokens and reads every exact K/V:
+    copied over PCIe (contiguous pinned rows, h2d_gbps) on a GPU, read in place on a CPU or a
+    unified-memory device (its read is in the compute roofline)."""
+    kvb = kv_bytes_per_token(m, eb)
+    fetch, fetch_s, draft_compute = _step(hw, m, s, batch, k, context, eb)
+    draft_s = draft_compute + fetch_s
+    streamed = hw.kind == "cuda" and not hw.unified_memory
+    transfer = batch * context * kvb if streamed else 0
+    copy_s = transfer / (hw.h2d_gbps * 1e9) if streamed else 0.0
+
+    def verify_s(gamma: int) -> float:
+        return max(decode_step_seconds(hw, m, batch, gamma + 1, context * kvb, context, eb), copy_s)
+
+    best = max(range(1, EXACT_GAMMA_MAX + 1),
+               key=lambda g: expected_tokens(acceptance, g) / (g * draft_s + verify_s(g)))
+    per_token = (best * draft_s + verify_s(best)) / expected_tokens(acceptance, best)
+    return best, transfer, draft_s, verify_s(best), per_token
 
 
 def _max_batch(s: _Sizing, available: int) -> tuple[int, int]:
@@ -448,7 +498,7 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
         host_ram_bytes = None  # the exact store lives in the same RAM: counted on the device side
     modes = []
     for name in MODES:
-        mode_k = k if name == "specache" else 0
+        mode_k = k if name in ("specache", "exact") else 0
         s = _sizing(name, hardware, model, context, bits, group, residual, sinks, mode_k, reference,
                     prefill_chunk, eb)
         modes.append(_plan_mode(name, hardware, model, s, available, context, mode_k, bits, group, eb,
@@ -477,6 +527,13 @@ def _plan_mode(name: str, hw: HardwareProfile, m: ModelProfile, s: _Sizing, avai
     at = max(batch, 1)
     transfer, transfer_s, compute_s = _step(hw, m, s, at, k, context, eb)
     step_s = max(compute_s, transfer_s)
+    exact = {}
+    if name == "exact":  # per output token of a row; the transfer is one verification's
+        gamma, transfer, draft_s, verify_s, step_s = exact_cycle(hw, m, s, at, k, context, eb)
+        transfer_s = transfer / (hw.h2d_gbps * 1e9) if transfer else 0.0
+        compute_s = step_s
+        exact = {"gamma": gamma, "acceptance": EXACT_ACCEPTANCE, "verify_seconds": verify_s,
+                 "draft_seconds": draft_s}
     breakdown = dict(s.state)
     breakdown["decode_working_set"] = s.decode_working_set
     shared = {"weights": weight_bytes(m, eb)}
@@ -493,7 +550,7 @@ def _plan_mode(name: str, hw: HardwareProfile, m: ModelProfile, s: _Sizing, avai
         transfer_seconds_per_step=transfer_s, compute_seconds_per_step=compute_s, step_seconds=step_s,
         prefetch_hidden=transfer_s <= compute_s, tokens_per_second=batch / step_s,
         predicted_speedup_vs_full=None,
-        k_max_hidden=max_hidden_k(hw, m, s, at, k, context, eb) if name == "specache" else None)
+        k_max_hidden=max_hidden_k(hw, m, s, at, k, context, eb) if name == "specache" else None, **exact)
 
 
 def _mode_notes(modes: list[ModePlan], available: int, m: ModelProfile, eb: int) -> list[str]:
