@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from engine.docstore.store import KVStore, check_folder, max_bytes_from
+from engine.docstore.store import DocStore, check_folder, max_bytes_from
 from engine.errors import BadArgument, InputNotFound
 from specache_cli.console import err_console, guarded, print_warning
 from specache_cli.render import emit_json
@@ -27,11 +27,11 @@ def _note(message: str) -> None:
     err_console.print(message, highlight=False, soft_wrap=True, markup=False)
 
 
-def _store(cache_max_gb: Optional[float] = None) -> KVStore:
+def _store(cache_max_gb: Optional[float] = None) -> DocStore:
     """The store as every command opens it: the cap applied, debris of killed writes swept,
     anything in the folder that is not an entry reported on stderr and skipped."""
     try:
-        store = KVStore(max_bytes=max_bytes_from(cache_max_gb), warn=print_warning, note=_note)
+        store = DocStore(max_bytes=max_bytes_from(cache_max_gb), warn=print_warning, note=_note)
     except ValueError as exc:
         raise BadArgument(f"--cache-max-gb: {exc}") from None
     check_folder(store.root)

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from engine.config import CacheConfig
-from engine.docstore.store import KVStore, check_folder, max_bytes_from
+from engine.docstore.store import DocStore, check_folder, max_bytes_from
 from engine.errors import (
     BadArgument,
     BatchFailures,
@@ -183,11 +183,11 @@ class Session:
             self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
         return self._runner
 
-    def store(self) -> KVStore | None:
+    def store(self) -> DocStore | None:
         """The persistent document store, unless --no-store; opening it applies its cap."""
         if self.cache_opts.no_store:
             return None
-        store = KVStore(max_bytes=self.store_max_bytes, warn=print_warning, note=self.status)
+        store = DocStore(max_bytes=self.store_max_bytes, warn=print_warning, note=self.status)
         store.tidy()
         return store
 

@@ -514,9 +514,9 @@ def test_usage_errors_are_one_line(world):
 # ---- the store: cap on every open, debris swept, strays skipped ---------------------------------------
 
 def fill_store(root: Path, n: int, size: int = 250_000) -> list[str]:
-    from engine.docstore.store import KVStore, make_key
+    from engine.docstore.store import DocStore, make_key
 
-    store = KVStore(root)
+    store = DocStore(root)
     keys = []
     for i in range(n):
         ids = [i + 1] * 10

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore import store as S
-from engine.docstore.store import KVStore, make_key
+from engine.docstore.store import DocStore, make_key
 from engine.generate.engine import Engine, Finished, Progress
-from engine.generate.prefixes import StoreUse, store_settings
+from engine.generate.prefixes import DocStoreUse, store_settings
 from engine.kvcache import make_cache
 
 ROOT = Path(__file__).parent.parent
@@ -52,7 +52,7 @@ def tensors_for_test(n: int = 3000) -> dict[str, torch.Tensor]:
 def test_roundtrip_is_standard_safetensors(tmp_path):
     from safetensors.torch import load_file
 
-    store = KVStore(tmp_path / "kv")
+    store = DocStore(tmp_path / "kv")
     ids, tensors = list(range(40)), tensors_for_test()
     key = make_key({"model": "m"}, ids)
     size = store.save(key, ids, tensors, {"label": "doc.pdf"})
@@ -78,7 +78,7 @@ def test_key_depends_on_settings_and_tokens():
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty"])
 def test_bad_entry_is_reported_deleted_and_missed(tmp_path, damage):
     warn = Warnings()
-    store = KVStore(tmp_path / "kv", warn=warn)
+    store = DocStore(tmp_path / "kv", warn=warn)
     ids, tensors = list(range(40)), tensors_for_test()
     key = make_key({"model": "m"}, ids)
     store.save(key, ids, tensors)
@@ -103,7 +103,7 @@ def test_bad_entry_is_reported_deleted_and_missed(tmp_path, damage):
 
 def test_stored_ids_are_verified(tmp_path):
     warn = Warnings()
-    store = KVStore(tmp_path / "kv", warn=warn)
+    store = DocStore(tmp_path / "kv", warn=warn)
     ids = list(range(40))
     key = make_key({"model": "m"}, ids)
     store.save(key, ids, tensors_for_test())
@@ -112,7 +112,7 @@ def test_stored_ids_are_verified(tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
-    store = KVStore(tmp_path / "kv")
+    store = DocStore(tmp_path / "kv")
     ids = list(range(40))
     key = make_key({"model": "m"}, ids)
     real_write = S.write
@@ -140,7 +140,7 @@ from pathlib import Path
 import engine.docstore.store as S
 real = S.write
 S.write = lambda path, tensors, meta, on_piece=None: real(path, tensors, meta, on_piece=lambda: time.sleep(0.02))
-store = S.KVStore(Path(sys.argv[1]))
+store = S.DocStore(Path(sys.argv[1]))
 ids = list(range(40))
 store.save(S.make_key({"model": "m"}, ids), ids, {"x": torch.randn(400, 16, 1024)[:, :, :512]})
 print("finished", flush=True)
@@ -165,7 +165,7 @@ def test_killed_writer_leaves_no_valid_looking_entry(tmp_path, sig):
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
     assert "finished" not in out
-    store = KVStore(root)
+    store = DocStore(root)
     ids = list(range(40))
     key = make_key({"model": "m"}, ids)
     assert store.entries() == [] and store.load(key, ids) is None
@@ -180,10 +180,10 @@ def test_killed_writer_leaves_no_valid_looking_entry(tmp_path, sig):
 CONCURRENT_WRITER = r"""
 import os, sys, time, torch
 from pathlib import Path
-from engine.docstore.store import KVStore
+from engine.docstore.store import DocStore
 root, go, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 bad = []
-store = KVStore(root, warn=bad.append)
+store = DocStore(root, warn=bad.append)
 ids = list(range(300))
 key = "0123456789abcdef0123456789abcdef"
 x = torch.arange(600_000, dtype=torch.float32).reshape(3, 200_000)[:, :150_000]
@@ -214,7 +214,7 @@ def test_two_processes_writing_the_same_entry(tmp_path):
         _, hits, bad = out.split()
         assert int(bad) == 0, "a reader saw a corrupt entry"
         assert int(hits) > 0
-    store = KVStore(root)
+    store = DocStore(root)
     assert store.part_files() == []
     key = "0123456789abcdef0123456789abcdef"
     if store.path(key).exists():
@@ -224,7 +224,7 @@ def test_two_processes_writing_the_same_entry(tmp_path):
 def test_lru_eviction_under_the_cap(tmp_path):
     notes = Warnings()
     tensors = {"x": torch.randn(250_000)}  # ~1 MB per entry
-    store = KVStore(tmp_path / "kv", max_bytes=int(2.5e6), note=notes)
+    store = DocStore(tmp_path / "kv", max_bytes=int(2.5e6), note=notes)
     keys = {}
     for name in "abc":
         ids = [ord(name)] * 10
@@ -239,7 +239,7 @@ def test_lru_eviction_under_the_cap(tmp_path):
     assert store.total_bytes() <= store.max_bytes
     assert notes and "evicted 1" in notes[0]
     warn = Warnings()
-    small = KVStore(tmp_path / "kv", max_bytes=500_000, warn=warn)
+    small = DocStore(tmp_path / "kv", max_bytes=500_000, warn=warn)
     assert small.save(make_key({"model": "m"}, [1]), [1], tensors) is None  # bigger than the cap: not kept
     assert warn and "cap" in warn[0]
 
@@ -276,7 +276,7 @@ def test_hit_gives_the_same_greedy_output_as_a_miss(tiny_model, tmp_path, mode):
     doc, questions = prompt_ids(300, 5), [prompt_ids(n, 6 + n) for n in (9, 14)]
     config = CacheConfig(mode=mode, k=16, group=32, residual=16, chunk_size=64)
     gen = GenerationConfig(max_tokens=16)
-    use = StoreUse(KVStore(tmp_path / "kv"), "tiny")
+    use = DocStoreUse(DocStore(tmp_path / "kv"), "tiny")
     plain, _ = finish(list(Engine(tiny_model, config).generate([doc + questions[0]], gen, prefixes=[300])))
     miss, total_miss = finish(list(Engine(tiny_model, config, use).generate([doc + questions[0]], gen, prefixes=[300],
                                                                          labels=["doc"])))
@@ -313,7 +313,7 @@ def test_export_import_reproduces_the_row_state(tiny_model):
 
 def test_an_entry_that_does_not_fit_the_cache_is_never_used(tiny_model, tmp_path):
     warn = Warnings()
-    use = StoreUse(KVStore(tmp_path / "kv", warn=warn), "tiny")
+    use = DocStoreUse(DocStore(tmp_path / "kv", warn=warn), "tiny")
     doc, q = prompt_ids(200, 3), prompt_ids(8, 4)
     full = CacheConfig(mode="full", chunk_size=64)
     gen = GenerationConfig(max_tokens=10)
@@ -335,7 +335,7 @@ def test_an_entry_that_does_not_fit_the_cache_is_never_used(tiny_model, tmp_path
 
 def test_corrupt_entry_is_rebuilt_by_the_next_run(tiny_model, tmp_path):
     warn = Warnings()
-    use = StoreUse(KVStore(tmp_path / "kv", warn=warn), "tiny")
+    use = DocStoreUse(DocStore(tmp_path / "kv", warn=warn), "tiny")
     doc, q = prompt_ids(250, 7), prompt_ids(6, 8)
     config = CacheConfig(mode="specache", k=16, group=32, residual=16, chunk_size=64)
     gen = GenerationConfig(max_tokens=10)
@@ -481,7 +481,7 @@ def test_real_model_second_ask_loads_the_document(embedded_dir, own_cache_dir):
 
 # ---- a hostile store folder (issue 16) ---------------------------------------------------------
 
-def _three_entries(store: KVStore) -> list[str]:
+def _three_entries(store: DocStore) -> list[str]:
     keys = []
     for i in range(3):
         ids = [i + 1] * 10
@@ -493,18 +493,18 @@ def _three_entries(store: KVStore) -> list[str]:
 
 
 def test_the_cap_applies_on_open_not_only_on_save(tmp_path):
-    keys = _three_entries(KVStore(tmp_path / "kv"))
+    keys = _three_entries(DocStore(tmp_path / "kv"))
     notes = Warnings()
-    store = KVStore(tmp_path / "kv", max_bytes=int(2.1e6), note=notes)
+    store = DocStore(tmp_path / "kv", max_bytes=int(2.1e6), note=notes)
     evicted = store.tidy()
     assert [e.key for e in evicted] == keys[:1] and [e.key for e in store.entries()] == keys[1:]
     assert store.total_bytes() <= store.max_bytes and "evicted 1" in notes[0]
-    assert KVStore(tmp_path / "kv").tidy() == []  # no cap given: nothing evicted
+    assert DocStore(tmp_path / "kv").tidy() == []  # no cap given: nothing evicted
 
 
 def test_strays_in_the_folder_are_reported_and_never_touched(tmp_path):
     root = tmp_path / "kv"
-    keys = _three_entries(KVStore(root))
+    keys = _three_entries(DocStore(root))
     (root / ("a" * 32 + S.SUFFIX)).mkdir()  # a folder named like an entry
     (root / "notes.txt").write_text("mine")
     target = tmp_path / "precious.bin"
@@ -512,7 +512,7 @@ def test_strays_in_the_folder_are_reported_and_never_touched(tmp_path):
     (root / ("b" * 32 + S.SUFFIX)).symlink_to(target)
     (root / ("NOTAKEY" + S.SUFFIX)).write_bytes(b"junk")
     warn = Warnings()
-    store = KVStore(root, warn=warn)
+    store = DocStore(root, warn=warn)
     store.tidy()
     assert len(warn) == 1 and "ignoring 4 item(s)" in warn[0]
     assert sorted(e.key for e in store.entries()) == sorted(keys)
@@ -531,7 +531,7 @@ def test_debris_of_a_dead_writer_is_swept_on_open(tmp_path):
     part.write_bytes(bytes(1000))
     live = root / f"{S.PART_PREFIX}{'d' * 32}-{os.getpid()}-00ff00ff"  # a writer still alive: kept
     live.write_bytes(bytes(500))
-    store = KVStore(root)
+    store = DocStore(root)
     assert store.part_bytes() == 1500
     store.tidy()
     assert store.part_files() == [live] and store.part_bytes() == 500

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.docstore.store import KVStore
+from engine.docstore.store import DocStore
 from engine.generate.engine import Engine, Finished, Tokens
-from engine.generate.prefixes import StoreUse
+from engine.generate.prefixes import DocStoreUse
 from engine.inputs import prompts as P
 from engine.kvcache.base import ModelShape
 from engine.kvcache.sizes import kv_bytes_per_token
@@ -27,7 +27,7 @@ def first_token_seconds(lm, cache, gen, text: str, question: str, store) -> tupl
 
     t0 = time.perf_counter()
     prompt = P.build_prompt(lm.tokenizer, text, P.ASK.format(question=question))
-    use = StoreUse(store, lm.fingerprint, model_name=lm.name) if store is not None else None
+    use = DocStoreUse(store, lm.fingerprint, model_name=lm.name) if store is not None else None
     first = None
     for event in Engine(lm.model, cache, use).generate([prompt.ids], gen, prefixes=[len(prompt.prefix)],
                                                         labels=["bench"]):
@@ -56,7 +56,7 @@ def run_store_bench(lm, doc, modes: list[str], max_tokens: int = 8) -> dict:
         cache = CacheConfig(mode=mode, **model_defaults(lm))
         gen = GenerationConfig(max_tokens=max_tokens, stop_ids=P.stop_ids(lm.tokenizer))
         with tempfile.TemporaryDirectory(prefix="specache-bench-store-") as tmp:
-            store = KVStore(Path(tmp) / "kv")
+            store = DocStore(Path(tmp) / "kv")
             cold, cold_fin = first_token_seconds(lm, cache, gen, doc.text, questions[1], None)
             miss, miss_fin = first_token_seconds(lm, cache, gen, doc.text, questions[0], store)
             hits = [first_token_seconds(lm, cache, gen, doc.text, q, store) for q in questions[1:]]

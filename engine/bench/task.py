@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 from engine.bench.common import EXAMPLES, BenchProgress, BenchResult, ModeSpec, envelope, mean
 from engine.bench.needle import run_needle
 from engine.config import GenerationConfig
-from engine.docstore.store import KVStore
+from engine.docstore.store import DocStore
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
 from engine.jobs.pipeline import Result, Runner, ask_many, summarize
@@ -181,7 +181,7 @@ def run_task(lm, modes: Sequence[ModeSpec], decodings: Sequence[Decoding], quest
     total = len(decodings) * len(modes) * (len(by_doc) + len(summary_docs) + 1)
     done = 0
     with tempfile.TemporaryDirectory(prefix="specache-task-") as store_dir:
-        store = KVStore(Path(store_dir), max_bytes=None)
+        store = DocStore(Path(store_dir), max_bytes=None)
         for dec in decodings:
             needle_acc = yield from _needle(lm, needle_texts, modes, needle_lengths, needle_depths, needles, dec)
             done += len(modes)

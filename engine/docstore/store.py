@@ -135,7 +135,7 @@ class Loaded:
     bytes: int
 
 
-class KVStore:
+class DocStore:
     """Entries on disk under `root` (see the module docstring)."""
 
     def __init__(self, root: Path | None = None, max_bytes: int | None = None,

@@ -16,7 +16,7 @@ import torch
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import make_key
-from engine.generate.prefixes import StoreUse, load_row, prefix_layout, save_row, store_settings
+from engine.generate.prefixes import DocStoreUse, load_row, prefix_layout, save_row, store_settings
 from engine.generate.sampling import Sampler
 from engine.generate.steps import Picker, decode_headroom, decoder_for, forward, prefill
 from engine.kvcache import KVCache, make_cache
@@ -59,7 +59,7 @@ class Engine:
     """A model (any transformers causal LM prepared by engine.model.loading.prepare_model) with one
     cache configuration. store: the persistent document store for document prefixes (or None)."""
 
-    def __init__(self, model: torch.nn.Module, config: CacheConfig, store: StoreUse | None = None):
+    def __init__(self, model: torch.nn.Module, config: CacheConfig, store: DocStoreUse | None = None):
         self.model, self.config, self.store = model, config, store
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device

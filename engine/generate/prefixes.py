@@ -7,18 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.docstore.store import KVStore
+from engine.docstore.store import DocStore
 from engine.kvcache import KVCache
 
 
 @dataclass
-class StoreUse:
+class DocStoreUse:
     """A persistent document store (engine.docstore.store) for the prompts' document prefixes.
 
     model_id: the model's fingerprint (engine.model.loading.LoadedModel.fingerprint); with the model's
     dtype and the cache settings that change the KV it keys the entries."""
 
-    store: KVStore
+    store: DocStore
     model_id: str
     model_name: str = ""
 
@@ -55,7 +55,7 @@ def store_settings(cache: KVCache, dtype: torch.dtype, model_id: str, prefill_dt
     return settings
 
 
-def load_row(store: StoreUse, cache: KVCache, row: int, key: str, ids: list[int]) -> dict | None:
+def load_row(store: DocStoreUse, cache: KVCache, row: int, key: str, ids: list[int]) -> dict | None:
     """Fill a row from the store; its info dict (hit, key, bytes, seconds), or None on a miss."""
     t = time.perf_counter()
     entry = store.store.load(key, ids)
@@ -69,7 +69,7 @@ def load_row(store: StoreUse, cache: KVCache, row: int, key: str, ids: list[int]
     return {"hit": True, "key": key, "bytes": entry.bytes, "seconds": time.perf_counter() - t}
 
 
-def save_row(store: StoreUse, cache: KVCache, row: int, key: str, ids: list[int], settings: dict,
+def save_row(store: DocStoreUse, cache: KVCache, row: int, key: str, ids: list[int], settings: dict,
              label: str = "") -> int | None:
     """Save a row's state after its prefix into the store (label: what `specache cache ls` shows for
     it, the document); a failing write is reported, not fatal."""

@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 from engine.config import CacheConfig, GenerationConfig
-from engine.docstore.store import KVStore
+from engine.docstore.store import DocStore
 from engine.errors import DocumentTooLong, EmptyDocument, SpecacheError
 from engine.generate.engine import Engine, Finished, Progress, Tokens
-from engine.generate.prefixes import StoreUse
+from engine.generate.prefixes import DocStoreUse
 from engine.inputs import prompts as P
 from engine.kvcache import POLICIES
 from engine.model.loading import LoadedModel
@@ -143,10 +143,10 @@ class Runner:
     strategy: str = "auto"
     batch: int | None = None  # rows decoded together; None: ask the memory planner
     plan: dict = field(default_factory=dict)  # what the planner chose, for --json
-    store: KVStore | None = None  # the persistent document store (engine.docstore.store); None: --no-store
+    store: DocStore | None = None  # the persistent document store (engine.docstore.store); None: --no-store
 
     def __post_init__(self) -> None:
-        use = StoreUse(self.store, self.lm.fingerprint, self.lm.name) if self.store is not None else None
+        use = DocStoreUse(self.store, self.lm.fingerprint, self.lm.name) if self.store is not None else None
         self.engine = Engine(self.lm.model, self.cache, use)  # runs every model call of the jobs
 
     def batch_size(self, rows: int, context: int) -> int:
