@@ -134,7 +134,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     import engine
     from engine.config import CacheConfig
-    from engine.generate.engine import prefill
+    try:
+        from engine.generate.steps import prefill
+    except ImportError:  # an older tree (--tree): prefill lived in engine.generate.engine
+        from engine.generate.engine import prefill
     from engine.inputs import prompts as P
     from engine.inputs.documents import load_document
     from engine.kvcache import make_cache

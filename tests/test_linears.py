@@ -12,6 +12,7 @@ from engine.model.linears import (
     native_linear,
     pack_weight,
     packed_linear,
+    prefill_pass,
     use_skinny_linears,
 )
 
@@ -115,14 +116,17 @@ def test_prefill_linears_in_bf16_only_for_many_rows_and_only_when_asked():
         want_many, want_few = model(x_many), model(x_few)
         use_skinny_linears(model, torch.bfloat16)
         assert model[0].prefill_dtype == torch.bfloat16
-        got = model(x_many)
+        torch.testing.assert_close(model(x_many), want_many, rtol=1e-5, atol=1e-5)  # not a prefill pass: exact
+        with prefill_pass():
+            got = model(x_many)
         assert got.dtype == torch.float32 and model[0]._prefill_weight.dtype == torch.bfloat16
         assert not torch.equal(got, want_many)  # really computed in bf16
         torch.testing.assert_close(got, want_many, rtol=3e-2, atol=3e-2)
         torch.testing.assert_close(model(x_few), want_few, rtol=1e-5, atol=1e-5)  # decode rows: exact path
         use_skinny_linears(model)  # back to exact
         assert model[0].prefill_dtype is None
-        torch.testing.assert_close(model(x_many), want_many, rtol=1e-5, atol=1e-5)
+        with prefill_pass():
+            torch.testing.assert_close(model(x_many), want_many, rtol=1e-5, atol=1e-5)
         use_skinny_linears(model.to(torch.bfloat16), torch.bfloat16)  # a bf16 model: nothing to change
         assert model[0].prefill_dtype is None
 

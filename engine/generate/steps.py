@@ -18,6 +18,7 @@ import torch
 from engine.config import GAMMA_MAX, CacheConfig
 from engine.generate.sampling import Sampler
 from engine.kvcache import POLICIES, KVCache
+from engine.model.linears import prefill_pass
 
 
 @torch.inference_mode()
@@ -37,7 +38,8 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
     ids = torch.tensor(prompt, dtype=torch.long, device=device)[None]
     logits = None
     for s in range(0, len(prompt), chunk_size):
-        logits = forward(model, cache, ids[:, s : s + chunk_size], slice(row, row + 1), is_prefill=True)
+        with prefill_pass():  # the chunk's linears may compute in the model's prefill dtype (bf16)
+            logits = forward(model, cache, ids[:, s : s + chunk_size], slice(row, row + 1), is_prefill=True)
         yield min(s + chunk_size, len(prompt))
     yield logits[0, -1]
 

@@ -12,8 +12,11 @@ bf16), a bf16 copy of them through torch's oneDNN GEMM (4-5x the fp32 rate on su
 """
 from __future__ import annotations
 
+import contextvars
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -109,7 +112,7 @@ class SkinnyLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > self.SKINNY_ROWS or not x.is_cpu:
-            if self.prefill_dtype is not None and x.is_cpu and x.dtype != self.prefill_dtype:
+            if self.prefill_dtype is not None and x.is_cpu and x.dtype != self.prefill_dtype and _IN_PREFILL.get():
                 return self.prefill_forward(x)
             return super().forward(x)
         flat = x.reshape(rows, -1)
@@ -130,6 +133,21 @@ class SkinnyLinear(torch.nn.Linear):
             self._prefill_weight = self.weight.detach().to(self.prefill_dtype)
         y = torch.nn.functional.linear(x.to(self.prefill_dtype), self._prefill_weight).to(x.dtype)
         return y + self.bias if self.bias is not None else y
+
+
+# True inside prefill_pass(): a prompt chunk, whose many rows may take the prefill dtype. Context-local,
+# like torch.no_grad(); every other pass (decode steps of large batches, exact mode's verification) stays exact.
+_IN_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("specache_in_prefill", default=False)
+
+
+@contextmanager
+def prefill_pass() -> Iterator[None]:
+    """Within: linears of many rows compute in their prefill_dtype (engine.generate.steps.prefill)."""
+    token = _IN_PREFILL.set(True)
+    try:
+        yield
+    finally:
+        _IN_PREFILL.reset(token)
 
 
 def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
