@@ -27,10 +27,10 @@ from engine.bench.common import (
     stock_transformers,
     target,
 )
-from engine.bench.speed import _sync, make_prompts
+from engine.bench.speed import make_prompts
 from engine.config import GAMMA_MAX
 from engine.generate.engine import Engine
-from engine.generate.steps import decode_headroom, exact_cycles, greedy
+from engine.generate.steps import decode_headroom, exact_cycles, greedy, sync
 
 TARGET_VS_FULL = 1.5
 TARGET_VS_HF = 2.5
@@ -107,12 +107,12 @@ def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Seque
         times: dict[str, list[float]] = {label: [] for label in steppers}
         for r in range(repeats):
             for label, it in steppers.items():
-                _sync(dev)
+                sync(dev)
                 t = time.perf_counter()
                 tokens = 0.0
                 for _ in range(burst):
                     tokens += next(it)
-                _sync(dev)
+                sync(dev)
                 times[label].append((time.perf_counter() - t) / tokens * 1000)  # ms per token of a row
             done += 1
             yield BenchProgress(f"decode batch {batch}: round {r + 1}/{repeats}", done, total)

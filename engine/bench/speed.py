@@ -43,7 +43,7 @@ from engine.bench.common import (
 from engine.config import CacheConfig
 from engine.errors import BadArgument, SpecacheError
 from engine.generate.engine import Engine
-from engine.generate.steps import greedy
+from engine.generate.steps import greedy, sync
 from engine.model.loading import load_model
 
 PROGRESS = "@progress "
@@ -66,11 +66,6 @@ def make_prompts(corpus: list[int], length: int, batch: int) -> list[list[int]]:
     return [ids[b * stride: b * stride + length] for b in range(batch)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 @torch.inference_mode()
 def time_engine(model, config, prompts: list[list[int]], steps: int) -> dict:
     """Prefill seconds and the duration of each decode step (the engine's own step loop)."""
@@ -83,13 +78,13 @@ def time_engine(model, config, prompts: list[list[int]], steps: int) -> dict:
     for row, prompt in enumerate(prompts):
         *_, last = engine.prefill(cache, prompt, row)
         lasts.append(last)
-    _sync(dev)
+    sync(dev)
     prefill_s = time.perf_counter() - t0
     times: list[float] = []
     loop = engine.steps(cache, torch.stack(lasts), greedy, history=prompts)
     t = time.perf_counter()
     for i, _ in enumerate(loop):  # item 0 comes from the prefill logits: no model call
-        _sync(dev)
+        sync(dev)
         now = time.perf_counter()
         if i:
             times.append(now - t)
@@ -111,7 +106,7 @@ class _Stamps:
         self.device = device
 
     def __call__(self, input_ids, scores, **kwargs):
-        _sync(self.device)
+        sync(self.device)
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 

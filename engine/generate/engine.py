@@ -18,7 +18,7 @@ from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import make_key
 from engine.generate.prefixes import DocStoreUse, load_row, prefix_layout, save_row, store_settings
 from engine.generate.sampling import Sampler
-from engine.generate.steps import Picker, decode_headroom, decoder_for, forward, prefill
+from engine.generate.steps import Picker, decode_headroom, decoder_for, prefill, sync
 from engine.kvcache import KVCache, make_cache
 
 
@@ -69,10 +69,6 @@ class Engine:
         """An empty cache of this engine's mode for `batch` rows of up to `max_len` tokens (close it after)."""
         return make_cache(self.model.config, self.config, batch, max_len, self.dtype, self.device)
 
-    def forward(self, cache: KVCache, ids: torch.Tensor, rows: slice, **kwargs) -> torch.Tensor:
-        """One pass of ids [b, T] over the cache rows (engine.generate.steps.forward). -> logits [b, n, V]"""
-        return forward(self.model, cache, ids, rows, **kwargs)
-
     def prefill(self, cache: KVCache, prompt: list[int], row: int) -> Iterator[int | torch.Tensor]:
         """Feed one row's prompt in chunks; yields tokens done after each chunk, then the last logits [V]."""
         return prefill(self.model, cache, prompt, row, self.config.chunk_size)
@@ -84,10 +80,6 @@ class Engine:
         list of rows it no longer needs (exact mode stops committing tokens for them)."""
         extra = {"finished": finished} if self.config.mode == "exact" else {}
         return decoder_for(self.config)(self.model, cache, logits, pick, history=history, **extra)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
 
     # ---- a whole batch --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, shared_prefix: int = 0,
@@ -102,10 +94,10 @@ class Engine:
         with self.new_cache(len(prompts), max_len) as cache:
             t0 = time.perf_counter()
             infos, writing, last = yield from self.fill(cache, prompts, shared_prefix, prefixes, labels)
-            self.sync()
+            sync(self.device)
             t1 = time.perf_counter()
             outputs, steps = yield from self.decode(cache, torch.stack(last), gen, prompts)
-            self.sync()
+            sync(self.device)
             t2 = time.perf_counter()
             # prefill_seconds: loading stored prefixes counts, writing new ones does not (it is in infos)
             yield Finished(outputs, [len(p) for p in prompts], t1 - t0 - writing, t2 - t1, steps, cache.stats(),

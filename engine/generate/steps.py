@@ -23,12 +23,16 @@ from engine.model.linears import prefill_pass
 
 @torch.inference_mode()
 def forward(model, cache: KVCache, ids: torch.Tensor, rows: slice, keep: int | None = None,
-            select: int | None = None, logits_to_keep: int = 1, is_prefill: bool = False) -> torch.Tensor:
-    """Run ids [b, T] through the model against the cache rows; commit `keep` tokens. -> logits [b, n, V]."""
-    step = cache.begin(rows, ids.shape[1], keep, select, is_prefill)
+            select: int | None = None, logits_to_keep: int = 1, is_prefill: bool = False, exact: bool = False,
+            draft: bool = False, commit: bool = True) -> torch.Tensor:
+    """Run ids [b, T] through the model against the cache rows; commit `keep` tokens (draft: a draft
+    commit, KVCache.commit; commit=False: the caller commits, e.g. per row after a verification).
+    -> logits [b, n, V]."""
+    step = cache.begin(rows, ids.shape[1], keep, select, is_prefill, exact)
     out = model(input_ids=ids, position_ids=step.positions(), cache=cache, use_cache=True,
                 kv_cache=cache, logits_to_keep=logits_to_keep)
-    cache.commit()
+    if commit:
+        cache.commit(draft=draft)
     return out.logits
 
 
@@ -214,15 +218,10 @@ class GammaChooser:
         entry[0], entry[1] = entry[0] + 1.0, entry[1] + verify_s
 
 
-@torch.inference_mode()
 def draft_logits(model, cache: KVCache, ids: torch.Tensor, rows: slice) -> torch.Tensor:
     """One draft pass: ids [b, 1] through the guided attention, committed as a draft (the lengths
     move, nothing is quantized). -> next-token logits [b, V]"""
-    step = cache.begin(rows, 1)
-    out = model(input_ids=ids, position_ids=step.positions(), cache=cache, use_cache=True, kv_cache=cache,
-                logits_to_keep=1)
-    cache.commit(draft=True)
-    return out.logits[:, -1]
+    return forward(model, cache, ids, rows, draft=True)[:, -1]
 
 
 def _draft(model, cache: KVCache, t0: torch.Tensor, gamma: int, hist: list[list[int]],
@@ -291,7 +290,8 @@ def _accept(pick: Picker, out: torch.Tensor, drafts: torch.Tensor, q: torch.Tens
     return n_acc, new
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a clock reading means something."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -324,19 +324,17 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
             raise RuntimeError(f"cache overflow: exact mode needs room for one more token of {cache.max_len}")
         gamma = min(chooser.choose(), room)
         committed = cache.lengths[rows].clone()
-        _sync(dev)
+        sync(dev)
         t_start = time.perf_counter()
         drafts, q = _draft(model, cache, t0, gamma, hist, sampler)
         cache.rollback(rows, committed)
-        _sync(dev)
+        sync(dev)
         t_drafted = time.perf_counter()
-        with torch.inference_mode():
-            step = cache.begin(rows, gamma + 1, exact=True)
-            out = model(input_ids=torch.cat([t0[:, None], drafts], 1), position_ids=step.positions(), cache=cache,
-                        use_cache=True, kv_cache=cache, logits_to_keep=gamma + 1).logits  # [B, gamma + 1, V]
+        out = forward(model, cache, torch.cat([t0[:, None], drafts], 1), rows, logits_to_keep=gamma + 1,
+                      exact=True, commit=False)  # [B, gamma + 1, V]; committed per row below
         n_acc, new = _accept(pick, out, drafts, q, hist, active)
         cache.commit(kept=torch.tensor([n + 1 if a else 0 for n, a in zip(n_acc, active)], dtype=torch.long))
-        _sync(dev)
+        sync(dev)
         t_verified = time.perf_counter()
         dl = drafts.tolist()
         emitted = [dl[r][: n_acc[r]] + [new[r]] if active[r] else [] for r in range(cache.batch)]
