@@ -65,14 +65,41 @@ def test_forced_draft_keeps_the_output_exact(tiny_model, reference, monkeypatch,
     assert res.cache_stats["tokens_per_verify"] == (1.0 if wrong else gamma + 1)
 
 
-def test_a_finished_row_stops_while_the_others_go_on(tiny_model, reference):
+def test_a_finished_row_leaves_the_batch_while_the_others_go_on(tiny_model, reference, monkeypatch):
+    """Row 1 of 3 stops early: its slot takes row 2's state (drop_finished) and the passes after it
+    verify 2 rows; the outputs stay the full cache's."""
     ps, refs = reference
     stop = refs[1][5]  # row 1 stops early; the others go on to NEW tokens (or their own stop)
     gen = GenerationConfig(max_tokens=NEW, stop_ids=(stop,))
     full = run(tiny_model, ps, CacheConfig(mode="full", chunk_size=64), gen)
-    exact = run(tiny_model, ps, CacheConfig(mode="exact", gamma=8, chunk_size=64, **TINY), gen)
+    fed = []
+    real = steps.forward
+    monkeypatch.setattr(steps, "forward", lambda model, cache, ids, rows, **kw: (kw.get("exact") and fed.append(
+        ids.shape[0])) or real(model, cache, ids, rows, **kw))  # rows fed to each verification
+    exact = run(tiny_model, ps, CacheConfig(mode="exact", gamma=4, chunk_size=64, **TINY), gen)
     assert exact.tokens == full.tokens
     assert len(full.tokens[1]) < NEW and max(map(len, full.tokens)) == NEW
+    assert fed[0] == 3 and 2 in fed and fed == sorted(fed, reverse=True)  # rows only ever leave
+
+
+def test_drop_finished_moves_live_rows_into_freed_slots(tiny_model):
+    """Slots 0 and 2 of 4 finish: slot 3 moves into slot 0, slot 1 stays; the moved row's whole state
+    is what it was."""
+    ps = prompts_of((40, 50, 60, 70))
+    engine = Engine(tiny_model, CacheConfig(mode="exact", chunk_size=32, **TINY))
+    with engine.new_cache(4, 120) as cache:
+        for r, p in enumerate(ps):
+            list(engine.prefill(cache, p, r))
+        before = [state(cache, r) for r in range(4)]
+        assert steps.drop_finished(cache, [0, 1, 2, 3], None) == [0, 1, 2, 3]
+        assert steps.drop_finished(cache, [0, 1, 2, 3], [False] * 4) == [0, 1, 2, 3]
+        source = steps.drop_finished(cache, [0, 1, 2, 3], [True, False, True, False])
+        assert source == [3, 1]
+        for slot, old in enumerate(source):
+            now = state(cache, slot)
+            assert now.keys() == before[old].keys()
+            assert all(torch.equal(now[n], before[old][n]) for n in now)
+        assert steps.drop_finished(cache, [5, 7], [True] * 8) == []
 
 
 def state(cache, row: int) -> dict[str, torch.Tensor]:
@@ -178,7 +205,7 @@ def test_speculative_sampling_rule_draws_from_the_exact_distribution():
     q = torch.stack([sampler.probs(draft[:, i], hist) for i in range(g)], 1)  # [B, g, V]
     drafts = torch.stack([torch.multinomial(q[:, i], 1, generator=torch.Generator().manual_seed(i)).squeeze(1)
                           for i in range(g)], 1)
-    n_acc, new = steps._accept(sampler, exact, drafts, q, hist, [True] * b)
+    n_acc, new = steps._accept(sampler, exact, drafts, q, hist)
     first = [int(drafts[r, 0]) if n_acc[r] else new[r] for r in range(b)]
     second = [int(drafts[r, 1]) if n_acc[r] > 1 else new[r] for r in range(b) if n_acc[r] >= 1]
     for i, tokens in ((0, first), (1, second)):

@@ -104,6 +104,32 @@ def test_packed_kernel_declines_what_it_cannot_do():
         assert packed_linear(x.requires_grad_(), packed, None) is None  # autograd wants torch
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_up_to_native_rows_take_the_native_kernel_in_chunks(packed, monkeypatch):
+    """A verification of batch x (gamma + 1) rows (9..NATIVE_ROWS) outside a prefill pass: the native
+    kernel in calls of SKINNY_ROWS rows (each call's rows bit for bit what that call alone gives);
+    more rows take torch's GEMM."""
+    if not packed:
+        monkeypatch.setenv("SPECACHE_PACK_WEIGHTS", "0")
+    layer = torch.nn.Linear(576, 300)
+    with torch.no_grad():
+        layer.weight.copy_(affine4_weight(300, 576, seed=3))
+        use_skinny_linears(layer)
+        assert (layer.packed is not None) == packed
+        calls = []
+        real = SkinnyLinear.native
+        monkeypatch.setattr(SkinnyLinear, "native", lambda self, flat: calls.append(flat.shape[0]) or real(self, flat))
+        x = torch.randn(28, 576)
+        got = layer(x[None])[0]  # [1, 28, K]: rows counted over the leading dims
+        assert calls == [8, 8, 8, 4]
+        for s in (0, 8, 24):  # each chunk's rows are what that call alone gives
+            assert torch.equal(got[s : s + 8], layer(x[s : s + 8]))
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+        calls.clear()
+        layer(torch.randn(SkinnyLinear.NATIVE_ROWS + 1, 576))
+        assert calls == []  # many rows: torch
+
+
 def test_prefill_linears_in_bf16_only_for_many_rows_and_only_when_asked():
     """use_skinny_linears(prefill_dtype=bf16): prefill chunks (> 8 rows) multiply a bf16 copy of the
     weight (results within bf16 rounding of fp32, returned in fp32); decode rows keep the exact

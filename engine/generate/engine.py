@@ -77,7 +77,7 @@ class Engine:
               finished: list[bool] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The mode's decode loop from the prefill's last logits [B, V]: yields (ids [B], their logits;
         an id of -1: no token for that row at this step, exact mode). finished: the caller's live
-        list of rows it no longer needs (exact mode stops committing tokens for them)."""
+        list of rows it no longer needs (exact mode drops them from the batch: steps.drop_finished)."""
         extra = {"finished": finished} if self.config.mode == "exact" else {}
         return decoder_for(self.config)(self.model, cache, logits, pick, history=history, **extra)
 

@@ -228,7 +228,7 @@ def _draft(model, cache: KVCache, t0: torch.Tensor, gamma: int, hist: list[list[
            sampler: Sampler | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gamma draft tokens per row from the pending tokens t0 [B]: argmax of the draft logits, or
     with a Sampler a draw from its processed draft distribution q. -> (drafts [B, gamma], q [B, gamma, V] or None)"""
-    rows = slice(0, cache.batch)
+    rows = slice(0, t0.shape[0])
     x, drafts, qs = t0, [], []
     dh = [list(h) for h in hist] if sampler is not None else None
     for _ in range(gamma):
@@ -246,7 +246,7 @@ def _draft(model, cache: KVCache, t0: torch.Tensor, gamma: int, hist: list[list[
 
 
 def _accept(pick: Picker, out: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
-            hist: list[list[int]], active: list[bool]) -> tuple[list[int], list[int]]:
+            hist: list[list[int]]) -> tuple[list[int], list[int]]:
     """Verification of drafts [B, g] against the exact logits out [B, g + 1, V]. -> (accepted drafts
     per row, the row's next token: the exact choice at the first rejection, or after the last draft).
 
@@ -259,7 +259,7 @@ def _accept(pick: Picker, out: torch.Tensor, drafts: torch.Tensor, q: torch.Tens
     b, g = drafts.shape
     dl = drafts.tolist()
     sampling = isinstance(pick, Sampler) and not pick.greedy and q is not None
-    n_acc, new, still = [0] * b, [0] * b, list(active)
+    n_acc, new, still = [0] * b, [0] * b, [True] * b
     ph = [list(h) for h in hist]
     for i in range(g + 1):
         if not any(still):
@@ -296,6 +296,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def drop_finished(cache: KVCache, slots: list[int], finished: list[bool] | None) -> list[int]:
+    """Rows the caller finished leave the batch: the state of a live row beyond the new end moves into
+    each freed slot (KVCache.copy_row), so the live rows stay one slice [0, n) and no pass computes a
+    finished row. slots: the caller's row held by each slot. -> for each slot kept, the slot it came from."""
+    n = len(slots)
+    if not finished or not any(finished[r] for r in slots):
+        return list(range(n))
+    live = [s for s in range(n) if not finished[slots[s]]]
+    keep = len(live)
+    source = list(range(keep))
+    movers = iter(s for s in live if s >= keep)  # live slots past the new end fill the freed slots before it
+    for dst in range(keep):
+        if finished[slots[dst]]:
+            source[dst] = next(movers)
+            cache.copy_row(source[dst], dst)
+    return source
+
+
 def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, history: list[list[int]] | None = None,
                  finished: list[bool] | None = None) -> Iterator[tuple[list[list[int]], torch.Tensor]]:
     """Exact mode's decode loop, a cycle at a time. Yields (each row's new tokens, the exact logits
@@ -305,11 +323,10 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
     A cycle: from each row's pending token t0 (chosen, not yet fed), gamma draft passes with the
     guided attention; rollback; one exact pass over [t0, drafts] (Step.exact); accept (_accept);
     commit t0 and the accepted drafts per row. finished: the caller's live list of rows it no
-    longer needs (read before each cycle): such a row is still fed with the batch (rows are one
-    slice) but commits nothing and gets no tokens. Measured figures go to cache.decode_stats."""
-    rows = slice(0, cache.batch)
-    dev = cache.lengths.device
-    hist = _histories(history, cache.batch)
+    longer needs (read before each cycle): such a row leaves the batch (drop_finished), gets no
+    tokens and zero logits; the loop ends when every row has. Measured figures go to cache.decode_stats."""
+    batch = cache.batch
+    hist = _histories(history, batch)
     sampler = pick if isinstance(pick, Sampler) else None
     t0 = pick(logits, hist)
     _append(hist, t0)
@@ -317,42 +334,53 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
     chooser = GammaChooser(cache.config.gamma, timed=sampler is None or sampler.greedy)
     totals = {"drafted": 0, "accepted": 0, "row_cycles": 0, "tokens": 0, "verifies": 0, "gamma_sum": 0,
               "draft_s": 0.0, "draft_passes": 0, "verify_s": 0.0}
+    slots = list(range(batch))  # the caller's row held by each cache slot [0, n)
     while True:
-        active = [not (finished and finished[r]) for r in range(cache.batch)]
+        source = drop_finished(cache, slots, finished)
+        if len(source) < len(slots):
+            slots, hist, t0 = [slots[s] for s in source], [hist[s] for s in source], t0[source]
+        n = len(slots)
+        if n == 0:
+            return
+        rows = slice(0, n)
         room = cache.max_len - int(cache.lengths[rows].max()) - 1
         if room < 0:
             raise RuntimeError(f"cache overflow: exact mode needs room for one more token of {cache.max_len}")
         gamma = min(chooser.choose(), room)
         committed = cache.lengths[rows].clone()
-        sync(dev)
+        sync(cache.lengths.device)
         t_start = time.perf_counter()
         drafts, q = _draft(model, cache, t0, gamma, hist, sampler)
         cache.rollback(rows, committed)
-        sync(dev)
+        sync(cache.lengths.device)
         t_drafted = time.perf_counter()
         out = forward(model, cache, torch.cat([t0[:, None], drafts], 1), rows, logits_to_keep=gamma + 1,
-                      exact=True, commit=False)  # [B, gamma + 1, V]; committed per row below
-        n_acc, new = _accept(pick, out, drafts, q, hist, active)
-        cache.commit(kept=torch.tensor([n + 1 if a else 0 for n, a in zip(n_acc, active)], dtype=torch.long))
-        sync(dev)
+                      exact=True, commit=False)  # [n, gamma + 1, V]; committed per row below
+        n_acc, new = _accept(pick, out, drafts, q, hist)
+        cache.commit(kept=torch.tensor([a + 1 for a in n_acc], dtype=torch.long))
+        sync(cache.lengths.device)
         t_verified = time.perf_counter()
         dl = drafts.tolist()
-        emitted = [dl[r][: n_acc[r]] + [new[r]] if active[r] else [] for r in range(cache.batch)]
-        for h, e in zip(hist, emitted):
+        emitted_slots = [dl[i][: n_acc[i]] + [new[i]] for i in range(n)]
+        for h, e in zip(hist, emitted_slots):
             h.extend(e)
-        n_active = sum(active)
-        acc = sum(n for n, a in zip(n_acc, active) if a)
-        rejected = sum(1 for n, a in zip(n_acc, active) if a and n < gamma)
+        acc = sum(n_acc)
+        rejected = sum(1 for a in n_acc if a < gamma)
         warm = totals["verifies"] > 0  # the first cycle builds kernels' state and warms caches: not timed
         chooser.record(acc, rejected, gamma, t_drafted - t_start if warm else None,
                        t_verified - t_drafted if warm else None)
-        for key, value in (("drafted", gamma * n_active), ("accepted", acc), ("row_cycles", n_active),
-                           ("tokens", acc + n_active), ("verifies", 1), ("gamma_sum", gamma),
+        for key, value in (("drafted", gamma * n), ("accepted", acc), ("row_cycles", n),
+                           ("tokens", acc + n), ("verifies", 1), ("gamma_sum", gamma),
                            ("draft_s", t_drafted - t_start), ("draft_passes", gamma),
                            ("verify_s", t_verified - t_drafted)):
             totals[key] += value
         cache.decode_stats = exact_stats(totals, cache.config.gamma)
         t0 = torch.tensor(new, dtype=t0.dtype, device=t0.device)
+        emitted: list[list[int]] = [[] for _ in range(batch)]
+        for i, r in enumerate(slots):
+            emitted[r] = emitted_slots[i]
+        if n < batch:  # the caller's rows: zeros for those that left
+            out = out.new_zeros(batch, *out.shape[1:]).index_copy_(0, torch.tensor(slots, device=out.device), out)
         yield emitted, out
 
 
@@ -385,5 +413,5 @@ def exact_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, histo
 
 def decode_headroom(config: CacheConfig) -> int:
     """Cache tokens a decode loop needs beyond the tokens it emits: exact mode's last cycle may
-    commit GAMMA_MAX + 1 tokens past a row's end and a finished row is still fed GAMMA_MAX + 1."""
-    return 2 * (GAMMA_MAX + 1) if POLICIES[config.mode].verifies else 0
+    commit GAMMA_MAX + 1 tokens past a row's end (a finished row leaves the batch: drop_finished)."""
+    return GAMMA_MAX + 1 if POLICIES[config.mode].verifies else 0
