@@ -59,9 +59,37 @@ def test_gpu_check_script_cpu_parts():
     model = gpu_check.random_model(tiny_config(), torch.device("cpu"))
     assert next(model.parameters()).dtype == torch.float16
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert batches["exact"] >= 1 and batches["exact_transfer_per_row"] >= 0
     if not torch.cuda.is_available():
         sys.argv = ["gpu_check.py", "--quick"]
         assert gpu_check.main() == 2
+
+
+def test_gpu_check_exact_section_runs_on_the_cpu(tiny_model, capsys):
+    """The GPU check's exact section on the CPU with the tiny model (the verification staged through
+    the buffers is the CPU test mode there): exact == full, the timed run's figures and the summary line."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    import gpu_check
+
+    from engine.kvcache import ModelShape
+    from engine.kvcache.sizes import kv_bytes_per_token
+
+    assert gpu_check.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert gpu_check.first_difference([1, 2, 3], [1, 5, 3]) == 1 and gpu_check.first_difference([1, 2], [1, 2, 3]) == 2
+    eq = gpu_check.exact_equals_full(tiny_model.device, lengths=(60, 130), new=12)
+    assert eq["identical"] and eq["first_divergence"] == [None, None] and eq["verifies"] >= 1
+    shape = ModelShape.from_config(tiny_model.config)
+    per_row = 200 * kv_bytes_per_token(shape, 4)  # fp32
+    run = gpu_check.timed_exact(tiny_model, 2, 200, 2, 64, 1, 16, 3, per_row)
+    s, p = run["streamed"], run["plain_copy"]
+    assert s["verify_copy_bytes"] >= per_row * 2 and 1.0 <= run["copy_vs_planned"] < 1.5
+    assert p["verify_copy_bytes"] is None and p["verify_overlap_share"] is None
+    assert s["verify_overlap_share"] is None  # CUDA only
+    for seg in (s, p):
+        assert seg["ms_per_token"] > 0 and seg["verify_ms"] > 0 and 1 <= seg["tokens_per_verify"] <= 4
+    run |= {"full_ms_per_token": 1.0, "exact_vs_full_ms": s["ms_per_token"]}
+    assert gpu_check.print_exact({"equals_full": eq, "timed": run})
+    assert "exact == full" in capsys.readouterr().out
 
 
 def test_transfer_worker_runs_jobs_in_order_and_close_ends_it():

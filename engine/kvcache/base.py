@@ -397,8 +397,9 @@ class KVCache(Cache):
         return stats
 
     def allocated_device_bytes(self) -> int:
-        """Bytes of the preallocated device buffers per row (sizes.py; the planner budgets the same)."""
-        return sum(layer.allocated_device_bytes() for layer in self.layers)
+        """Bytes of the preallocated device buffers per row (sizes.py; the planner budgets the same),
+        exact mode's verification buffers included where it streams the store (CUDA)."""
+        return sum(layer.allocated_device_bytes() for layer in self.layers) + self.transfer.verify_bytes_per_row()
 
     def close(self) -> None:
         """Release the transfer resources (worker thread, stream); the cache is not used afterwards."""

@@ -18,9 +18,16 @@ runs cycles:
   window are quantized from the store as after any commit. The cache then holds exactly what a
   cache that only ever saw the accepted tokens would hold.
 
-On the CPU the store is read in place. On CUDA the store is in pinned host memory and a
-verification copies each layer's rows to the device when the layer needs them (a plain copy: the
-double-buffered side-stream stream of layer l + 1 during layer l is not done).
+On the CPU the store is read in place (no copy). On CUDA the store is in pinned host memory and a
+verification streams it through two device buffers (engine.kvcache.transfer.VerifyStream, the
+cache's one, shared by its layers): layer 0's `update` starts the pass (the copies of layers 0 and 1
+of the committed past [0, max(start)) go out on the side stream); each layer's `attend` waits for its
+own copy, writes the pass's new tokens (kept from `update`, already on the device) into the buffer
+at each row's positions, attends over it and releases it, which issues the copy of layer l + 2 into
+the same buffer: layer l + 1's copy runs while layer l computes. The store write of the new tokens
+(`update`) is unchanged: the accepted tokens are committed from the store. The staged path can be
+forced on the CPU (Transfer.stream_verify, tests only), where it gives the in-place path's
+attention bit for bit.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ from dataclasses import replace
 import torch
 
 from engine.config import CacheConfig
-from engine.kvcache.base import ModelShape, Step
+from engine.kvcache.base import ModelShape, Step, write_rows
 from engine.kvcache.full import exact_attention
 from engine.kvcache.registry import register
 from engine.kvcache.specache import SpecacheLayer
@@ -49,20 +56,42 @@ class ExactLayer(SpecacheLayer):
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
         super().__init__(shape, replace(config, prefetch="current"), batch, max_len, dtype, device, transfer)
+        self.verify = transfer.verify_stream()
+        self.index = self.verify.add(self.store)  # this layer's place in the verification's copy order
+        self.new_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # a staged verification's new K/V
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """As specache (the store, sinks and residual get the new tokens); in a staged verification
+        layer 0 also starts the pass's copies, and each layer keeps its new K/V [b, H_kv, T, D] for attend."""
+        if step.exact and self.verify.staged:
+            if self.index == 0:
+                self.verify.begin(step.rows, max(step.starts))
+            self.new_kv = (k, v)
+        super().update(k, v, step)
 
     def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """q [b, H, T, D] -> [b, T, H, D]: a verification attends exactly over the host store,
-        any other pass as specache does."""
+        """q [b, H, T, D] -> [b, T, H, D]: a verification attends exactly over every committed K/V
+        and the new tokens (the store in place, or this layer's streamed buffer), any other pass as
+        specache does."""
         if not step.exact:
             return super().attend(q, scaling, step)
         length = max(step.starts) + step.n_new
-        keys, values = self.store.k[step.rows, :, :length], self.store.v[step.rows, :, :length]
-        if keys.device != q.device:  # CUDA: the store is pinned host memory
-            keys, values = keys.to(q.device, non_blocking=True), values.to(q.device, non_blocking=True)
-        return exact_attention(q, keys, values, scaling, step, self.shape)
+        if not self.verify.staged:
+            keys, values = self.store.k[step.rows, :, :length], self.store.v[step.rows, :, :length]
+            if keys.device != q.device:  # CUDA with stream_verify off: a plain copy on the compute stream
+                keys, values = keys.to(q.device, non_blocking=True), values.to(q.device, non_blocking=True)
+            return exact_attention(q, keys, values, scaling, step, self.shape)
+        keys, values = self.verify.acquire(self.index, step.rows)  # [B, H_kv, L, D]: the past of [0, max(start))
+        (k_new, v_new), self.new_kv = self.new_kv, None
+        write_rows(keys, values, k_new, v_new, step)
+        out = exact_attention(q, keys[step.rows, :, :length], values[step.rows, :, :length], scaling, step,
+                              self.shape)
+        self.verify.release(self.index)
+        return out
 
     def run_stats(self, layers: list["ExactLayer"]) -> dict:
         """The draft's settings (exact mode's own figures come from the step loop: KVCache.decode_stats)."""
         stats = super().run_stats(layers)
         stats["draft"] = "specache"
+        stats.update(self.verify.stats())
         return stats
