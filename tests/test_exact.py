@@ -106,6 +106,23 @@ def state(cache, row: int) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in cache.export_row(row).items()}
 
 
+def test_draft_passes_never_write_the_host_store(tiny_model):
+    """Drafts move only the lengths (and the residual window): the exact store is bit for bit what it
+    was, and rollback restores the lengths."""
+    ps = prompts_of((70, 45), seed=5)
+    engine = Engine(tiny_model, CacheConfig(mode="exact", chunk_size=32, **TINY))
+    with engine.new_cache(2, 120) as cache:
+        lasts = [list(engine.prefill(cache, p, r))[-1] for r, p in enumerate(ps)]
+        stores = [(layer.store.k.clone(), layer.store.v.clone()) for layer in cache.layers]
+        committed = cache.lengths.clone()
+        drafts, _ = steps._draft(tiny_model, cache, torch.stack(lasts).argmax(-1), 5, [list(p) for p in ps], None)
+        assert drafts.shape == (2, 5) and torch.equal(cache.lengths, committed + 5)
+        for layer, (k, v) in zip(cache.layers, stores):
+            assert torch.equal(layer.store.k, k) and torch.equal(layer.store.v, v)
+        cache.rollback(slice(0, 2), committed)
+        assert torch.equal(cache.lengths, committed)
+
+
 def test_a_rejected_cycle_leaves_the_cache_of_the_accepted_tokens(tiny_model, monkeypatch):
     """Row 0 (95 tokens: its accepted tokens move the quantization boundary) accepts 2 of 4 drafts,
     row 1 none. Every tensor of each row's state (host store, guide codes and scales, sinks,

@@ -28,7 +28,7 @@ def forward(model, cache: KVCache, ids: torch.Tensor, rows: slice, keep: int | N
     """Run ids [b, T] through the model against the cache rows; commit `keep` tokens (draft: a draft
     commit, KVCache.commit; commit=False: the caller commits, e.g. per row after a verification).
     -> logits [b, n, V]."""
-    step = cache.begin(rows, ids.shape[1], keep, select, is_prefill, exact)
+    step = cache.begin(rows, ids.shape[1], keep, select, is_prefill, exact, draft)
     out = model(input_ids=ids, position_ids=step.positions(), cache=cache, use_cache=True,
                 kv_cache=cache, logits_to_keep=logits_to_keep)
     if commit:

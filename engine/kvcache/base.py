@@ -62,6 +62,7 @@ class Step:
     # set from the attention module by engine.model.attention (prepare_model's prefill_dtype)
     compute: torch.dtype | None = None
     exact: bool = False  # exact mode's verification: every new token into the store, exact attention over it
+    draft: bool = False  # exact mode's draft pass: committed as a draft (KVCache.commit), never into the store
 
     def __post_init__(self) -> None:
         if not self.starts:
@@ -298,14 +299,15 @@ class KVCache(Cache):
         self.decode_stats: dict = {}  # what a step loop measured (exact mode: gamma, acceptance), for --json
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
-              prefill: bool = False, exact: bool = False) -> Step:
+              prefill: bool = False, exact: bool = False, draft: bool = False) -> Step:
         """Start a forward pass over `rows` feeding n_new tokens each (exact: a verification pass,
-        engine/kvcache/exact.py)."""
+        draft: a draft pass; engine/kvcache/exact.py)."""
         start = self.lengths[rows].clone()
         starts = start.tolist()
         if max(starts) + n_new > self.max_len:
             raise RuntimeError(f"cache overflow: {max(starts) + n_new} > planned {self.max_len} tokens")
-        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select, prefill, starts, exact=exact)
+        self.step = Step(rows, start, n_new, n_new if keep is None else keep, select, prefill, starts, exact=exact,
+                         draft=draft)
         return self.step
 
     def commit(self, kept: torch.Tensor | None = None, draft: bool = False) -> None:

@@ -82,7 +82,7 @@ class GuidedLayer:
         starts, qends = step.starts, self.qend[step.rows].tolist()
         for i, (p0, q0) in enumerate(zip(starts, qends)):
             r = step.rows.start + i
-            if self.store is not None and step.keep:  # only committed tokens enter the exact store
+            if self.store is not None and step.keep and not step.draft:  # only committed tokens enter the store
                 self.store.write_span(r, p0, k[i, :, : step.keep], v[i, :, : step.keep])
             s_end = min(self.sinks, p0 + t)
             if p0 < s_end:
