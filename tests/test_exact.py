@@ -246,6 +246,27 @@ def test_sampling_seed_reproduces(tiny_model, reference):
     assert all(len(t) == NEW for t in a.tokens)
 
 
+def test_exact_figures_of_several_calls_add_up():
+    """A map-reduce job makes several model calls: its --json exact figures are over all of them."""
+    def totals(drafted, accepted, rows, verifies, gamma_sum, draft_s, verify_s):
+        return {"drafted": drafted, "accepted": accepted, "row_cycles": rows, "tokens": accepted + rows,
+                "verifies": verifies, "gamma_sum": gamma_sum, "draft_s": draft_s, "draft_passes": gamma_sum,
+                "verify_s": verify_s}
+
+    a, b = totals(40, 30, 10, 10, 40, 0.8, 1.5), totals(12, 3, 6, 3, 6, 0.1, 0.2)
+    both = {k: a[k] + b[k] for k in a}
+    merged = steps.merge_exact_stats({"mode": "exact", **steps.exact_stats(a, None)},
+                                     {"mode": "exact", "device_bytes": 7, **steps.exact_stats(b, None)})
+    want = steps.exact_stats(both, None)
+    assert merged["acceptance_rate"] == want["acceptance_rate"] == round(33 / 52, 4)
+    assert merged["verifies"] == 13 and merged["drafted"] == 52 and merged["device_bytes"] == 7
+    for key in ("tokens_per_verify", "gamma_mean", "draft_pass_ms", "verify_ms"):
+        assert merged[key] == pytest.approx(want[key], abs=2e-3), key
+    plain = {"mode": "full", "device_bytes": 3}
+    assert steps.merge_exact_stats({}, plain) == plain and steps.merge_exact_stats(plain, {"mode": "full"}) == \
+        {"mode": "full"}
+
+
 def test_gamma_is_validated():
     for bad in (0, 17):
         with pytest.raises(BadArgument):

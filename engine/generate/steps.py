@@ -386,7 +386,8 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
 
 def exact_stats(totals: dict, gamma: int | None) -> dict:
     """exact mode's --json figures: acceptance_rate = accepted drafts / drafted, tokens_per_verify =
-    tokens per row per verification, mean gamma and the mean seconds of a draft pass / a verification."""
+    tokens per row per verification, mean gamma and the mean seconds of a draft pass / a verification;
+    with the counts (drafted, accepted, row_verifications) that merge_exact_stats adds up."""
     n = max(totals["verifies"], 1)
     return {"gamma": gamma if gamma is not None else "auto",
             "gamma_mean": round(totals["gamma_sum"] / n, 3),
@@ -394,7 +395,26 @@ def exact_stats(totals: dict, gamma: int | None) -> dict:
             "tokens_per_verify": round(totals["tokens"] / max(totals["row_cycles"], 1), 3),
             "verifies": totals["verifies"],
             "draft_pass_ms": round(1000 * totals["draft_s"] / max(totals["draft_passes"], 1), 3),
-            "verify_ms": round(1000 * totals["verify_s"] / n, 3)}
+            "verify_ms": round(1000 * totals["verify_s"] / n, 3),
+            "drafted": totals["drafted"], "accepted": totals["accepted"], "row_verifications": totals["row_cycles"]}
+
+
+def merge_exact_stats(a: dict, b: dict) -> dict:
+    """Cache stats of two model calls of one job (map-reduce sections): b's, with exact mode's
+    figures over both calls (counts added, means weighted by their counts)."""
+    if "verifies" not in a or "verifies" not in b:
+        return b
+
+    def totals(x: dict) -> dict:
+        passes = x["gamma_mean"] * x["verifies"]
+        return {"drafted": x["drafted"], "accepted": x["accepted"], "row_cycles": x["row_verifications"],
+                "tokens": x["accepted"] + x["row_verifications"], "verifies": x["verifies"], "gamma_sum": passes,
+                "draft_s": x["draft_pass_ms"] * passes / 1000, "draft_passes": passes,
+                "verify_s": x["verify_ms"] * x["verifies"] / 1000}
+
+    ta, tb = totals(a), totals(b)
+    merged = exact_stats({k: ta[k] + tb[k] for k in ta}, b["gamma"] if b["gamma"] != "auto" else None)
+    return {**b, **merged}
 
 
 def exact_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, history: list[list[int]] | None = None,

@@ -12,6 +12,7 @@ from engine.docstore.store import DocStore
 from engine.errors import DocumentTooLong, EmptyDocument, SpecacheError
 from engine.generate.engine import Engine, Finished, Progress, Tokens
 from engine.generate.prefixes import DocStoreUse
+from engine.generate.steps import merge_exact_stats
 from engine.inputs import prompts as P
 from engine.kvcache import POLICIES
 from engine.model.loading import LoadedModel
@@ -101,7 +102,7 @@ class Result:
         self.decode_seconds += fin.decode_seconds
         self.calls += 1
         self.batch = len(fin.tokens)
-        self.cache = fin.cache_stats
+        self.cache = merge_exact_stats(self.cache, fin.cache_stats)  # exact mode: figures over every call
         self.add_store(fin.store[row] if fin.store else None)
 
     plan: dict = field(default_factory=dict)
