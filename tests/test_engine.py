@@ -455,3 +455,24 @@ def test_native_bf16_prefill_keeps_specache_equal_to_full(tiny_model, reference)
     finally:
         prepare_model(tiny_model)
     assert spec == full
+
+
+@pytest.mark.parametrize("mode,prefetch", [("full", "current"), ("specache", "current"), ("specache", "speculative"),
+                                           ("kivi", "current")])
+def test_a_finished_row_leaves_the_batch(tiny_model, monkeypatch, mode, prefetch):
+    """Row 1 of 3 meets its stop token early: the later passes feed 2 rows (steps.drop_finished moves
+    row 2's state into row 1's slot) and every row's output is what it was without the stop token,
+    cut at it."""
+    from engine.generate import steps
+
+    ps = prompts_of((150, 97, 260))
+    config = CacheConfig(mode=mode, k=16, residual=32, group=32, sinks=4, chunk_size=64, prefetch=prefetch)
+    free = run(tiny_model, ps, config)
+    stop = free.tokens[1][3]
+    fed = []
+    real = steps.forward
+    monkeypatch.setattr(steps, "forward", lambda model, cache, ids, rows, **kw: (
+        kw.get("is_prefill") or fed.append(ids.shape[0])) and None or real(model, cache, ids, rows, **kw))
+    res = run(tiny_model, ps, config, GenerationConfig(max_tokens=NEW, stop_ids=(stop,)))
+    assert res.tokens == [t[: t.index(stop)] if stop in t else t for t in free.tokens]
+    assert fed[0] == 3 and fed[-1] < 3 and fed == sorted(fed, reverse=True)  # rows only ever leave

@@ -77,9 +77,8 @@ class Engine:
               finished: list[bool] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The mode's decode loop from the prefill's last logits [B, V]: yields (ids [B], their logits;
         an id of -1: no token for that row at this step, exact mode). finished: the caller's live
-        list of rows it no longer needs (exact mode drops them from the batch: steps.drop_finished)."""
-        extra = {"finished": finished} if self.config.mode == "exact" else {}
-        return decoder_for(self.config)(self.model, cache, logits, pick, history=history, **extra)
+        list of rows it no longer needs (they leave the batch: steps.drop_finished; an id of -1 for them)."""
+        return decoder_for(self.config)(self.model, cache, logits, pick, history=history, finished=finished)
 
     # ---- a whole batch --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, shared_prefix: int = 0,

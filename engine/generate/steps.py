@@ -66,20 +66,38 @@ def _append(hist: list[list[int]], ids: torch.Tensor) -> None:
         h.append(t)
 
 
-def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
-                history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One token per step. logits [B, V] are the prefill's last logits. Yields (ids [B], the logits they came from)."""
-    rows = slice(0, cache.batch)
-    hist = _histories(history, cache.batch)
+def _per_row(x: torch.Tensor, slots: list[int], batch: int, fill: float) -> torch.Tensor:
+    """Values of the live slots x [n, ...] at their caller rows, `fill` at rows that left. -> [batch, ...]"""
+    if len(slots) == batch:
+        return x
+    out = x.new_full((batch, *x.shape[1:]), fill)
+    return out.index_copy_(0, torch.tensor(slots, device=x.device), x)
+
+
+def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, history: list[list[int]] | None = None,
+                finished: list[bool] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One token per step. logits [B, V] are the prefill's last logits. Yields (ids [B], the logits they
+    came from). finished: the caller's live list of rows it no longer needs (read after each yield):
+    such a row leaves the batch (drop_finished) and gets id -1 and zero logits; the loop ends when
+    every row has."""
+    batch = cache.batch
+    hist = _histories(history, batch)
+    slots = list(range(batch))  # the caller's row held by each cache slot [0, n)
     while True:
         ids = pick(logits, hist)
         _append(hist, ids)
-        yield ids, logits
-        logits = forward(model, cache, ids[:, None], rows)[:, -1]
+        yield _per_row(ids, slots, batch, -1), _per_row(logits, slots, batch, 0.0)
+        source = drop_finished(cache, slots, finished)
+        if len(source) < len(slots):
+            slots, hist, ids = [slots[s] for s in source], [hist[s] for s in source], ids[source]
+        if not slots:
+            return
+        logits = forward(model, cache, ids[:, None], slice(0, len(slots)))[:, -1]
 
 
 def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
-                      history: list[list[int]] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                      history: list[list[int]] | None = None,
+                      finished: list[bool] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """SpeCache decoding (design page, Algorithms 2 and 3). Yields (output ids [B], their logits) per step.
 
     history: each row's tokens so far (its prompt). With it and cache.config.resync, a missed
@@ -88,28 +106,38 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
     the fed guess differs from the output token the step produced, the next guess is instead the
     token that followed the latest earlier occurrence of that output token in the row (prompt
     lookup; documents are copied from a lot). Which positions are fetched changes, never
-    correctness."""
-    rows = slice(0, cache.batch)
-    hist = _histories(history, cache.batch)
+    correctness. finished: as in plain_steps (a row that leaves takes its fetched set along)."""
+    batch = cache.batch
+    hist = _histories(history, batch)
+    slots = list(range(batch))
     out = pick(logits, hist)  # T1
     _append(hist, out)
     yield out, logits
     resync = history is not None and cache.config.resync
     follow = [_follow_table(h) for h in history] if resync else None
     prev = [h[-1] if h else None for h in history] if resync else None
+    if finished and all(finished):
+        return
     # Pre-decoding: T1 alone against guide + residual; its row picks the first fetch set, its
     # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
-    spec = forward(model, cache, out[:, None], rows, keep=0, select=0)[:, -1].argmax(-1)
+    spec = forward(model, cache, out[:, None], slice(0, batch), keep=0, select=0)[:, -1].argmax(-1)
     while True:
-        pair = torch.stack([out, spec], dim=1)  # [B, 2] = [T_t, T'_{t+1}]
-        both = forward(model, cache, pair, rows, keep=1, select=1, logits_to_keep=2)  # [B, 2, V]
+        source = drop_finished(cache, slots, finished)
+        if len(source) < len(slots):
+            slots, hist, out, spec = [slots[s] for s in source], [hist[s] for s in source], out[source], spec[source]
+            if follow is not None:
+                follow, prev = [follow[s] for s in source], [prev[s] for s in source]
+        if not slots:
+            return
+        pair = torch.stack([out, spec], dim=1)  # [n, 2] = [T_t, T'_{t+1}]
+        both = forward(model, cache, pair, slice(0, len(slots)), keep=1, select=1, logits_to_keep=2)  # [n, 2, V]
         fed = pair[:, 1]
         out = pick(both[:, 0], hist)
         _append(hist, out)
         spec = both[:, 1].argmax(-1)
         if follow is not None:
             spec = _resync(follow, prev, pair[:, 0], out, fed, spec)
-        yield out, both[:, 0]
+        yield _per_row(out, slots, batch, -1), _per_row(both[:, 0], slots, batch, 0.0)
 
 
 def _follow_table(tokens: list[int]) -> dict[int, int]:
@@ -379,9 +407,7 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
         emitted: list[list[int]] = [[] for _ in range(batch)]
         for i, r in enumerate(slots):
             emitted[r] = emitted_slots[i]
-        if n < batch:  # the caller's rows: zeros for those that left
-            out = out.new_zeros(batch, *out.shape[1:]).index_copy_(0, torch.tensor(slots, device=out.device), out)
-        yield emitted, out
+        yield emitted, _per_row(out, slots, batch, 0.0)  # zeros for the rows that left
 
 
 def exact_stats(totals: dict, gamma: int | None) -> dict:

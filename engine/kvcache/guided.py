@@ -116,6 +116,7 @@ class GuidedLayer:
         for t in (self.sink_k, self.sink_v, self.res_k, self.res_v, self.qend, self.fidx, self.fvalid):
             t[dst] = t[src]
         if self.store is not None:
+            self.store.settle()  # CUDA: a prefetch into the fetched set may be in flight
             self.store.fk[dst], self.store.fv[dst] = self.store.fk[src], self.store.fv[src]
             self.store.k[dst, :, :length] = self.store.k[src, :, :length]
             self.store.v[dst, :, :length] = self.store.v[src, :, :length]

@@ -133,6 +133,13 @@ class HostStore:
         finally:
             self.issued.set()
 
+    def settle(self) -> None:
+        """Make the compute stream wait for an in-flight prefetch, so that what follows on it (a row
+        copy of the fetched set: KVCache.copy_row) reads the fetched K/V, not what they replace."""
+        if self.cuda and self.pending:
+            self.wait_issued()
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+
     def wait_issued(self) -> None:
         if self.cuda and self.pending:
             self.issued.wait()
