@@ -467,12 +467,13 @@ def test_a_finished_row_leaves_the_batch(tiny_model, monkeypatch, mode, prefetch
 
     ps = prompts_of((150, 97, 260))
     config = CacheConfig(mode=mode, k=16, residual=32, group=32, sinks=4, chunk_size=64, prefetch=prefetch)
-    free = run(tiny_model, ps, config)
-    stop = free.tokens[1][3]
+    look_back = {"no_repeat_ngram": 2, "repeat_penalty": 1.3}  # processors that read each row's answer so far
+    free = run(tiny_model, ps, config, GenerationConfig(max_tokens=NEW, **look_back))
+    stop = next(t for t in free.tokens[1][3:] if all(t not in row[:4] for row in free.tokens))  # row 1 stops
     fed = []
     real = steps.forward
     monkeypatch.setattr(steps, "forward", lambda model, cache, ids, rows, **kw: (
         kw.get("is_prefill") or fed.append(ids.shape[0])) and None or real(model, cache, ids, rows, **kw))
-    res = run(tiny_model, ps, config, GenerationConfig(max_tokens=NEW, stop_ids=(stop,)))
+    res = run(tiny_model, ps, config, GenerationConfig(max_tokens=NEW, stop_ids=(stop,), **look_back))
     assert res.tokens == [t[: t.index(stop)] if stop in t else t for t in free.tokens]
     assert fed[0] == 3 and fed[-1] < 3 and fed == sorted(fed, reverse=True)  # rows only ever leave

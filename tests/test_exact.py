@@ -70,7 +70,8 @@ def test_a_finished_row_leaves_the_batch_while_the_others_go_on(tiny_model, refe
     verify 2 rows; the outputs stay the full cache's."""
     ps, refs = reference
     stop = refs[1][5]  # row 1 stops early; the others go on to NEW tokens (or their own stop)
-    gen = GenerationConfig(max_tokens=NEW, stop_ids=(stop,))
+    # (with processors that read each row's answer so far: they must follow the rows that move)
+    gen = GenerationConfig(max_tokens=NEW, stop_ids=(stop,), no_repeat_ngram=2, repeat_penalty=1.3)
     full = run(tiny_model, ps, CacheConfig(mode="full", chunk_size=64), gen)
     fed = []
     real = steps.forward
@@ -79,7 +80,7 @@ def test_a_finished_row_leaves_the_batch_while_the_others_go_on(tiny_model, refe
     exact = run(tiny_model, ps, CacheConfig(mode="exact", gamma=4, chunk_size=64, **TINY), gen)
     assert exact.tokens == full.tokens
     assert len(full.tokens[1]) < NEW and max(map(len, full.tokens)) == NEW
-    assert fed[0] == 3 and 2 in fed and fed == sorted(fed, reverse=True)  # rows only ever leave
+    assert fed[0] == 3 and fed[-1] < 3 and fed == sorted(fed, reverse=True)  # rows only ever leave
 
 
 def test_drop_finished_moves_live_rows_into_freed_slots(tiny_model):

@@ -72,6 +72,11 @@ class Sampler:
             self.prompt_lengths = [len(h) for h in history]
         return [h[n:] for h, n in zip(history, self.prompt_lengths)]
 
+    def keep_rows(self, source: list[int]) -> None:
+        """Rows left the batch: row i is now what row source[i] was (engine.generate.steps.drop_finished)."""
+        if self.prompt_lengths is not None:
+            self.prompt_lengths = [self.prompt_lengths[s] for s in source]
+
     def scores(self, logits: torch.Tensor, history: list[list[int]]) -> torch.Tensor:
         """logits [B, V] -> processed scores [B, V] (fp32; -inf where a processor removed a token)."""
         scores = logits.float()

@@ -87,7 +87,7 @@ def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, histo
         ids = pick(logits, hist)
         _append(hist, ids)
         yield _per_row(ids, slots, batch, -1), _per_row(logits, slots, batch, 0.0)
-        source = drop_finished(cache, slots, finished)
+        source = drop_finished(cache, slots, finished, pick)
         if len(source) < len(slots):
             slots, hist, ids = [slots[s] for s in source], [hist[s] for s in source], ids[source]
         if not slots:
@@ -122,7 +122,7 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
     # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
     spec = forward(model, cache, out[:, None], slice(0, batch), keep=0, select=0)[:, -1].argmax(-1)
     while True:
-        source = drop_finished(cache, slots, finished)
+        source = drop_finished(cache, slots, finished, pick)
         if len(source) < len(slots):
             slots, hist, out, spec = [slots[s] for s in source], [hist[s] for s in source], out[source], spec[source]
             if follow is not None:
@@ -324,10 +324,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def drop_finished(cache: KVCache, slots: list[int], finished: list[bool] | None) -> list[int]:
+def drop_finished(cache: KVCache, slots: list[int], finished: list[bool] | None, pick: Picker | None = None
+                  ) -> list[int]:
     """Rows the caller finished leave the batch: the state of a live row beyond the new end moves into
     each freed slot (KVCache.copy_row), so the live rows stay one slice [0, n) and no pass computes a
-    finished row. slots: the caller's row held by each slot. -> for each slot kept, the slot it came from."""
+    finished row; a Sampler `pick` renumbers its rows alike. slots: the caller's row held by each
+    slot. -> for each slot kept, the slot it came from."""
     n = len(slots)
     if not finished or not any(finished[r] for r in slots):
         return list(range(n))
@@ -339,6 +341,8 @@ def drop_finished(cache: KVCache, slots: list[int], finished: list[bool] | None)
         if finished[slots[dst]]:
             source[dst] = next(movers)
             cache.copy_row(source[dst], dst)
+    if isinstance(pick, Sampler):
+        pick.keep_rows(source)
     return source
 
 
@@ -364,7 +368,7 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
               "draft_s": 0.0, "draft_passes": 0, "verify_s": 0.0}
     slots = list(range(batch))  # the caller's row held by each cache slot [0, n)
     while True:
-        source = drop_finished(cache, slots, finished)
+        source = drop_finished(cache, slots, finished, pick)
         if len(source) < len(slots):
             slots, hist, t0 = [slots[s] for s in source], [hist[s] for s in source], t0[source]
         n = len(slots)
