@@ -188,6 +188,9 @@ def print_timings(result: Result) -> None:
     if c:
         line += (f" · cache {c.get('mode')}: device {c.get('device_bytes', 0) / 2**20:.1f} MiB, "
                  f"host {c.get('host_bytes', 0) / 2**20:.1f} MiB, fp16 full {c.get('full_fp16_bytes', 0) / 2**20:.1f} MiB")
+        if c.get("acceptance_rate") is not None:  # exact mode: how well the drafts did
+            line += (f", drafts accepted {100 * c['acceptance_rate']:.0f}%, {c['tokens_per_verify']:.1f} tokens "
+                     f"per verification")
     err_console.print(line + "[/]", highlight=False, soft_wrap=True)
 
 

@@ -336,6 +336,7 @@ def test_cli_exact_equals_full_and_reports_its_figures(tiny_model_dir):
     """`ask --cache exact` (and --gamma) through the CLI: full's text, the exact figures in the JSON,
     a bad --gamma a one-line error with the bad-argument exit code."""
     import json
+    import re
     from pathlib import Path
 
     from typer.testing import CliRunner
@@ -355,6 +356,10 @@ def test_cli_exact_equals_full_and_reports_its_figures(tiny_model_dir):
     assert e["text"] == f["text"] == g["text"]
     assert e["cache"]["mode"] == "exact" and e["cache"]["gamma"] == "auto" and g["cache"]["gamma"] == 3
     assert {"acceptance_rate", "tokens_per_verify", "gamma_mean", "verify_ms", "draft_pass_ms"} <= set(e["cache"])
+    loud = runner.invoke(app, ["ask", "--model", str(tiny_model_dir), "--no-store", "--doc", doc, "What is it?",
+                               "--max-tokens", "12", "--group", "32", "--cache", "exact"])
+    assert loud.exit_code == 0 and re.search(r"cache exact: .*drafts accepted \d+%, [\d.]+ tokens per verification",
+                                             loud.stderr), loud.stderr
     bad = ask("--cache", "exact", "--gamma", "0")
     assert bad.exit_code == BadArgument.exit_code and bad.stderr.strip().startswith("error:") and "--gamma" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
