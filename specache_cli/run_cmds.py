@@ -214,15 +214,17 @@ def output(results, structured: bool, jsonl: bool, quiet: bool, header: bool) ->
 
 RESUME = typer.Option(None, "--resume", help="The --jsonl output of an earlier run: skip the files it already has "
                       "a successful line for.")
+RESUME_ASK = typer.Option(None, "--resume", help="The --jsonl output of an earlier run: skip the questions it "
+                          "already answered about the same documents.")
 
 
-def done_sources(path: str) -> set[str]:
-    """Sources with a successful line (no error) in a --jsonl file; a missing file has none."""
+def done_lines(path: str) -> list[dict]:
+    """The successful lines (a source and a text, no error) of a --jsonl file; a missing file has none."""
     p = Path(path)
     if p.is_dir():
         raise BadArgument(f"--resume {path}: is a directory")
     lines = read_regular_file(p).decode("utf-8", errors="replace").splitlines() if p.exists() else []
-    done = set()
+    done = []
     for line in lines:
         try:
             obj = json.loads(line)
@@ -230,8 +232,25 @@ def done_sources(path: str) -> set[str]:
             continue
         if isinstance(obj, dict) and "error" not in obj and isinstance(obj.get("source"), str) \
                 and isinstance(obj.get("text"), str):
-            done.add(obj["source"])
+            done.append(obj)
     return done
+
+
+def done_sources(path: str) -> set[str]:
+    """Sources with a successful line in a --jsonl file."""
+    return {obj["source"] for obj in done_lines(path)}
+
+
+def done_questions(path: str, sources: list[str]) -> set[str]:
+    """Questions with a successful line in a --jsonl file about the same documents (`sources`, in
+    order: compared as given, then as real paths)."""
+    def same(line_source: str) -> bool:
+        if line_source == ", ".join(sources):
+            return True
+        parts = line_source.split(", ")
+        return len(parts) == len(sources) and all(p == s or (s != "-" and os.path.realpath(p) == os.path.realpath(s))
+                                                  for p, s in zip(parts, sources))
+    return {obj["question"] for obj in done_lines(path) if isinstance(obj.get("question"), str) and same(obj["source"])}
 
 
 def not_done(files: list[str], done: set[str]) -> list[str]:
@@ -322,7 +341,7 @@ def ask_cmd(
     questions_file: Optional[str] = typer.Option(None, "--questions", help="A file with one question per line "
                                                  "(all answered as decode batches sharing one prefill)."),
     model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
-    work: WorkerOptions = None,
+    resume: Optional[str] = RESUME_ASK, work: WorkerOptions = None,
 ) -> None:
     """Answer questions about a document or a corpus of documents (several questions share one prefill)."""
     check_stdin_once(doc, questions_file)
@@ -333,7 +352,17 @@ def ask_cmd(
         raise BadArgument("ask needs a question: specache ask --doc FILE \"question\"")
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
+    if resume is not None and not out.jsonl:
+        raise BadArgument("--resume needs --jsonl (it reads an earlier run's --jsonl output)")
     session = Session(model, cache, gen, out.quiet)
+    if resume is not None:
+        done = done_questions(resume, doc)
+        todo = [q for q in asked if q not in done]
+        session.status(f"--resume: skipping {len(asked) - len(todo)} of {len(asked)} questions already answered "
+                       f"in {resume}")
+        asked = todo
+        if not asked:
+            return
     config = worker_config(work, model, out.quiet)
     quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     docs = [read_document(source, out.password, quiet) for source in doc]

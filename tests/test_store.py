@@ -463,6 +463,28 @@ def test_batch_job_with_a_broken_file_then_resume(invoke, tmp_path):
     assert invoke("summarize", *files, "--json", "--resume", str(out)).exit_code == 2  # --resume needs --jsonl
 
 
+def test_ask_resume_skips_the_questions_already_answered(invoke, tmp_path):
+    doc = str(DATA / "sample.txt")
+    base = ("ask", "--doc", doc, "--max-tokens", "4", "--jsonl")
+    first = invoke(*base, "What is it about?", "-q", "Who wrote it?")
+    assert first.exit_code == 0
+    out = tmp_path / "out.jsonl"
+    out.write_text(first.stdout + '{"source": "cut sh')  # a killed run's last line: ignored
+    again = invoke(*base, "What is it about?", "-q", "Who wrote it?", "-q", "When?", "--resume", str(out),
+                   quiet=False)
+    assert again.exit_code == 0 and [o["question"] for o in lines(again)] == ["When?"]
+    assert "skipping 2 of 3 questions" in again.stderr
+    alone = invoke(*base, "When?")
+    assert lines(again)[0]["text"] == lines(alone)[0]["text"]
+    relative = os.path.relpath(doc)  # the same document given another way: still done
+    done = invoke("ask", "--doc", relative, "--max-tokens", "4", "--jsonl", "Who wrote it?", "--resume", str(out))
+    assert done.exit_code == 0 and done.stdout == ""
+    other = invoke("ask", "--doc", str(DATA / "short.md"), "--max-tokens", "4", "--jsonl", "Who wrote it?",
+                   "--resume", str(out))  # another document: not answered yet
+    assert [o["question"] for o in lines(other)] == ["Who wrote it?"]
+    assert invoke("ask", "--doc", doc, "When?", "--json", "--resume", str(out)).exit_code == 2  # needs --jsonl
+
+
 @pytest.mark.slow
 def test_real_model_second_ask_loads_the_document(embedded_dir, own_cache_dir):
     """The embedded model on a real document: the second ask loads the stored prefix, answers the
