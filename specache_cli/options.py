@@ -27,6 +27,9 @@ class ModelOptions:
     dtype: Annotated[str, typer.Option(
         help="auto (GPU: fp16; CPU: fp32, with prefill computed in bf16 where the CPU has native bf16), "
         "float32 (exact everywhere), float16 or bfloat16.")] = "auto"
+    threads: Annotated[Optional[int], typer.Option(
+        help="CPU threads (default: $OMP_NUM_THREADS, else the cores free when the run starts: on a busy "
+        "machine fewer threads are much faster).", min=1)] = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, TextIO
 
+import torch
 import typer
 from rich.markup import escape
 
@@ -31,6 +32,7 @@ from engine.model.embedded import EMBEDDED_NAME
 from engine.model.loading import load_model
 from engine.paths import cache_root
 from engine.plan.profiles import load_model_profile, model_defaults
+from engine.plan.threads import choose_threads
 from specache_cli.console import err_console, guarded, print_error, print_warning
 from specache_cli.options import (
     CacheOptions,
@@ -156,6 +158,7 @@ class Session:
             check_folder(cache_root())
         self.longest_text = ""  # the longest document (and question) read: bounds the cache flags
         self._runner: Runner | None = None
+        self.pick_threads = True  # False in a worker's copy: its threads come from --threads-per-worker
 
     def status(self, message: str) -> None:
         if not self.quiet:
@@ -169,6 +172,8 @@ class Session:
     def runner(self) -> Runner:
         if self._runner is None:
             m = self.model_opts
+            if self.pick_threads:
+                self.set_threads(m.threads)
             lm = load_model(m.model, device=m.device, dtype=m.dtype, on_status=self.status)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
             check_window(self.cache_opts, self.gen.max_tokens, lm.max_context)  # when config.json did not say
@@ -182,6 +187,15 @@ class Session:
                     self.status(f"{', '.join(notes)}: cut to {longest} tokens, the longest model call here")
             self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
         return self._runner
+
+    def set_threads(self, requested: int | None) -> None:
+        """torch's CPU threads for this run (engine.plan.threads: --threads, $OMP_NUM_THREADS or the
+        free cores); a note on stderr when the machine is busy and fewer than its cores are used."""
+        choice = choose_threads(requested)
+        torch.set_num_threads(choice.threads)
+        if choice.reason == "free cores" and choice.threads < choice.cores:
+            self.status(f"the machine is busy ({choice.busy:.1f} of {choice.cores} cores in use by other work): "
+                        f"{choice.threads} thread{'s' if choice.threads > 1 else ''} (--threads to choose)")
 
     def store(self) -> DocStore | None:
         """The persistent document store, unless --no-store; opening it applies its cap."""
@@ -384,6 +398,8 @@ def worker_config(opts: WorkerOptions, model: ModelOptions, quiet: bool) -> Work
         if opts.ray_address is not None or opts.threads_per_worker is not None:
             raise BadArgument("--ray-address and --threads-per-worker go with --workers N")
         return None
+    if model.threads is not None:
+        raise BadArgument("--threads is for a run without workers; with --workers use --threads-per-worker")
     config = WorkerConfig(workers=opts.workers, address=opts.ray_address, threads=opts.threads_per_worker,
                           device=model.device, quiet=quiet)
     validate(config)
@@ -395,6 +411,7 @@ def worker_runner(session: Session) -> Runner:
     """The Runner an actor builds from the driver's Session (quietly: the driver shows progress)."""
     own = copy.copy(session)
     own.quiet = True
+    own.pick_threads = False  # the actor's threads: --threads-per-worker
     return own.runner
 
 

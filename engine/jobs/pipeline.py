@@ -7,6 +7,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
+import torch
+
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import DocStore
 from engine.errors import DocumentTooLong, EmptyDocument, SpecacheError
@@ -93,6 +95,7 @@ class Result:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     batch: int = 1  # rows decoded together in this result's (last) model call
+    threads: int = field(default_factory=torch.get_num_threads)  # torch CPU threads of the process that ran it
 
     def add(self, fin: Finished, row: int = 0) -> None:
         """Account one model call (row `row` of its batch; times are the batch's)."""
