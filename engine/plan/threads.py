@@ -1,7 +1,7 @@
 """CPU threads for a run: the cores this process may use, fewer when other work keeps some busy.
 
-Measured on this project's 2-core machine (summarize examples/report.pdf, 64 tokens; /tmp A/B in
-the notes of the session that added this): quiet, 2 threads prefill 5.0 s / decode 14.4 ms per
+Measured on this project's 2-core machine (summarize examples/report.pdf, 64 tokens; the same
+comparison with --threads: scripts/threads_ab.sh): quiet, 2 threads prefill 5.0 s / decode 14.4 ms per
 token, 1 thread 8.9 s / 18.4 ms; with one core kept busy by another process, 2 threads 14.4 s /
 49.5 ms (OpenMP threads wait on each other at every parallel region while one of them is
 descheduled), 1 thread 8.7 s / 19.2 ms. So the default counts the cores that are free when the
