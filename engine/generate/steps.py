@@ -204,8 +204,8 @@ class GammaChooser:
         """Verify time for `tokens` tokens per row: the decayed mean at that size when seen, else
         linear between the nearest sizes seen, past the largest along the slope of the last two
         (flat when one size was seen, so that a longer draft gets tried), below the smallest its
-        time. (A straight-line fit through all sizes extrapolated below zero: the cost is convex,
-        e.g. past 8 rows the linears leave their native kernel.)"""
+        time. (A straight-line fit through all sizes extrapolated below zero: the cost is not a
+        line, e.g. the linears run 8 rows per native call, and past 64 rows torch's GEMM.)"""
         seen = sorted((t, y / w) for t, (w, y) in self.verify.items())
         below = [p for p in seen if p[0] <= tokens]
         above = [p for p in seen if p[0] >= tokens]

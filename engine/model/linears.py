@@ -97,7 +97,7 @@ class SkinnyLinear(torch.nn.Linear):
     """nn.Linear that is fast for a few rows of input (decode steps) on the CPU.
 
     For 1-8 fp32 rows it calls the native kernel, on the packed weight when there is one
-    (`packed`, set by `use_skinny_linears`). Without the native library, W @ x^T: the BLAS's
+    (`packed`, set by `use_skinny_linears`), and up to NATIVE_ROWS in calls of 8 rows. Without the native library, W @ x^T: the BLAS's
     x @ W^T path packs the weight matrix for 2-8 rows, so a speculative step (2 tokens) cost
     about twice a 1-token step. Prefill chunks (many rows) keep the ordinary path. Same result
     up to float rounding order. The packed copy is taken when the model is prepared: weights
