@@ -1,10 +1,10 @@
 """CPU threads for a run: the cores this process may use, fewer when other work keeps some busy.
 
-Measured on this project's 2-core machine (summarize examples/report.pdf, 64 tokens; the same
-comparison with --threads: scripts/threads_ab.sh): quiet, 2 threads prefill 5.0 s / decode 14.4 ms per
-token, 1 thread 8.9 s / 18.4 ms; with one core kept busy by another process, 2 threads 14.4 s /
-49.5 ms (OpenMP threads wait on each other at every parallel region while one of them is
-descheduled), 1 thread 8.7 s / 19.2 ms. So the default counts the cores that are free when the
+Measured on this project's 2-core machine (scripts/threads_ab.sh: summarize examples/report.pdf,
+64 tokens, means of 2 rounds): quiet, 2 threads prefill 5.5 s / decode 16.4 ms per token, 1 thread
+8.6 s / 20.0 ms; with one core kept busy by another process, 2 threads 14.1 s / 47.9 ms (OpenMP
+threads wait on each other at every parallel region while one of them is descheduled), 1 thread
+8.7 s / 20.7 ms. So the default counts the cores that are free when the
 run starts: the busy share of each allowed CPU over a short sample of /proc/stat (instantaneous,
 unlike the load average, which a previous run of a shell loop keeps high for a minute).
 """
