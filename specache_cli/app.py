@@ -7,6 +7,7 @@ own exit code by console.guarded around each command.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import typer
@@ -48,17 +49,39 @@ for _module in (run_cmds, plan_cmd, bench_cmd, cache_cmd):
     _module.register(app)
 
 
-def usage_message(exc: Exception) -> str:
-    """Click's usage error as one line, with a hint for a file name that starts with a dash."""
+FLAG = re.compile(r"--?[A-Za-z][\w-]*")  # what looks like a flag (not "-", not a negative number)
+
+
+def usage_message(exc: Exception, argv: list[str] | None = None) -> str:
+    """Click's usage error as one line, with a hint for a file name that starts with a dash; an
+    unknown flag comes with every other unknown flag of the command line (Click stops at the first)."""
     message = " ".join(exc.format_message().split()) if hasattr(exc, "format_message") else str(exc)
     message = message.rstrip(".")
     option = getattr(exc, "option_name", None)
-    if type(exc).__name__ == "NoSuchOption" and option and not option.startswith("--"):
-        message += " (to name a file that starts with '-', put '--' before it or write it as ./-name)"
     ctx = getattr(exc, "ctx", None)
+    if type(exc).__name__ == "NoSuchOption" and option:
+        if not option.startswith("--"):
+            message += " (to name a file that starts with '-', put '--' before it or write it as ./-name)"
+        if ctx is not None:
+            others = [f for f in unknown_flags(ctx.command, argv if argv is not None else sys.argv[1:]) if f != option]
+            if others:
+                message += f"; also unknown: {', '.join(others)}"
     if ctx is not None and ctx.command_path:
         message += f"; see {ctx.command_path} --help"
     return message
+
+
+def unknown_flags(command, argv: list[str]) -> list[str]:
+    """The flags of argv (before a "--") that `command` does not have, once each, in order."""
+    known = {"--help"} | {o for p in command.params for o in (*p.opts, *getattr(p, "secondary_opts", ()))}
+    out: list[str] = []
+    for token in argv:
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if FLAG.fullmatch(name) and name not in known and name not in out:
+            out.append(name)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,6 +109,6 @@ def run(argv: list[str] | None = None) -> int:
         return INTERRUPTED_EXIT
     except typer.exceptions.TyperException as exc:  # Click's ClickException family: usage errors
         if type(exc).__name__ != "NoArgsIsHelpError":  # (that one: Typer has printed the help already)
-            print_error(usage_message(exc))
+            print_error(usage_message(exc, argv))
         return int(getattr(exc, "exit_code", 2))
     return code if isinstance(code, int) else 0

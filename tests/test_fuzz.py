@@ -505,6 +505,12 @@ def test_usage_errors_are_one_line(world):
                          (["cache", "rm"], "missing argument"), (["summarize", "x.txt", "--k"], "requires an argument"),
                          (["ask", "--doc"], "requires an argument")):
         assert_one_error(world.run(argv), 2, needle)
+    # every unknown flag is named at once (Click stops at the first); values, "-", numbers and what
+    # follows "--" are not flags
+    out = world.run(["summarize", "x.txt", "--foo", "--bar=1", "--k", "5", "-q", "--temperature", "-1", "-",
+                     "--", "--later"])
+    assert_one_error(out, 2, "no such option: --foo; also unknown: --bar, -q; see specache summarize --help")
+    assert_one_error(world.run(["bench", "decode", "--lenght", "5"]), 2, "--length")  # one: Click's suggestion
     for value in ("nan", "inf"):  # plan's --host-ram
         assert_one_error(world.run(["plan", "--gpu", "l4", "--host-ram", value]), 2, "--host-ram")
     help_out = world.run([])  # no arguments: the help (Click's exit 2), no error line, no traceback
