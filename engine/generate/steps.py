@@ -74,6 +74,12 @@ def _per_row(x: torch.Tensor, slots: list[int], batch: int, fill: float) -> torc
     return out.index_copy_(0, torch.tensor(slots, device=x.device), x)
 
 
+def _keep(source: list[int], *per_slot):
+    """Each per-slot value (a list, or a tensor with slots first) reduced to the slots kept by
+    drop_finished, in their new order."""
+    return tuple(v[source] if isinstance(v, torch.Tensor) else [v[s] for s in source] for v in per_slot)
+
+
 def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, history: list[list[int]] | None = None,
                 finished: list[bool] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One token per step. logits [B, V] are the prefill's last logits. Yields (ids [B], the logits they
@@ -89,7 +95,7 @@ def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, histo
         yield _per_row(ids, slots, batch, -1), _per_row(logits, slots, batch, 0.0)
         source = drop_finished(cache, slots, finished, pick)
         if len(source) < len(slots):
-            slots, hist, ids = [slots[s] for s in source], [hist[s] for s in source], ids[source]
+            slots, hist, ids = _keep(source, slots, hist, ids)
         if not slots:
             return
         logits = forward(model, cache, ids[:, None], slice(0, len(slots)))[:, -1]
@@ -124,9 +130,9 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
     while True:
         source = drop_finished(cache, slots, finished, pick)
         if len(source) < len(slots):
-            slots, hist, out, spec = [slots[s] for s in source], [hist[s] for s in source], out[source], spec[source]
+            slots, hist, out, spec = _keep(source, slots, hist, out, spec)
             if follow is not None:
-                follow, prev = [follow[s] for s in source], [prev[s] for s in source]
+                follow, prev = _keep(source, follow, prev)
         if not slots:
             return
         pair = torch.stack([out, spec], dim=1)  # [n, 2] = [T_t, T'_{t+1}]
@@ -357,7 +363,7 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
     commit t0 and the accepted drafts per row. finished: the caller's live list of rows it no
     longer needs (read before each cycle): such a row leaves the batch (drop_finished), gets no
     tokens and zero logits; the loop ends when every row has. Measured figures go to cache.decode_stats."""
-    batch = cache.batch
+    batch, dev = cache.batch, cache.lengths.device
     hist = _histories(history, batch)
     sampler = pick if isinstance(pick, Sampler) else None
     t0 = pick(logits, hist)
@@ -370,7 +376,7 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
     while True:
         source = drop_finished(cache, slots, finished, pick)
         if len(source) < len(slots):
-            slots, hist, t0 = [slots[s] for s in source], [hist[s] for s in source], t0[source]
+            slots, hist, t0 = _keep(source, slots, hist, t0)
         n = len(slots)
         if n == 0:
             return
@@ -380,17 +386,17 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
             raise RuntimeError(f"cache overflow: exact mode needs room for one more token of {cache.max_len}")
         gamma = min(chooser.choose(), room)
         committed = cache.lengths[rows].clone()
-        sync(cache.lengths.device)
+        sync(dev)
         t_start = time.perf_counter()
         drafts, q = _draft(model, cache, t0, gamma, hist, sampler)
         cache.rollback(rows, committed)
-        sync(cache.lengths.device)
+        sync(dev)
         t_drafted = time.perf_counter()
         out = forward(model, cache, torch.cat([t0[:, None], drafts], 1), rows, logits_to_keep=gamma + 1,
                       exact=True, commit=False)  # [n, gamma + 1, V]; committed per row below
         n_acc, new = _accept(pick, out, drafts, q, hist)
         cache.commit(kept=torch.tensor([a + 1 for a in n_acc], dtype=torch.long))
-        sync(cache.lengths.device)
+        sync(dev)
         t_verified = time.perf_counter()
         dl = drafts.tolist()
         emitted_slots = [dl[i][: n_acc[i]] + [new[i]] for i in range(n)]
