@@ -80,6 +80,22 @@ def random_model(config, device):
     return prepare_model(model)
 
 
+def prefill_random(engine, cache, batch: int, context: int) -> tuple[list[torch.Tensor], float]:
+    """Prefill rows 0..batch-1 of `cache` with `context` random tokens each (seed 0). -> (each row's
+    last logits [V], the seconds it took, the device synchronized)."""
+    from engine.generate.steps import sync
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    t0 = time.perf_counter()
+    last = []
+    for row in range(batch):
+        ids = torch.randint(10, engine.model.config.vocab_size, (context,), generator=gen).tolist()
+        *_, logits = engine.prefill(cache, ids, row)
+        last.append(logits)
+    sync(engine.device)
+    return last, time.perf_counter() - t0
+
+
 def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
     """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps."""
     from engine.config import CacheConfig
@@ -90,15 +106,7 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
     config = CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
     engine = Engine(model, config)
     cache = engine.new_cache(batch, context + steps + 4)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    t0 = time.perf_counter()
-    last = []
-    for row in range(batch):
-        ids = torch.randint(10, model.config.vocab_size, (context,), generator=gen).tolist()
-        *_, logits = engine.prefill(cache, ids, row)
-        last.append(logits)
-    torch.cuda.synchronize()
-    prefill_s = time.perf_counter() - t0
+    last, prefill_s = prefill_random(engine, cache, batch, context)
     steps_it = engine.steps(cache, torch.stack(last), greedy)
     for _ in range(3):  # T1, pre-decoding and one steady step: warm-up
         next(steps_it)
@@ -168,15 +176,7 @@ def timed_exact(model, batch: int, context: int, cycles: int, chunk: int, bits: 
     engine = Engine(model, config)
     device = engine.device
     cache = engine.new_cache(batch, context + (2 * cycles + 2) * (gamma + 1) + decode_headroom(config) + 4)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    t0 = time.perf_counter()
-    last = []
-    for row in range(batch):
-        ids = torch.randint(10, model.config.vocab_size, (context,), generator=gen).tolist()
-        *_, logits = engine.prefill(cache, ids, row)
-        last.append(logits)
-    sync(device)
-    prefill_s = time.perf_counter() - t0
+    last, prefill_s = prefill_random(engine, cache, batch, context)
     verify = cache.transfer.verify
     it = exact_cycles(model, cache, torch.stack(last), greedy)
     next(it)  # the token from the prefill's logits
