@@ -232,6 +232,12 @@ RESUME_ASK = typer.Option(None, "--resume", help="The --jsonl output of an earli
                           "already answered about the same documents.")
 
 
+def check_resume(out: OutputOptions) -> None:
+    """--resume reads an earlier run's --jsonl output, so this run must write --jsonl too."""
+    if not out.jsonl:
+        raise BadArgument("--resume needs --jsonl (it reads an earlier run's --jsonl output)")
+
+
 def done_lines(path: str) -> list[dict]:
     """The successful lines (a source and a text, no error) of a --jsonl file; a missing file has none."""
     p = Path(path)
@@ -306,8 +312,7 @@ def summarize_cmd(
     quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     many = len(files) > 1
     if resume is not None:
-        if not jsonl:
-            raise BadArgument("--resume needs --jsonl (it reads an earlier run's --jsonl output)")
+        check_resume(out)
         done = done_sources(resume)
         todo = not_done(files, done)
         session.status(f"--resume: skipping {len(files) - len(todo)} of {len(files)} files already done in {resume}")
@@ -366,8 +371,8 @@ def ask_cmd(
         raise BadArgument("ask needs a question: specache ask --doc FILE \"question\"")
     if any(not q.strip() for q in asked):
         raise BadArgument("a question is empty")
-    if resume is not None and not out.jsonl:
-        raise BadArgument("--resume needs --jsonl (it reads an earlier run's --jsonl output)")
+    if resume is not None:
+        check_resume(out)
     session = Session(model, cache, gen, out.quiet)
     if resume is not None:
         done = done_questions(resume, doc)
