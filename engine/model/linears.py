@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from engine import native
+from engine.native import calibrate
 
 ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
 BLOCK = 32
@@ -116,17 +117,17 @@ class SkinnyLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        # the native kernel only where it measured faster than torch for this weight form and row count
+        fast = x.is_cpu and rows <= self.NATIVE_ROWS and calibrate.use_native(self.packed.fmt if self.packed else 0, rows)
         if rows > self.SKINNY_ROWS or not x.is_cpu:
             if self.prefill_dtype is not None and x.is_cpu and x.dtype != self.prefill_dtype and _IN_PREFILL.get():
                 return self.prefill_forward(x)
-            y = self.native_chunks(x.reshape(rows, -1)) if rows <= self.NATIVE_ROWS and x.is_cpu else None
+            y = self.native_chunks(x.reshape(rows, -1)) if fast else None
             return super().forward(x) if y is None else y.reshape(*x.shape[:-1], -1)
         flat = x.reshape(rows, -1)
-        y = self.native(flat)
+        y = self.native(flat) if fast else None
         if y is None:
-            y = (self.weight @ flat.T).T
-            if self.bias is not None:
-                y = y + self.bias
+            y = skinny_torch_linear(flat, self.weight, self.bias)
         return y.reshape(*x.shape[:-1], -1)
 
     def native(self, flat: torch.Tensor) -> torch.Tensor | None:
@@ -169,6 +170,13 @@ def prefill_pass() -> Iterator[None]:
         yield
     finally:
         _IN_PREFILL.reset(token)
+
+
+def skinny_torch_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """flat [R <= 8, K] @ weight^T (+ bias) by torch as W @ x^T: the BLAS's x @ W^T path packs the
+    weight matrix for 2-8 rows, so a 2-row step cost about twice a 1-row step that way."""
+    y = (weight @ flat.T).T
+    return y + bias if bias is not None else y
 
 
 def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
