@@ -119,6 +119,44 @@ def arch() -> str:
     return raw or "native"
 
 
+# x86-64 micro-architecture levels and the /proc/cpuinfo flags a CPU needs to execute their code
+X86_LEVELS = {
+    "x86-64-v2": {"ssse3", "sse4_1", "sse4_2", "popcnt", "cx16"},
+    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+# the vector code simd.h picks at each level
+LEVEL_ISA = {"x86-64": "generic", "x86-64-v2": "generic", "x86-64-v3": "avx2", "x86-64-v4": "avx512", "armv8-a": "neon"}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo 'flags' on x86, 'Features' on ARM64)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def runnable_levels() -> list[str]:
+    """The named -march levels whose code this CPU can execute (besides native)."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ["armv8-a"]
+    if machine not in ("x86_64", "amd64"):
+        return []
+    have, out, need = cpu_flags(), ["x86-64"], set()
+    for level, wanted in X86_LEVELS.items():  # each level needs the ones below it too
+        need |= wanted
+        if not need <= have:
+            break
+        out.append(level)
+    return out
+
+
 def flags(march: str | None = None) -> tuple[str, ...]:
     """The compiler flags for one instruction set."""
     return (*FLAGS, f"-march={march or arch()}")
