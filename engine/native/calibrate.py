@@ -3,7 +3,7 @@ than torch for that shape class, so that the worst case on any CPU is stock torc
 
 The classes are the weight's form (fp32, affine4, scaled8: engine/native/linear_kernels.c) and the
 rows of one call (1, 2-4, 5-8, and 9-64 in calls of 8). A short calibration (about a second, one
-thread, the two paths taking turns, best of 3) times a weight bigger than the caches (4096 x 4096,
+thread, the two paths taking turns, best of 5) times a weight bigger than the caches (4096 x 4096,
 what a decode step streams from memory) both ways, once per built library: its result is stored
 beside the library (``guide-<hash>.calib.json``, written atomically) and read by every later
 process. A packed weight's torch path is torch's GEMM on the fp32 weight it stands for.
@@ -49,7 +49,7 @@ def row_class(rows: int) -> str:
     raise ValueError(f"no row class for {rows} rows")
 
 
-def measure(repeats: int = 3, shape: tuple[int, int] = SHAPE) -> dict:
+def measure(repeats: int = 5, shape: tuple[int, int] = SHAPE) -> dict:
     """Time every (form, row class) both ways on a weight of `shape`; returns the report stored."""
     from engine.model.linears import native_linear, pack_weight, skinny_torch_linear  # (linears imports this module)
 
