@@ -6,9 +6,12 @@ with the engine's real step loop and times every ``specache_decode_attention`` c
 median microseconds per layer call. With --lib given twice (two builds of the native library,
 e.g. before and after a change to guide_kernels.c, built with engine/native's flags), the two
 take turns in one process, --rounds times each: an A/B that a noisy shared machine cannot bias.
+With --vs-torch the layer's whole decode attention (GuidedLayer.attend_decode) is timed with the
+fused call and with the torch path (no native kernel at all), taking turns: the measurement behind
+the rule that the fused call is used wherever the library loads (docs/engine.md).
 
     python scripts/bench_fused.py [--threads 1] [--batch 1] [--length 6400] [--k 128]
-                                  [--prefetch current] [--lib A.so --lib B.so] [--rounds 4]
+                                  [--prefetch current] [--lib A.so --lib B.so] [--rounds 4] [--vs-torch]
 """
 from __future__ import annotations
 
@@ -52,11 +55,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--lib", action="append", default=[], help="a native library build to time (repeat to A/B)")
+    ap.add_argument("--vs-torch", action="store_true", help="time attend_decode fused against the torch path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not native.native_available():
         sys.exit(f"native kernels unavailable: {native.native_error()}")
     libs = {path: native._load(Path(path)) for path in args.lib} or {"built": native.lib()}
+    print(f"native kernels: {native.isa()} ({native.ENV_ARCH}={native.arch()}), torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     model = smollm2_shaped()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (args.length,), generator=gen).tolist() for _ in range(args.batch)]
@@ -70,7 +76,22 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         return out
 
-    engine.kvcache.fused.FusedDecode.__call__ = timed
+    if args.vs_torch:  # time the whole attend_decode instead, with the library and without it
+        import engine.kvcache.guided as guided
+
+        attend = guided.GuidedLayer.attend_decode
+
+        def timed_attend(self, *a, **kw):
+            t0 = time.perf_counter()
+            out = attend(self, *a, **kw)
+            times.append(time.perf_counter() - t0)
+            return out
+
+        guided.GuidedLayer.attend_decode = timed_attend
+        lib = native.lib()
+        libs = {"fused native": lib, "torch": None}
+    else:
+        engine.kvcache.fused.FusedDecode.__call__ = timed
     results: dict[str, list[float]] = {name: [] for name in libs}
     for _ in range(args.rounds):
         for name, lib in libs.items():
@@ -79,7 +100,9 @@ def main() -> None:
             for _event in Engine(model, config).generate(prompts, GenerationConfig(max_tokens=args.steps)):
                 pass
             results[name].append(statistics.median(times) * 1e6)
-    print(f"fused decode attention, {args.prefetch} k {args.k}, batch {args.batch}, {args.length} tokens, "
+    native._lib = next(iter(libs.values()))
+    what = "decode attention (attend_decode)" if args.vs_torch else "fused decode attention"
+    print(f"{what}, {args.prefetch} k {args.k}, batch {args.batch}, {args.length} tokens, "
           f"{args.threads} thread(s): median us per layer call (each round)")
     for name, values in results.items():
         print(f"  {name}: {statistics.median(values):.0f}  ({' '.join(f'{v:.0f}' for v in values)})")
