@@ -4,8 +4,7 @@
 
 Each file holds small inputs of the native kernels (engine/native/*.c) and what the TORCH
 reference implementations give for them: the native library is disabled here
-($SPECACHE_NATIVE=0, set before engine is imported), so every result below comes from the
-code the native kernels replace:
+($SPECACHE_NATIVE=0), so every result below comes from the code the native kernels replace:
 
   linear.bin  fp32 skinny linear (rows 1, 3, 8; K 96 and 100; with and without bias) against
               F.linear; exact affine4 / scaled8 block weights (as tests/test_linears.py makes
@@ -22,10 +21,10 @@ code the native kernels replace:
 
 The layer's state is written through its own API (update, commit: sinks, residual window,
 host store, quantization) from seeded random K/V, and the fetched set from seeded random
-positions, instead of running a model: so every input is made by the RNG and exact
-elementwise ops and is the same bytes on any machine (tests/test_arm64.py regenerates the
-files and compares); only the reference outputs (matmuls, softmax) may differ across CPUs
-by float rounding.
+positions, instead of running a model: so every input is made by torch's seeded RNG and
+exact elementwise ops only, the same bytes wherever that RNG gives the same numbers
+(tests/test_arm64.py regenerates the files and compares); only the reference outputs
+(matmuls, softmax) may differ across CPUs by float rounding.
 
 File format (little-endian): b"SPKREF1\\n", uint32 count, then per blob: uint32 name length,
 the name, one dtype byte (struct codes: f float32, e float16, B uint8, b int8, i int32,
@@ -37,6 +36,7 @@ Fields whose name starts with "ref_" are reference outputs, the rest inputs.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import struct
@@ -44,12 +44,15 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ["SPECACHE_NATIVE"] = "0"  # torch references only (read once, at the first use of engine.native)
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from engine import native  # noqa: E402
+from engine import native
+from engine.config import CacheConfig
+from engine.kvcache import make_cache
+from engine.kvcache.base import Step, grouped_query
+from engine.kvcache.fused import FusedDecode
+from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "kernels"
@@ -108,8 +111,8 @@ def write(path: Path, cases: list[Case]) -> None:
             f.write(struct.pack(f"<{len(shape)}q", *shape) + struct.pack("<Q", len(raw)) + raw)
 
 
-def read(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    """name -> (dtype tag, shape, bytes), in file order."""
+def read(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes, int]]:
+    """name -> (dtype tag, shape, bytes, offset of the bytes in the file), in file order."""
     data = Path(path).read_bytes()
     if data[:8] != MAGIC:
         raise ValueError(f"{path}: not a kernel reference file")
@@ -122,7 +125,7 @@ def read(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
         shape = struct.unpack_from(f"<{ndim}q", data, pos + 2)
         pos += 2 + 8 * ndim
         (nbytes,) = struct.unpack_from("<Q", data, pos)
-        out[name] = (tag, tuple(shape), data[pos + 8 : pos + 8 + nbytes])
+        out[name] = (tag, tuple(shape), data[pos + 8 : pos + 8 + nbytes], pos + 8)
         pos += 8 + nbytes
     if pos != len(data):
         raise ValueError(f"{path}: {len(data) - pos} trailing bytes")
@@ -211,8 +214,10 @@ def linear_cases() -> list[Case]:
         c["x"], c["w"], c["bias"] = x, w, bias
         _linear_refs(c, x, w, bias)
         cases.append(c)
-    # N 256: the kernel splits the columns over the threads from 256 on (run_linear)
-    for fmt, make, pack, n, k in ((4, affine4_weight, pack_affine4, 256, 64), (8, scaled8_weight, pack_scaled8, 64, 96)):
+    # affine4 N 256: the kernels split the columns over the threads from N 256 on (run_linear), so its
+    # 2-thread runs (packed and the fp32 kernel on the same weight) take that path; the others do not
+    for fmt, make, pack, n, k in ((4, affine4_weight, pack_affine4, 256, 64),
+                                  (8, scaled8_weight, pack_scaled8, 64, 96)):
         g = gen(1000 + fmt)
         w = make(n, k, seed=fmt)
         c = Case(f"packed:{'affine4' if fmt == 4 else 'scaled8'}")
@@ -236,8 +241,6 @@ def kv_like(*shape: int, seed: int) -> torch.Tensor:
 
 
 def guide_cases() -> list[Case]:
-    from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
-
     h, d, qmax = 2, 64, max(QUERIES)
     cases, first = [], {}
     for bits, group, batch in ((2, 32, 2), (2, 64, 1), (1, 32, 1), (1, 64, 1)):
@@ -255,7 +258,8 @@ def guide_cases() -> list[Case]:
     for bits, group, batch in ((2, 32, 1), (2, 64, 1), (1, 32, 1), (2, 16, 1), (1, 64, 2)):
         n, cap = 100, 128  # the second 64-token block partial; tokens past n hold data the kernel must not read
         qv = quantize_values(kv_like(batch, h, cap, d, seed=100 + 10 * bits + group), bits, group)
-        p = torch.softmax(2 * torch.randn(batch, h, qmax, n, generator=gen(200 + batch)), -1)
+        u = torch.rand(batch, h, qmax, n, generator=gen(200 + batch))
+        p = (u * u) * (u * u) * (5.0 / n)  # peaky weights summing to about 1 (exact ops, unlike a softmax)
         c = Case(f"values:b{bits}_g{group}", base=first.get(batch))
         first.setdefault(batch, c)
         c["n"], c["gv"], c["bits"] = n, group, bits
@@ -274,8 +278,6 @@ LENGTHS = (111, 113)  # row 0: its kept token moves the boundary (64 -> 96: resi
 
 
 def _decode_int_fields() -> list[str]:
-    import ctypes
-
     return [name for name, ctype in native.DecodeArgs._fields_ if ctype is ctypes.c_int64]
 
 
@@ -283,8 +285,6 @@ def _layer_state(config) -> tuple:
     """A 2-row cache of one tiny layer filled through its own write path (prefill chunks, commits),
     plus a seeded random fetched set and the K/V of a decode pass's new tokens; returns (cache, layer,
     the rows' start positions)."""
-    from engine.kvcache import make_cache
-
     hkv, d = TINY.num_key_value_heads, TINY.head_dim
     cache = make_cache(TINY, config, len(LENGTHS), max(LENGTHS) + 2, torch.float32, torch.device("cpu"))
     layer = cache.layers[0]
@@ -318,9 +318,6 @@ def _layer_state(config) -> tuple:
 
 
 def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, select: int | None, seed: int) -> Case:
-    from engine.kvcache.base import Step, grouped_query
-    from engine.kvcache.fused import FusedDecode
-
     cache, layer, starts = _layer_state(config)
     hkv, d, heads = TINY.num_key_value_heads, TINY.head_dim, TINY.num_attention_heads
     b = rows.stop - rows.start
@@ -370,8 +367,6 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
 
 
 def fused_cases() -> list[Case]:
-    from engine.config import CacheConfig
-
     spec = CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=16)
     base = _fused_case("fused:spec_2bit", None, spec, slice(0, 2), 2, 1, seed=600)
     return [base,
@@ -390,8 +385,9 @@ FILES = {"linear.bin": linear_cases, "guide.bin": guide_cases, "fused.bin": fuse
 
 
 def make(out: Path) -> list[Path]:
-    """Write every reference file into out; returns their paths."""
-    assert native.lib() is None, "the references must come from the torch paths"
+    """Write every reference file into out; returns their paths. Needs the native library off
+    ($SPECACHE_NATIVE=0 before its first use in the process: main() sets it)."""
+    assert native.lib() is None, "the references must come from the torch paths: run with SPECACHE_NATIVE=0"
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -405,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=OUT, help=f"folder (default {OUT.relative_to(ROOT)})")
     args = ap.parse_args(argv)
+    os.environ[native.ENV_DISABLE] = "0"  # torch references only (read at the first use of engine.native)
     for path in make(args.out):
         print(f"{path}: {path.stat().st_size} bytes, {len(read(path))} blobs")
     return 0

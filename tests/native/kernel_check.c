@@ -1,10 +1,11 @@
 // The native kernels (engine/native/*.c, compiled into this program) against the torch references
 // stored in tests/data/kernels/*.bin (scripts/make_kernel_refs.py writes them; the format is in its
-// docstring). Built and run by tests/test_arm64.py natively for each x86-64 level this CPU runs and
-// cross-compiled for aarch64 under qemu; by hand (docs/engine.md, "Portable kernels"):
+// docstring). Built and run by tests/test_arm64.py, with the library's compiler flags
+// (engine/native/__init__.py FLAGS, without -shared), natively for each x86-64 level this CPU runs
+// and cross-compiled for aarch64 under qemu; by hand (docs/engine.md, "Portable kernels"):
 //
-//   aarch64-linux-gnu-gcc -O2 -march=armv8-a -fopenmp -std=gnu11 -Wno-psabi -static -o /tmp/kernel_check
-//       tests/native/kernel_check.c engine/native/*.c -lm
+//   aarch64-linux-gnu-gcc -O3 -fopenmp -fPIC -std=gnu11 -fvisibility=hidden -Wno-psabi -march=armv8-a -static
+//       -o /tmp/kernel_check tests/native/kernel_check.c engine/native/*.c -lm
 //   qemu-aarch64 /tmp/kernel_check --isa neon --prefill 0 tests/data/kernels/*.bin
 //
 // Every check runs with 1 and 2 OpenMP threads and prints one line ("ok   ..." or "FAIL ...",
@@ -181,7 +182,8 @@ static int load(const char *path, char *err, size_t len) {
         uint64_t nb;
         if (fread(&nl, 4, 1, f) != 1 || nl > 4096) goto bad;
         b->name = calloc(nl + 1, 1);
-        if (fread(b->name, 1, nl, f) != nl || fread(&b->tag, 1, 1, f) != 1 || fread(&nd, 1, 1, f) != 1 || nd > 8) goto bad;
+        if (fread(b->name, 1, nl, f) != nl || fread(&b->tag, 1, 1, f) != 1 || fread(&nd, 1, 1, f) != 1 || nd > 8)
+            goto bad;
         b->ndim = nd;
         if (nd && fread(b->shape, 8, nd, f) != nd) goto bad;
         b->count = 1;
@@ -343,9 +345,9 @@ static void check_packed(const char *cas) {
     check(rc == 0 && at < 0, "%s %s: bytes equal the packing rule's (%zu bytes)%s", cas, pname, P->nbytes,
           rc ? " -- returned nonzero" : at >= 0 ? " -- they differ" : "");
     if (at >= 0)
-        printf("#   first difference: byte %lld (record %lld, offset %lld): got 0x%02x expected 0x%02x\n", (long long)at,
-               (long long)(at / (fmt == 4 ? 24 : 36)), (long long)(at % (fmt == 4 ? 24 : 36)), got[at],
-               ((const uint8_t *)P->data)[at]);
+        printf("#   first difference: byte %lld (record %lld, offset %lld): got 0x%02x expected 0x%02x\n",
+               (long long)at, (long long)(at / (fmt == 4 ? 24 : 36)), (long long)(at % (fmt == 4 ? 24 : 36)),
+               got[at], ((const uint8_t *)P->data)[at]);
     float *wb = alloc64(w->nbytes);
     memcpy(wb, w->data, w->nbytes);
     wb[37] = nextafterf(wb[37], INFINITY); /* one weight off its block's grid */
@@ -355,7 +357,9 @@ static void check_packed(const char *cas) {
     rc = specache_unpack(P->data, fmt, 0, N, K, wb);
     at = diff_at(wb, w->data, w->nbytes);
     check(rc == 0 && at < 0, "%s unpack: rebuilds the weight bit for bit%s", cas, at < 0 ? "" : " -- it differs");
-    if (at >= 0) printf("#   first difference: weight %lld: got %.9g expected %.9g\n", (long long)(at / 4), wb[at / 4], F32(w)[at / 4]);
+    if (at >= 0)
+        printf("#   first difference: weight %lld: got %.9g expected %.9g\n", (long long)(at / 4), wb[at / 4],
+               F32(w)[at / 4]);
     rc = specache_unpack(P->data, fmt, 3, 7, K, wb);
     at = diff_at(wb, F32(w) + 3 * K, (size_t)(4 * K) * sizeof(float));
     check(rc == 0 && at < 0, "%s unpack rows 3..6: bit for bit%s", cas, at < 0 ? "" : " -- they differ");
@@ -416,6 +420,83 @@ typedef struct { float *fk, *fv, *out; int64_t *fidx; uint8_t *fvalid; } DecodeR
 
 static void free_run(DecodeRun *r) { free(r->fk), free(r->fv), free(r->out), free(r->fidx), free(r->fvalid); }
 
+/* The fetched set the call chose (fidx / fvalid of its rows) is a top K of the weights the torch
+ * path ranked, sel [B, H, L] (-1: not a candidate): as many positions as the torch path took,
+ * distinct candidates, none more than 1e-4 below the K-th largest weight (near-ties may go either
+ * way; the note says how many positions are the torch path's own choice). */
+static void check_selection(const char *what, const DecodeArgs *a, const DecodeRun *r,
+                            const Blob *sel, const Blob *ref_fidx, const Blob *ref_fvalid) {
+    const int64_t L = sel->shape[2], K = a->K;
+    int ok = 1, same = 0, total = 0;
+    double worst = 0.0; /* the largest shortfall of a chosen weight below the K-th largest */
+    char why[256] = "";
+    float *sorted = malloc((size_t)L * sizeof(float));
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const int64_t rr = a->row0 + b, o = rr * a->fi_sb + h * a->fi_sh;
+            const float *w = F32(sel) + (b * a->H + h) * L;
+            int64_t m = 0, chosen = 0;
+            for (int64_t l = 0; l < L; l++) m += w[l] >= 0.0f;
+            m = m < K ? m : K;
+            for (int64_t i = 0; i < L; i++) { /* descending insertion sort (L is small) */
+                int64_t j = i - 1;
+                for (; j >= 0 && sorted[j] < w[i]; j--) sorted[j + 1] = sorted[j];
+                sorted[j + 1] = w[i];
+            }
+            const float kth = m > 0 ? sorted[m - 1] : 0.0f;
+            for (int64_t j = 0; j < K; j++) {
+                if (!r->fvalid[o + j]) continue;
+                const int64_t p = r->fidx[o + j];
+                chosen++;
+                for (int64_t i = 0; i < j; i++)
+                    if (r->fvalid[o + i] && r->fidx[o + i] == p)
+                        ok = 0, snprintf(why, sizeof why, "row %lld head %lld: position %lld chosen twice",
+                                         (long long)rr, (long long)h, (long long)p);
+                if (p < 0 || p >= L || w[p] < 0.0f) {
+                    ok = 0;
+                    snprintf(why, sizeof why, "row %lld head %lld: position %lld is not a candidate", (long long)rr,
+                             (long long)h, (long long)p);
+                    continue;
+                }
+                worst = kth - w[p] > worst ? kth - w[p] : worst;
+                for (int64_t i = 0; ref_fidx && ref_fvalid && i < K; i++) {
+                    const int64_t ro = (b * a->H + h) * K + i;
+                    same += ((const uint8_t *)ref_fvalid->data)[ro] && ((const int64_t *)ref_fidx->data)[ro] == p;
+                }
+            }
+            total += (int)m;
+            if (chosen != m)
+                ok = 0, snprintf(why, sizeof why, "row %lld head %lld: %lld positions chosen, expected %lld",
+                                 (long long)rr, (long long)h, (long long)chosen, (long long)m);
+        }
+    free(sorted);
+    if (worst > 1e-4)
+        ok = 0, snprintf(why, sizeof why, "a chosen weight is %.3g below the K-th largest (tolerance 1e-4)", worst);
+    check(ok, "%s, threads %lld: selects a top %lld of the torch path's weights (%d of %d as torch chose%s)%s%s",
+          what, (long long)a->nthreads, (long long)K, same, total, worst > 0 ? ", near-ties differ" : "",
+          ok ? "" : ": ", why);
+}
+
+/* Speculative prefetch: every valid fetched slot holds the store's exact K/V at its position. */
+static void check_fetched_rows(const char *what, const DecodeArgs *a, const DecodeRun *r) {
+    int64_t bad_row = -1, bad_head = -1, bad_slot = -1;
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++)
+            for (int64_t j = 0; j < a->K; j++) {
+                const int64_t rr = a->row0 + b, o = rr * a->fi_sb + h * a->fi_sh + j;
+                if (!r->fvalid[o]) continue;
+                const int64_t p = r->fidx[o], f = rr * a->fk_sb + h * a->fk_sh + j * a->D;
+                const int64_t src = rr * a->st_sb + h * a->st_sh + p * a->D;
+                if (p < 0 || memcmp(r->fk + f, a->store_k + src, (size_t)a->D * 4)
+                    || memcmp(r->fv + f, a->store_v + src, (size_t)a->D * 4))
+                    bad_row = rr, bad_head = h, bad_slot = j;
+            }
+    check(bad_row < 0, "%s, threads %lld: every valid fetched slot holds the store's exact K/V row%s", what,
+          (long long)a->nthreads, bad_row < 0 ? "" : " -- one does not:");
+    if (bad_row >= 0)
+        printf("#   row %lld head %lld slot %lld\n", (long long)bad_row, (long long)bad_head, (long long)bad_slot);
+}
+
 /* fused:*  every buffer DecodeArgs points to and its scalar fields (nthreads aside); ref_out: the torch
  * path's output [B, H, G*T, D]; ref_sel_w [B, H, L]: the weights its top-k ranked (-1 outside the
  * candidates); ref_fidx / ref_fvalid: what it selected. */
@@ -441,7 +522,7 @@ static void check_fused(const char *cas) {
     a.q = F32(q), a.start = start->data, a.qend = qend->data, a.sink_k = F32(sink_k), a.sink_v = F32(sink_v);
     a.res_k = F32(res_k), a.res_v = F32(res_v), a.store_k = F32(store_k), a.store_v = F32(store_v);
     a.kc = kc->data, a.ks = ks->data, a.kz = kz->data, a.vc = vc->data, a.vs = vs->data, a.vz = vz->data;
-    const int64_t rows = fidx->shape[0], K = fidx->shape[2], D = a.D, L = store_k->shape[2];
+    const int64_t rows = fidx->shape[0], K = fidx->shape[2], D = a.D;
     const int64_t nout = a.B * a.H * a.G * a.T * D;
     if (ref->count != nout || fk->shape[2] != K || K != a.K) {
         check(0, "%s: inconsistent shapes", cas);
@@ -466,84 +547,8 @@ static void check_fused(const char *cas) {
         const int guard = guard_ok(r->out, nout);
         check(ok && guard, "%s, threads %d: output vs the torch decode path: %s%s", what, THREADS[t], msg,
               guard ? "" : "; wrote past its output");
-        if (sel) { /* the selection: the top K of the torch path's weights, up to near-ties */
-            const int64_t Lw = sel->shape[2];
-            const float *W = F32(sel);
-            int sel_ok = 1, same = 0, total = 0;
-            double worst = 0.0; /* largest shortfall of a chosen weight below the K-th largest */
-            char why[256] = "";
-            float *sorted = malloc((size_t)Lw * sizeof(float));
-            for (int64_t b = 0; b < a.B; b++)
-                for (int64_t h = 0; h < a.H; h++) {
-                    const int64_t rr = a.row0 + b, o = (rr * a.H + h) * K;
-                    const float *w = W + (b * a.H + h) * Lw;
-                    int64_t m = 0, chosen = 0;
-                    for (int64_t l = 0; l < Lw; l++) {
-                        sorted[l] = w[l];
-                        m += w[l] >= 0.0f;
-                    }
-                    m = m < K ? m : K;
-                    for (int64_t i = 1; i < Lw; i++) { /* descending insertion sort (L is small) */
-                        const float v = sorted[i];
-                        int64_t j = i - 1;
-                        for (; j >= 0 && sorted[j] < v; j--) sorted[j + 1] = sorted[j];
-                        sorted[j + 1] = v;
-                    }
-                    const float kth = m > 0 ? sorted[m - 1] : 0.0f;
-                    for (int64_t j = 0; j < K; j++) {
-                        if (!r->fvalid[o + j]) continue;
-                        const int64_t p = r->fidx[o + j];
-                        chosen++;
-                        for (int64_t i = 0; i < j; i++)
-                            if (r->fvalid[o + i] && r->fidx[o + i] == p) {
-                                sel_ok = 0;
-                                snprintf(why, sizeof why, "row %lld head %lld: position %lld chosen twice", (long long)rr,
-                                         (long long)h, (long long)p);
-                            }
-                        if (p < 0 || p >= Lw || w[p] < 0.0f) {
-                            sel_ok = 0;
-                            snprintf(why, sizeof why, "row %lld head %lld: position %lld is not a candidate",
-                                     (long long)rr, (long long)h, (long long)p);
-                            continue;
-                        }
-                        if (kth - w[p] > worst) worst = kth - w[p];
-                        if (ref_fidx && ref_fvalid)
-                            for (int64_t i = 0; i < K; i++) {
-                                const int64_t ro = (b * a.H + h) * K + i;
-                                same += ((const uint8_t *)ref_fvalid->data)[ro] && ((const int64_t *)ref_fidx->data)[ro] == p;
-                            }
-                    }
-                    total += (int)m;
-                    if (chosen != m) {
-                        sel_ok = 0;
-                        snprintf(why, sizeof why, "row %lld head %lld: %lld positions chosen, expected %lld",
-                                 (long long)rr, (long long)h, (long long)chosen, (long long)m);
-                    }
-                }
-            free(sorted);
-            if (worst > 1e-4) {
-                sel_ok = 0;
-                snprintf(why, sizeof why, "a chosen weight is %.3g below the K-th largest (tolerance 1e-4)", worst);
-            }
-            check(sel_ok, "%s, threads %d: selects a top %lld of the torch path's weights (%d of %d as torch chose%s)%s%s",
-                  what, THREADS[t], (long long)K, same, total, worst > 0 ? ", near-ties differ" : "",
-                  sel_ok ? "" : ": ", why);
-        }
-        if (a.select >= 0 && !a.current) { /* the fetched buffers hold the store's exact rows of the selection */
-            int64_t bad = -1;
-            for (int64_t b = 0; b < a.B && bad < 0; b++)
-                for (int64_t h = 0; h < a.H; h++)
-                    for (int64_t j = 0; j < K; j++) {
-                        const int64_t rr = a.row0 + b, o = (rr * a.H + h) * K + j;
-                        if (!r->fvalid[o]) continue;
-                        const int64_t p = r->fidx[o], src = (rr * a.H + h) * L * D + p * D;
-                        if (p < 0 || p >= L || memcmp(r->fk + o * D, F32(store_k) + src, (size_t)D * 4) ||
-                            memcmp(r->fv + o * D, F32(store_v) + src, (size_t)D * 4))
-                            bad = o;
-                    }
-            check(bad < 0, "%s, threads %d: every valid fetched slot holds the store's exact K/V row%s", what,
-                  THREADS[t], bad < 0 ? "" : " -- one does not");
-        }
+        if (sel) check_selection(what, &a, r, sel, ref_fidx, ref_fvalid);
+        if (a.select >= 0 && !a.current) check_fetched_rows(what, &a, r);
         if (a.B < rows) { /* cache rows outside [row0, row0 + B) keep their fetched set */
             int ok2 = 1;
             for (int64_t rr = 0; rr < rows; rr++) {
@@ -551,14 +556,16 @@ static void check_fused(const char *cas) {
                 const size_t sk = (size_t)(a.H * K), sf = sk * (size_t)D;
                 ok2 &= !memcmp(r->fidx + rr * sk, (const int64_t *)fidx->data + rr * sk, sk * 8);
                 ok2 &= !memcmp(r->fvalid + rr * sk, (const uint8_t *)fvalid->data + rr * sk, sk);
-                ok2 &= !memcmp(r->fk + rr * sf, F32(fk) + rr * sf, sf * 4) && !memcmp(r->fv + rr * sf, F32(fv) + rr * sf, sf * 4);
+                ok2 &= !memcmp(r->fk + rr * sf, F32(fk) + rr * sf, sf * 4);
+                ok2 &= !memcmp(r->fv + rr * sf, F32(fv) + rr * sf, sf * 4);
             }
             check(ok2, "%s, threads %d: the other cache rows' fetched sets are untouched", what, THREADS[t]);
         }
     }
-    const int same = !memcmp(run[0].out, run[1].out, (size_t)nout * 4) && !memcmp(run[0].fidx, run[1].fidx, fidx->nbytes)
-                     && !memcmp(run[0].fvalid, run[1].fvalid, fvalid->nbytes) && !memcmp(run[0].fk, run[1].fk, fk->nbytes)
-                     && !memcmp(run[0].fv, run[1].fv, fv->nbytes);
+    const int same = !memcmp(run[0].out, run[1].out, (size_t)nout * 4)
+                     && !memcmp(run[0].fidx, run[1].fidx, fidx->nbytes)
+                     && !memcmp(run[0].fvalid, run[1].fvalid, fvalid->nbytes)
+                     && !memcmp(run[0].fk, run[1].fk, fk->nbytes) && !memcmp(run[0].fv, run[1].fv, fv->nbytes);
     check(same, "%s: 2 threads == 1 thread bit for bit (output, fetched set and buffers)", what);
     free_run(&run[0]);
     free_run(&run[1]);
