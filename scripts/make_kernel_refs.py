@@ -70,7 +70,7 @@ def _encode(value) -> tuple[bytes, tuple[int, ...], bytes]:
     if isinstance(value, str):
         raw = value.encode()
         return b"s", (len(raw),), raw
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, int):  # (bools too)
         value = np.array(value, dtype=np.int64)
     elif isinstance(value, float):
         value = np.array(value, dtype=np.float32)
@@ -86,6 +86,8 @@ def _encode(value) -> tuple[bytes, tuple[int, ...], bytes]:
 
 @dataclasses.dataclass
 class Case:
+    """One case of a file: case[field] = value encodes the value (see _encode)."""
+
     name: str  # "<kind>:<label>"
     base: "Case | None" = None
     fields: dict = dataclasses.field(default_factory=dict)
