@@ -18,6 +18,7 @@ from engine.bench.common import (
     default_doc,
     fmt,
     load_texts,
+    native_line,
     parse_floats,
     parse_ints,
     parse_mode,
@@ -350,6 +351,8 @@ def decode_cmd(
                       fmt(x["speedup_vs_full"], 2), fmt(x["speedup_vs_hf"], 2))
     _print(table)
     _print_targets(result["targets"])
+    Console(highlight=False, soft_wrap=True).print(
+        f"CPU: {result['environment'].get('cpu', '?')}; {native_line(result['environment']['kernels'])}")
 
 
 def _print_targets(targets: list[dict]) -> None:

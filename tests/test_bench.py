@@ -48,6 +48,7 @@ def bench(tiny_model_dir, tmp_path_factory):
         return result, markdown, r
 
     invoke.out = out
+    invoke.model_dir = tiny_model_dir
     return invoke
 
 
@@ -208,6 +209,16 @@ def test_decode_side_by_side_quick(bench):
     assert rows[("hf", 1)]["speedup_vs_hf"] == 1.0 and rows[("full", 2)]["speedup_vs_full"] == 1.0
     assert [t["goal"] for t in result["targets"]] == [">= 1.5x", ">= 2.5x"] * 2
     assert "| specache-k16 | 2 |" in markdown
+    from engine import native
+
+    kernels = result["environment"]["kernels"]  # which code ran: the ISA and each kernel's path
+    assert kernels["isa"] == native.isa() and kernels["arch"] == native.arch()
+    assert kernels["decode_attention"] in ("native", "torch") and set(kernels["decode_linears"].values()) <= {"native", "torch"}
+    assert f"native kernels {native.isa()}" in markdown
+    table = CliRunner().invoke(app, ["bench", "decode", "--quick", "--model", str(bench.model_dir), "--out", str(bench.out),
+                                     "--threads", "1", "--quiet", "--modes", "full,specache-k16", "--batches", "1",
+                                     "--length", "64"], catch_exceptions=False)
+    assert table.exit_code == 0 and f"native kernels {native.isa()} (-march={native.arch()})" in table.stdout
 
 
 # ---- flags and helpers -------------------------------------------------------------------

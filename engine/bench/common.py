@@ -172,6 +172,17 @@ class BenchResult:
 
 # ---- environment and envelope ------------------------------------------------------------
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(lm=None) -> dict:
     """Where the numbers come from: model, library versions, machine."""
     import torch
@@ -184,7 +195,11 @@ def environment(lm=None) -> dict:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpu": _cpu_model(),
     }
+    from engine import native
+
+    env["kernels"] = native.describe()
     if lm is not None:
         env["model"] = {"name": lm.name, "path": str(lm.path), "fingerprint": lm.fingerprint,
                         "max_context": lm.max_context, "dtype": str(lm.dtype).removeprefix("torch."),
@@ -305,10 +320,17 @@ def md_header(title: str, result: dict) -> str:
              f"window {model.get('max_context', '?')} tokens, fingerprint {model.get('fingerprint', '?')})",
              f"- machine: {env['platform']}, {env['cpu_count']} CPUs, torch {env['torch']} "
              f"({env['torch_threads']} threads), transformers {env['transformers']}",
+             f"- CPU: {env.get('cpu', '?')}; " + (native_line(env["kernels"]) if env.get("kernels") else "kernels: ?"),
              f"- modes: {', '.join(m['label'] for m in result['modes'])}"]
     if result.get("seconds") is not None:
         lines.append(f"- wall time: {result['seconds']:.1f} s")
     return "\n".join(lines) + "\n"
+
+
+def native_line(kernels: dict) -> str:
+    from engine import native
+
+    return native.describe_line(kernels)
 
 
 class stock_transformers:
