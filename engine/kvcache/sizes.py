@@ -77,3 +77,17 @@ def window_tokens(shape, max_len: int, bits: int, group: int, k: int, residual: 
     guide = max_len * 2 * shape.kv_heads * shape.head_dim * guide_bits_per_element(bits, group) / 8
     per_token = layer_kv_bytes_per_token(shape, element_bytes)
     return max(1, int((guide + k * per_token) / per_token) + residual)
+
+
+SLIDING_SLACK_MIN = 17  # exact mode's largest pass: GAMMA_MAX + 1 tokens (engine.config.GAMMA_MAX = 16)
+
+
+def sliding_slots(window: int, chunk: int, max_len: int) -> int:
+    """Ring slots of a sliding-window layer per row: the window plus one pass's new tokens (a prefill
+    chunk, or exact mode's largest verification), never more than the planned length."""
+    return min(max_len, window + max(chunk, SLIDING_SLACK_MIN))
+
+
+def sliding_kept_tokens(window: int, length: int) -> int:
+    """Positions a sliding-window layer keeps for a row of `length` tokens: the last W."""
+    return min(window, length)
