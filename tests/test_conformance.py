@@ -18,7 +18,7 @@ from engine.kvcache import make_cache, quant, sliding_windows
 from engine.kvcache.sizes import quant_boundary
 from engine.model.loading import prepare_model
 from engine.model.support import CHECKED
-from tests.tiny_archs import ARCHS, VOCAB, WINDOW, eager_greedy, tiny_model
+from tests.tiny_archs import ARCHS, REFUSED, VOCAB, WINDOW, eager_greedy, save_model_dir, tiny_model
 
 NEW = 24
 LENGTHS = (300, 237)  # unequal prompts, both longer than the windows
@@ -175,3 +175,39 @@ def test_kivi_equals_the_kivi_reference(name):
         model.set_attn_implementation(impl)
         cache.close()
     assert crossed >= 1, "the test should cross a quantization boundary during decoding"
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_refused_model_gives_one_error_line_and_the_model_exit_code(name, tmp_path):
+    """A model whose attention the engine does not reproduce is refused at load, through the CLI: one
+    `error:` line naming the model type and what is missing, the model-error exit code, nothing on stdout."""
+    from typer.testing import CliRunner
+
+    from engine.errors import ModelLoadError
+    from specache_cli.app import app
+
+    model = tiny_model(name)
+    folder = save_model_dir(model, tmp_path / name)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"w{i % 300 + 3}" for i in range(200)) + "\n")
+    r = CliRunner().invoke(app, ["summarize", str(doc), "--model", str(folder), "--no-store", "--max-tokens", "4",
+                                 "--quiet"])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == ModelLoadError.exit_code and r.stdout == ""
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert f"'{model.config.model_type}'" in lines[0] and REFUSED[name][2] in lines[0], lines[0]
+
+
+def test_an_attention_argument_the_engine_does_not_implement_is_refused():
+    from engine.errors import UnsupportedModel
+    from engine.model.attention import check_arguments
+
+    model, _, _ = case("gemma2")
+    module = model.model.layers[0].self_attn
+    assert check_arguments(module, {"sliding_window": WINDOW, "softcap": 4.0, "dropout": 0.0,
+                                    "position_ids": torch.arange(3)}, WINDOW) == 4.0
+    for kwargs, window, what in [({"s_aux": torch.zeros(4)}, None, "'s_aux'"),
+                                 ({"sliding_window": WINDOW}, None, "sliding_window=48"),
+                                 ({"dropout": 0.1}, None, "'dropout'")]:
+        with pytest.raises(UnsupportedModel, match="'gemma2'.*" + what.replace("(", r"\(")):
+            check_arguments(module, kwargs, window)
