@@ -6,6 +6,7 @@ planner's engine.plan.profiles.ModelProfile)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -91,3 +92,30 @@ def sliding_slots(window: int, chunk: int, max_len: int) -> int:
 def sliding_kept_tokens(window: int, length: int) -> int:
     """Positions a sliding-window layer keeps for a row of `length` tokens: the last W."""
     return min(window, length)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Some layers of a model, as the formulas above read a shape: count, KV heads, head_dim."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def global_part(shape) -> LayerGroup:
+    """The layers of `shape` that attend over the whole context and so keep the configured policy
+    (a planner ModelProfile's sliding_window_layers keep only their window instead)."""
+    return LayerGroup(shape.layers - getattr(shape, "sliding_window_layers", 0), shape.kv_heads, shape.head_dim)
+
+
+def sliding_window_bytes(shape, context: int, chunk: int, element_bytes: int, in_use: bool = False) -> int:
+    """Device bytes per sequence of the model's sliding-window layers (shape.sliding_window_layers of
+    window shape.sliding_window): their preallocated rings for `context` tokens, or (in_use) the
+    window they hold at `context` tokens."""
+    n = getattr(shape, "sliding_window_layers", 0)
+    if not n:
+        return 0
+    w = shape.sliding_window
+    tokens = sliding_kept_tokens(w, context) if in_use else sliding_slots(w, chunk, context)
+    return n * tokens * layer_kv_bytes_per_token(shape, element_bytes)
