@@ -160,6 +160,16 @@ class GuidedLayer(CacheLayer):
         if extra:
             raise ValueError(f"unexpected tensors {sorted(extra)}")
 
+    # ---- the fetched set: hooks of a policy that fetches (topk > 0, engine/kvcache/specache.py) --
+    def select_current(self, scores, rscores, step: Step, nq: int, qend) -> None:
+        """prefetch "current": pick this pass's own fetched set before it attends (nothing to pick here)."""
+
+    def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
+        """Pick the next step's fetched set from this pass's attention and start fetching it (nothing here)."""
+
+    def count_hits(self, qg, rscores, idx, step: Step, nq: int, scaling: float) -> None:
+        """Measure the prefetch hit rate (nothing is fetched here)."""
+
     # ---- attention -----------------------------------------------------------------------
     def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """q [b, H, T, D] -> [b, T, H, D]. See the module docstring (softcap: every score, exact or

@@ -159,7 +159,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.
 
 def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Switch an already built model (e.g. a test's random one) to the engine's attention function
-    and, on the CPU, to linears that are fast for decode steps (engine/linears.py). prefill_dtype:
+    and, on the CPU, to linears that are fast for decode steps (engine/model/linears.py). prefill_dtype:
     prefill chunks' linears and attention compute in that dtype (bf16, resolve_dtype); None: in
     the model's own (exact). Called again, it replaces the previous choice. Raises UnsupportedModel
     (engine.model.support) for a model whose attention the engine does not reproduce."""
