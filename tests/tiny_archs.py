@@ -30,6 +30,8 @@ ARCHS: dict[str, tuple[str, dict]] = {
                                     final_logit_softcapping=30.0, query_pre_attn_scalar=16)),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=16)),
     "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    # the multimodal wrapper real Gemma 3 checkpoints (4B and up) load as; text prompts only
+    "gemma3-multimodal": ("Gemma3Config", dict(num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=16)),
 }
 
 # architectures the engine refuses (engine.model.support), with the feature its error line names
@@ -43,6 +45,13 @@ REFUSED: dict[str, tuple[str, dict, str]] = {
 def tiny_config(name: str):
     """The transformers config of architecture `name` (ARCHS, or REFUSED)."""
     cls, extra = ARCHS[name] if name in ARCHS else REFUSED[name][:2]
+    if cls == "Gemma3Config":  # a text config inside, a one-layer vision tower beside it
+        text = {k: v for k, v in {**COMMON, **extra}.items() if k != "tie_word_embeddings"}
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                         image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
+                                         eoi_token_index=VOCAB - 2)
     config = getattr(transformers, cls)(**{**COMMON, **extra})
     if cls == "Phi3Config":  # no GQA head_dim field: hidden / heads
         config.head_dim = config.hidden_size // config.num_attention_heads

@@ -22,6 +22,7 @@ CHECKED: dict[str, str] = {
     "qwen3": "Qwen3",
     "gemma2": "Gemma 2 (attention-logit softcapping, sliding-window layers)",
     "gemma3_text": "Gemma 3 text models (sliding-window layers)",
+    "gemma3": "Gemma 3 multimodal checkpoints (4B and up), text prompts: the text decoder's attention",
     "phi3": "Phi-3, with and without a sliding window",
 }
 
@@ -29,7 +30,6 @@ CHECKED: dict[str, str] = {
 KNOWN_GAPS: dict[str, str] = {
     "stablelm": "its attention module does not pass the engine's cache to the attention function",
     "gpt_oss": "attention sinks (s_aux)",
-    "gemma3": "the multimodal Gemma 3 wrapper (not checked; the text model, model_type gemma3_text, is)",
     "cohere2": "not checked against transformers' own attention (sliding windows without rope on global layers)",
 }
 
