@@ -47,8 +47,7 @@ from engine.bench.task import (
     run_task,
     task_markdown,
 )
-from engine.config import CACHE_MODES
-from engine.config import PREFETCH
+from engine.config import CACHE_MODES, PREFETCH
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
 from engine.model.loading import load_model
