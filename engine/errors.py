@@ -64,6 +64,14 @@ class ModelLoadError(SpecacheError):
     code = "model_load_error"
 
 
+class UnsupportedModel(ModelLoadError):
+    """A model whose attention the engine cannot reproduce (an argument it does not implement, a module
+    that bypasses the attention interface, an architecture it has not been checked on): refused at load,
+    with the model-error exit code, rather than giving text that differs from the model's."""
+
+    code = "unsupported_model"
+
+
 class ProfileError(SpecacheError):
     exit_code = 11
     code = "bad_profile"

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the fused native decode attention (engine/fused.py) of one layer.
+"""Micro-benchmark of the fused native decode attention (engine/kvcache/fused.py) of one layer.
 
 Builds a randomly initialised 2-layer model of SmolLM2-135M's attention shape (9 query heads,
 3 KV heads, head dim 64), prefills random prompts of --length tokens, decodes --steps tokens

@@ -1,4 +1,4 @@
-"""Micro-benchmark of a decode step's linears on the embedded model (engine/linears.py).
+"""Micro-benchmark of a decode step's linears on the embedded model (engine/model/linears.py).
 
 For 1, 2, 4 and 8 activation rows, times all 211 linears of SmolLM2-135M once each (what one
 decode step of a batch does) three ways, taking turns: torch's ``x @ W^T`` (stock nn.Linear),

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the guide kernels in engine/quant.py (one layer, decode step).
+"""Micro-benchmark of the guide kernels in engine/kvcache/quant.py (one layer, decode step).
 
 Times guide_scores (q @ K^T over the packed key guide) and guide_weighted_values
 (p @ V over the packed value guide): the native C kernels (engine.native, if they build),

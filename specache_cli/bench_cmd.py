@@ -48,7 +48,7 @@ from engine.bench.task import (
     run_task,
     task_markdown,
 )
-from engine.config import PREFETCH
+from engine.config import CACHE_MODES, PREFETCH
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
 from engine.model.loading import load_model
@@ -380,8 +380,9 @@ def store_cmd(
     out = out_dir(out, False)
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    if not mode_list or any(m not in ("full", "specache", "kivi", "window") for m in mode_list):
-        raise BadArgument(f"--modes must list cache modes (full, specache, kivi, window), not {modes!r}")
+    known = CACHE_MODES  # the registered policies (engine.kvcache.registry; tests/test_layout.py)
+    if not mode_list or any(m not in known for m in mode_list):
+        raise BadArgument(f"--modes must list cache modes ({', '.join(known)}), not {modes!r}")
     document = load_document(doc or str(default_doc("report.pdf")))
     lm = _load_model(model, device, quiet, threads)
     result = run_store_bench(lm, document, mode_list, max_tokens)

@@ -1,4 +1,4 @@
-"""`specache cache ls|rm|clear`: the persistent document KV store (engine/store.py).
+"""`specache cache ls|rm|clear`: the persistent document KV store (engine/docstore/store.py).
 
 Entries are listed least recently used first (the next to be evicted under the size cap)."""
 from __future__ import annotations
@@ -58,12 +58,13 @@ def _ago(t: float) -> str:
 
 
 def _settings(meta: dict) -> str:
-    mode = meta.get("mode", "?")
-    if mode in ("specache", "kivi"):
-        return f"{mode} {meta.get('bits')}b g{meta.get('group')} R{meta.get('residual')} S{meta.get('sinks')}"
-    if mode == "window":
-        return f"window {meta.get('residual')} S{meta.get('sinks')}"
-    return mode
+    mode = meta.get("mode", "?")  # the store key's fields (engine.generate.prefixes.store_settings) say what it has
+    windows = " +windows" if meta.get("windows") else ""
+    if meta.get("bits") is not None:
+        return f"{mode} {meta.get('bits')}b g{meta.get('group')} R{meta.get('residual')} S{meta.get('sinks')}{windows}"
+    if meta.get("residual") is not None:
+        return f"{mode} {meta.get('residual')} S{meta.get('sinks')}{windows}"
+    return mode + windows
 
 
 def ls_cmd(json_out: bool = typer.Option(False, "--json", help="Print the listing as JSON."),

@@ -1,5 +1,5 @@
 """The native decode paths (engine/native): the skinny linear and the fused decode attention
-must agree with the torch code they replace (engine/model.py fallback, GuidedLayer.attend_decode)."""
+must agree with the torch code they replace (the torch fallback, GuidedLayer.attend_decode)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Packed weights (engine/linears.py): a weight that is exactly a block format is packed, rebuilds
+"""Packed weights (engine/model/linears.py): a weight that is exactly a block format is packed, rebuilds
 bit for bit, and the packed kernel gives the fp32 kernel's result bit for bit; anything else is
 left alone."""
 from __future__ import annotations

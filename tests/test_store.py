@@ -1,4 +1,4 @@
-"""The persistent document KV store (engine/store.py) and what uses it: a hit reproduces a miss
+"""The persistent document KV store (engine/docstore/store.py) and what uses it: a hit reproduces a miss
 exactly, bad entries are never used, writes are atomic under concurrency and interruption,
 LRU eviction under the cap, `specache cache`, --no-store, --questions, batch jobs and --resume.
 

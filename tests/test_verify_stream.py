@@ -91,7 +91,7 @@ def verification_pass(model, cache, ids: torch.Tensor) -> tuple[torch.Tensor, li
     outs = []
     for layer in cache.layers:
         real = layer.attend
-        layer.attend = lambda q, s, step, real=real: outs.append(real(q, s, step)) or outs[-1]
+        layer.attend = lambda q, s, step, softcap=None, real=real: outs.append(real(q, s, step, softcap)) or outs[-1]
     try:
         step = cache.begin(slice(0, cache.batch), ids.shape[1], exact=True)
         with torch.inference_mode():

@@ -4,7 +4,7 @@ Per document (the model's chat template around a summarization instruction, the 
 truncated to fit the window) the full cache generates the reference: greedy tokens F_0..F_{N-1}
 and the next-token distribution before each. Then, per mode:
 
-- teacher-forced: engine.generate.engine.teacher_forced feeds F through the mode's real step loop
+- teacher-forced: engine.generate.engine.Engine.teacher_forced feeds F through the mode's real step loop
   (speculative or one-token steps, per the prefetch); each step's distribution is compared
   with the reference: top-1 agreement and mean KL(full || mode);
 - free-running: the mode's own greedy output; length of the prefix identical to F, and the
@@ -17,7 +17,7 @@ and the next-token distribution before each. Then, per mode:
   summed over the query heads of each KV head, over the guide region [sinks, qend):
   recall = |chosen set ∩ exact top-k| / k and coverage = attention mass on the chosen set /
   mass on the region, for the set the engine fetched and for the top-k of: the guide (1/2-bit
-  keys, sinks and residual exact as in engine/guided.py) or exact keys, scored with the next
+  keys, sinks and residual exact as in engine/kvcache/guided.py) or exact keys, scored with the next
   token's own query, the speculative query, or the current output token's query; next to the
   oracle's (exact top-k) coverage.
 """

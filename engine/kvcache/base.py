@@ -8,7 +8,7 @@ different lengths: each row's committed length lives in `cache.lengths`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import Cache
@@ -34,10 +34,25 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         return cls(config.num_hidden_layers, heads, kv, head_dim)
+
+
+def sliding_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the model's attention modules pass it (None: global attention):
+    with layer_types (Qwen2/3, Gemma 2/3) the "sliding_attention" layers take config.sliding_window;
+    without (Mistral, Phi-3) every layer does. engine.model.attention checks it on every call."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, window = text.num_hidden_layers, getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window:
+        return (None,) * layers
+    if types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * layers
 
 
 @dataclass
@@ -115,6 +130,26 @@ def additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Ten
     if allowed is None:
         return None
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Attention-logit softcapping (Gemma 2): tanh(s / c) * c; positions at -inf (masked) stay there."""
+    if softcap is None:
+        return scores
+    return torch.where(torch.isneginf(scores), scores, torch.tanh(scores / softcap) * softcap)
+
+
+def masked_attention(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention of grouped queries qg [b, H_kv, G*T, D] over keys/values [b, H_kv, L, D] with an
+    additive mask [b, 1, G*T, L] (or None). Without a softcap one SDPA call; with one, transformers'
+    eager order: scores * scaling, softcap, + mask, softmax in fp32. -> [b, H_kv, G*T, D]"""
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
+    scores = torch.tanh((qg @ keys.transpose(-1, -2)).float() * (scaling / softcap)) * softcap  # [b, H_kv, GT, L]
+    if mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1).to(values.dtype) @ values
 
 
 def split_attention_applies(q: torch.Tensor, step: Step) -> bool:
@@ -234,51 +269,68 @@ def import_tensors(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], c
             view.copy_(t)
 
 
-class CacheLayer(Protocol):
-    """What KVCache asks of each per-layer object (one class per policy: engine/kvcache/full.py,
-    specache.py, kivi.py, window.py). Buffers are preallocated for `batch` rows of `max_len` tokens."""
+class CacheLayer:
+    """One model layer's K/V (transformers cache_utils style: one class per layer type). The policies
+    (engine/kvcache/full.py, specache.py, kivi.py, window.py, exact.py) and the sliding-window layers
+    of the model (sliding.py) subclass it; every hook a policy does not need has a default here.
+    Buffers are preallocated for `batch` rows of `max_len` tokens."""
 
-    quantizes: ClassVar[bool]  # True: the layer moves a quantization boundary on commits (boundaries/after_step)
-    fetches: ClassVar[bool]  # True: CacheConfig.k exact positions are fetched per step (k matters)
-    plan_mode: ClassVar[str]  # the memory planner's mode whose sizes this policy has (engine.plan.planner.MODES)
-    verifies: ClassVar[bool]  # True: decoded by drafting and one exact verification pass per cycle (exact)
+    policy: ClassVar[str] = ""  # the --cache name it is registered under (engine.kvcache.registry)
+    quantizes: ClassVar[bool] = False  # True: the layer moves a quantization boundary on commits (boundaries/after_step)
+    fetches: ClassVar[bool] = False  # True: CacheConfig.k exact positions are fetched per step (k matters)
+    plan_mode: ClassVar[str] = ""  # the memory planner's mode whose sizes this policy has (engine.plan.planner.MODES)
+    verifies: ClassVar[bool] = False  # True: decoded by drafting and one exact verification pass per cycle (exact)
+    guided: ClassVar[bool] = False  # True: a low-bit guide / residual-window policy (its settings key the store)
+    window: int | None = None  # the model's sliding window of this layer (None: global attention)
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
         """True: decode with the two-token speculative step loop (engine.generate.steps)."""
+        return False
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
         """Store the new tokens' K/V [b, H_kv, T, D] of this pass."""
+        raise NotImplementedError
 
-    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """Attention of the new tokens' queries q [b, H, T, D] over the row's past -> [b, T, H, D]."""
+    def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
+        """Attention of the new tokens' queries q [b, H, T, D] over the row's past -> [b, T, H, D]
+        (softcap: the model's attention-logit softcapping, tanh(s / c) * c before the mask)."""
+        raise NotImplementedError
 
     def boundaries(self, lengths: torch.Tensor) -> torch.Tensor:
         """Each row's quantized prefix for these committed lengths [B] (quantizing layers only)."""
+        return torch.zeros_like(lengths)
 
     def after_step(self, step: Step, lengths: torch.Tensor) -> None:
         """After a commit moved a boundary: quantize what left the exact window (quantizing layers only)."""
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Make row dst hold row src's first `length` tokens (a shared document prefix)."""
+        raise NotImplementedError
 
     def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
         """Row `row`'s state after `length` tokens (views), for the document store."""
+        raise NotImplementedError
 
     def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
         """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
+        import_tensors(self.export_row(row, length), tensors, check, strict=True)
 
     def device_bytes(self, lengths: torch.Tensor) -> int:
         """Bytes held on the compute device for rows of these lengths."""
+        raise NotImplementedError
 
     def host_bytes(self, lengths: torch.Tensor) -> int:
         """Bytes held in the exact host store for rows of these lengths."""
+        return 0
 
     def allocated_device_bytes(self) -> int:
         """Bytes of this layer's preallocated device buffers, per row (what the planner budgets)."""
+        raise NotImplementedError
 
     def run_stats(self, layers: list) -> dict:
         """Settings and measured statistics of these layers (all of this class) for --json."""
+        return {}
 
 
 class KVCache(Cache):
@@ -296,6 +348,8 @@ class KVCache(Cache):
         self.step: Step | None = None
         self._bounds: list[int] | None = None  # the layers' quantization boundaries after the last commit
         self._acting = [layer for layer in layers if layer.quantizes]  # layers that act on a commit
+        # the layers of the configured policy (the others: the model's sliding-window layers, sliding.py)
+        self.policy_layers = [layer for layer in layers if layer.window is None]
         self.decode_stats: dict = {}  # what a step loop measured (exact mode: gamma, acceptance), for --json
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
@@ -394,7 +448,11 @@ class KVCache(Cache):
         stats = {"mode": self.config.mode, "device_bytes": self.device_bytes(),
                  "host_bytes": self.host_bytes(), "full_fp16_bytes": self.full_fp16_bytes()}
         stats["device_vs_full_fp16"] = round(stats["device_bytes"] / max(stats["full_fp16_bytes"], 1), 4)
-        stats.update(self.layers[0].run_stats(self.layers))
+        if self.policy_layers:
+            stats.update(self.policy_layers[0].run_stats(self.policy_layers))
+        windows = [layer for layer in self.layers if layer.window is not None]
+        if windows:
+            stats["sliding_window_layers"] = len(windows)
         stats.update(self.decode_stats)
         return stats
 

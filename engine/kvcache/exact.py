@@ -53,7 +53,7 @@ class ExactLayer(SpecacheLayer):
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
-        return False
+        return False  # its drafts pick their own sets (prefetch "current")
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
@@ -71,23 +71,23 @@ class ExactLayer(SpecacheLayer):
             self.new_kv = (k, v)
         super().update(k, v, step)
 
-    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """q [b, H, T, D] -> [b, T, H, D]: a verification attends exactly over every committed K/V
         and the new tokens (the store in place, or this layer's streamed buffer), any other pass as
         specache does."""
         if not step.exact:
-            return super().attend(q, scaling, step)
+            return super().attend(q, scaling, step, softcap)
         length = max(step.starts) + step.n_new
         if not self.verify.staged:
             keys, values = self.store.k[step.rows, :, :length], self.store.v[step.rows, :, :length]
             if keys.device != q.device:  # CUDA with stream_verify off: a plain copy on the compute stream
                 keys, values = keys.to(q.device, non_blocking=True), values.to(q.device, non_blocking=True)
-            return exact_attention(q, keys, values, scaling, step, self.shape)
+            return exact_attention(q, keys, values, scaling, step, self.shape, softcap)
         keys, values = self.verify.acquire(self.index, step.rows)  # [B, H_kv, L, D]: the past of [0, max(start))
         (k_new, v_new), self.new_kv = self.new_kv, None
         write_rows(keys, values, k_new, v_new, step)
         out = exact_attention(q, keys[step.rows, :, :length], values[step.rows, :, :length], scaling, step,
-                              self.shape)
+                              self.shape, softcap)
         self.verify.release(self.index)
         return out
 

@@ -5,12 +5,13 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kvcache.base import (
+    CacheLayer,
     ModelShape,
     Step,
     additive_mask,
     causal_mask,
     grouped_query,
-    import_tensors,
+    masked_attention,
     native_prefill_attention,
     split_attention_applies,
     split_prefill_attention,
@@ -23,27 +24,24 @@ from engine.kvcache.transfer import Transfer
 
 
 def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, step: Step,
-                    shape: ModelShape) -> torch.Tensor:
+                    shape: ModelShape, softcap: float | None = None) -> torch.Tensor:
     """Exact causal attention of the step's new tokens' queries q [b, H, T, D] over each row's
     exact K/V keys/values [b, H_kv, max(start) + T, D] (positions past a row's own are masked)
-    -> [b, T, H, D]. The full cache's attention; exact mode's verification pass reuses it."""
+    -> [b, T, H, D] (softcap: the model's attention-logit softcapping). The full cache's attention;
+    exact mode's verification pass reuses it."""
     length = keys.shape[2]
     qg = grouped_query(q, shape.kv_heads)
     mask = step.shared_value(("causal", shape.group, length, q.dtype),
                              lambda: additive_mask(causal_mask(step, shape.group, length), q.dtype))
-    out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
+    out = masked_attention(qg, keys, values, mask, scaling, softcap)
     return ungroup_output(out, shape.heads, step.n_new)
 
 
 @register("full")
-class FullLayer:
+class FullLayer(CacheLayer):
     """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
 
-    quantizes, fetches, verifies, plan_mode = False, False, False, "full"
-
-    @classmethod
-    def speculates(cls, config: CacheConfig) -> bool:
-        return False
+    plan_mode = "full"
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
@@ -55,11 +53,12 @@ class FullLayer:
         """Write the new tokens' K/V ([b, H_kv, T, D]) at their positions."""
         write_rows(self.k, self.v, k, v, step)
 
-    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """Exact attention of q [b, H, T, D] over each row's past and new tokens -> [b, T, H, D].
         A prefill chunk on the CPU: the past without a mask, the chunk's block causal, merged
-        (split_prefill_attention); otherwise one SDPA call with the causal mask of the pass."""
-        if split_attention_applies(q, step):
+        (split_prefill_attention); otherwise one SDPA call with the causal mask of the pass (or,
+        with a softcap, which the flash kernels cannot apply, the eager order: masked_attention)."""
+        if split_attention_applies(q, step) and softcap is None:
             s, t = step.starts[0], step.n_new
             r = step.rows
             out = native_prefill_attention(q, [(self.k[r, :, : s + t], self.v[r, :, : s + t])], scaling, s) \
@@ -69,7 +68,7 @@ class FullLayer:
             return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         length = max(step.starts) + step.n_new
         return exact_attention(q, self.k[step.rows, :, :length], self.v[step.rows, :, :length], scaling, step,
-                               self.shape)
+                               self.shape, softcap)
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Make row dst hold row src's first `length` tokens (a shared document prefix)."""
@@ -80,18 +79,8 @@ class FullLayer:
         """Row `row`'s state after `length` tokens (views), for the document store."""
         return {"k": self.k[row, :, :length], "v": self.v[row, :, :length]}
 
-    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
-        """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
-        import_tensors(self.export_row(row, length), tensors, check, strict=True)
-
     def device_bytes(self, lengths: torch.Tensor) -> int:
         return int(lengths.sum()) * layer_kv_bytes_per_token(self.shape, self.k.element_size())
 
-    def host_bytes(self, lengths: torch.Tensor) -> int:
-        return 0
-
     def allocated_device_bytes(self) -> int:
         return (self.k.numel() + self.v.numel()) * self.k.element_size() // self.k.shape[0]
-
-    def run_stats(self, layers: list) -> dict:
-        return {}

@@ -4,7 +4,8 @@ do with ~30 torch ops (guide scores, exact scores at sinks / fetched / residual 
 softmax, exact + guide values, top-k selection and the gather of the next fetched set), without
 the intermediate tensors. Same semantics; results agree to float rounding (the top-k may order
 ties differently). The torch path stays the reference, and runs on CUDA, without the native
-library, for window mode and when the prefetch hit rate is measured.
+library, for window mode, when the prefetch hit rate is measured, and for a softcapped layer
+(Gemma 2: the native call has no softcap; GuidedLayer.attend_decode decides).
 """
 from __future__ import annotations
 

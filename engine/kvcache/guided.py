@@ -21,13 +21,16 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kvcache.base import (
+    CacheLayer,
     ModelShape,
     Step,
     additive_mask,
     grouped_query,
     import_tensors,
+    masked_attention,
     native_prefill_attention,
     split_attention_applies,
+    soft_cap,
     split_prefill_attention,
     ungroup_output,
 )
@@ -44,16 +47,12 @@ from engine.kvcache.transfer import HostStore, Transfer
 NEG_INF = float("-inf")
 
 
-class GuidedLayer:
+class GuidedLayer(CacheLayer):
     """The machinery the guide-based policies share (see module docstring); each policy is a subclass
     that fixes how many positions it fetches (topk), whether it keeps a guide and an exact host store,
     and its window (engine/kvcache/specache.py, kivi.py, window.py)."""
 
-    quantizes, fetches, verifies = True, False, False
-
-    @classmethod
-    def speculates(cls, config: CacheConfig) -> bool:
-        return False
+    quantizes, guided = True, True
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer, *, topk: int, use_guide: bool, residual: int, group: int):
@@ -161,14 +160,25 @@ class GuidedLayer:
         if extra:
             raise ValueError(f"unexpected tensors {sorted(extra)}")
 
-    # ---- attention -----------------------------------------------------------------------
-    def attend(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """q [b, H, T, D] -> [b, T, H, D]. See the module docstring."""
-        if step.prefill:
-            return self.attend_prefill(q, scaling, step)
-        return self.attend_decode(q, scaling, step)
+    # ---- the fetched set: hooks of a policy that fetches (topk > 0, engine/kvcache/specache.py) --
+    def select_current(self, scores, rscores, step: Step, nq: int, qend) -> None:
+        """prefetch "current": pick this pass's own fetched set before it attends (nothing to pick here)."""
 
-    def attend_prefill(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
+    def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
+        """Pick the next step's fetched set from this pass's attention and start fetching it (nothing here)."""
+
+    def count_hits(self, qg, rscores, idx, step: Step, nq: int, scaling: float) -> None:
+        """Measure the prefetch hit rate (nothing is fetched here)."""
+
+    # ---- attention -----------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
+        """q [b, H, T, D] -> [b, T, H, D]. See the module docstring (softcap: every score, exact or
+        from the guide, is capped before the one softmax, as the model caps its own)."""
+        if step.prefill:
+            return self.attend_prefill(q, scaling, step, softcap)
+        return self.attend_decode(q, scaling, step, softcap)
+
+    def attend_prefill(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk.
         Past = the quantized prefix read from the exact store (sinks in window mode) + the residual
         positions before the chunk; on the CPU attended without a mask and merged with the chunk's
@@ -182,7 +192,7 @@ class GuidedLayer:
             k_past, v_past = self.sink_k[row : row + 1, :, : min(self.sinks, qend)], \
                 self.sink_v[row : row + 1, :, : min(self.sinks, qend)]
         n_res = start + t - qend
-        if split_attention_applies(q, step):  # no mask: the past pieces whole, the chunk's block causal
+        if split_attention_applies(q, step) and softcap is None:  # no mask: the past whole, the chunk's block causal
             rk, rv = self.res_k[row : row + 1], self.res_v[row : row + 1]
             recent = start - qend  # residual positions before the chunk
             out = None
@@ -209,15 +219,16 @@ class GuidedLayer:
 
         mask = step.shared_value(("prefill", row, past, qend, n_res, self.shape.group, q.dtype),
                                  lambda: additive_mask(allowed(), q.dtype))
-        out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scaling)
+        out = masked_attention(qg, keys, values, mask, scaling, softcap)
         return ungroup_output(out, self.shape.heads, t)
 
-    def attend_decode(self, q: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """One or two new tokens per row against guide + sinks + fetched set + residual."""
+    def attend_decode(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
+        """One or two new tokens per row against guide + sinks + fetched set + residual (the native
+        fused call where it applies; it has no softcap, so a softcapped layer takes the torch path)."""
         rows, t = step.rows, step.n_new
         b, h, g = q.shape[0], self.shape.kv_heads, self.shape.group
         qg = grouped_query(q, h)  # [b, H_kv, G*T, D]
-        if fused_applies(self, q):  # one native call does all of the below on the CPU
+        if softcap is None and fused_applies(self, q):  # one native call does all of the below on the CPU
             self.fused = self.fused or FusedDecode(self)
             return ungroup_output(self.fused(qg, scaling, step).to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
@@ -233,10 +244,11 @@ class GuidedLayer:
         if s:
             sink_scores = (qg @ self.sink_k[rows, :, :s].transpose(-1, -2)).float() * scaling
             scores[..., :s] = sink_scores
+        scores = soft_cap(scores, softcap)
         # 3. residual + new tokens, exact and causal
         n_res = int((step.start + t - qend).max())
         rk, rv = self.res_k[rows, :, :n_res], self.res_v[rows, :, :n_res]
-        rscores = (qg @ rk.transpose(-1, -2)).float() * scaling  # [b, H_kv, GT, n_res]
+        rscores = soft_cap((qg @ rk.transpose(-1, -2)).float() * scaling, softcap)  # [b, H_kv, GT, n_res]
         rpos = qend[:, None] + torch.arange(n_res, device=dev)  # [b, n_res] absolute positions
         qpos = step.positions()  # [b, T]
         visible = rpos[:, None, :] <= qpos[:, :, None]  # [b, T, n_res]
@@ -250,7 +262,7 @@ class GuidedLayer:
         if kf:
             fk, fv = self.store.fetched(rows)
             idx = torch.where(self.fvalid[rows], self.fidx[rows], nq)  # [b, H_kv, k]; invalid -> trash
-            fscores = (qg @ fk.transpose(-1, -2)).float() * scaling  # [b, H_kv, GT, k]
+            fscores = soft_cap((qg @ fk.transpose(-1, -2)).float() * scaling, softcap)  # [b, H_kv, GT, k]
             scores.scatter_(-1, idx[:, :, None, :].expand(-1, -1, g * t, -1), fscores)
         scores.masked_fill_(out_of_rows, NEG_INF)  # (and the trash column)
         # 5. one softmax

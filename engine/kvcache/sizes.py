@@ -6,6 +6,7 @@ planner's engine.plan.profiles.ModelProfile)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -77,3 +78,44 @@ def window_tokens(shape, max_len: int, bits: int, group: int, k: int, residual: 
     guide = max_len * 2 * shape.kv_heads * shape.head_dim * guide_bits_per_element(bits, group) / 8
     per_token = layer_kv_bytes_per_token(shape, element_bytes)
     return max(1, int((guide + k * per_token) / per_token) + residual)
+
+
+SLIDING_SLACK_MIN = 17  # exact mode's largest pass: GAMMA_MAX + 1 tokens (engine.config.GAMMA_MAX = 16)
+
+
+def sliding_slots(window: int, chunk: int, max_len: int) -> int:
+    """Ring slots of a sliding-window layer per row: the window plus one pass's new tokens (a prefill
+    chunk, or exact mode's largest verification), never more than the planned length."""
+    return min(max_len, window + max(chunk, SLIDING_SLACK_MIN))
+
+
+def sliding_kept_tokens(window: int, length: int) -> int:
+    """Positions a sliding-window layer keeps for a row of `length` tokens: the last W."""
+    return min(window, length)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Some layers of a model, as the formulas above read a shape: count, KV heads, head_dim."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def global_part(shape) -> LayerGroup:
+    """The layers of `shape` that attend over the whole context and so keep the configured policy
+    (a planner ModelProfile's sliding_window_layers keep only their window instead)."""
+    return LayerGroup(shape.layers - getattr(shape, "sliding_window_layers", 0), shape.kv_heads, shape.head_dim)
+
+
+def sliding_window_bytes(shape, context: int, chunk: int, element_bytes: int, in_use: bool = False) -> int:
+    """Device bytes per sequence of the model's sliding-window layers (shape.sliding_window_layers of
+    window shape.sliding_window): their preallocated rings for `context` tokens, or (in_use) the
+    window they hold at `context` tokens."""
+    n = getattr(shape, "sliding_window_layers", 0)
+    if not n:
+        return 0
+    w = shape.sliding_window
+    tokens = sliding_kept_tokens(w, context) if in_use else sliding_slots(w, chunk, context)
+    return n * tokens * layer_kv_bytes_per_token(shape, element_bytes)

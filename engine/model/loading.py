@@ -21,6 +21,7 @@ from engine.errors import BadArgument, ModelLoadError
 from engine.model.attention import ATTENTION_NAME
 from engine.model.embedded import EMBEDDED_NAME, embedded_model_dir, find_embedded_gguf
 from engine.model.linears import cpu_has_native_bf16, use_skinny_linears
+from engine.model.support import attention_modules, check_supported
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -158,13 +159,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.
 
 def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Switch an already built model (e.g. a test's random one) to the engine's attention function
-    and, on the CPU, to linears that are fast for decode steps (engine/linears.py). prefill_dtype:
+    and, on the CPU, to linears that are fast for decode steps (engine/model/linears.py). prefill_dtype:
     prefill chunks' linears and attention compute in that dtype (bf16, resolve_dtype); None: in
-    the model's own (exact). Called again, it replaces the previous choice."""
+    the model's own (exact). Called again, it replaces the previous choice. Raises UnsupportedModel
+    (engine.model.support) for a model whose attention the engine does not reproduce."""
+    check_supported(model)
     model.set_attn_implementation(ATTENTION_NAME)
     use_skinny_linears(model, prefill_dtype)
     model.specache_prefill_dtype = prefill_dtype  # read by the Engine: it keys the document store
-    for module in model.modules():  # the attention modules: prefill attention's compute dtype (Step.compute)
-        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
-            module.specache_prefill_dtype = prefill_dtype
+    for module in attention_modules(model):  # prefill attention's compute dtype (Step.compute)
+        module.specache_prefill_dtype = prefill_dtype
     return model.eval()

@@ -20,6 +20,7 @@ from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of
     FETCH_BUFFERS,
     exact_tail_tokens,
     fetch_buffer_bytes,
+    global_part,
     guide_bits_per_element,
     guide_bytes,
     guide_capacity,
@@ -28,6 +29,7 @@ from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of
     layer_kv_bytes_per_token,
     residual_slots,
     sink_slots,
+    sliding_window_bytes,
 )
 from engine.plan.profiles import (
     HardwareProfile,
@@ -325,36 +327,42 @@ class _Sizing:
 
 def _sizing(mode: str, hw: HardwareProfile, m: ModelProfile, context: int, bits: int, group: int, residual: int,
             sinks: int, k: int, reference: str, chunk: int, eb: int) -> _Sizing:
-    kvb = kv_bytes_per_token(m, eb)
+    gm = global_part(m)  # the layers of the policy; the sliding-window layers keep only their window
+    kvb = kv_bytes_per_token(gm, eb)
+    paper = reference == "paper"
+    windows = {"sliding_window_layers": sliding_window_bytes(m, context, chunk, eb, in_use=paper)} \
+        if m.sliding_window_layers else {}
+    window_read = m.sliding_window_layers and sliding_window_bytes(m, context, chunk, eb, in_use=True)
     if mode == "full":
         one_shot = reference == "paper"  # the whole batch in one forward, as one generate() call does
         if one_shot:
             prefill = prefill_activation_bytes(m, context, eb, all_logits=True)
         else:
             prefill = prefill_activation_bytes(m, min(chunk, context), eb, past_tokens=context, mask=True)
-        return _Sizing({"kv_cache": context * kvb}, decode_working_set_bytes(m, context, 1, eb, guided=False),
-                       prefill, one_shot, 0, context * kvb, 1)
+        return _Sizing({"kv_cache": context * kvb, **windows},
+                       decode_working_set_bytes(m, context, 1, eb, guided=False), prefill, one_shot, 0,
+                       context * kvb + window_read, 1)
     tail = min(context, exact_tail_tokens(residual, group))
-    paper = reference == "paper"
     if paper:  # the paper's figures: what is in use at `context` tokens
-        state = {"guide": guide_bytes(m, context, bits, group), "residual_window": tail * kvb,
+        state = {"guide": guide_bytes(gm, context, bits, group), "residual_window": tail * kvb,
                  "sinks": min(sinks, context) * kvb}
     else:  # the engine's preallocated buffers (engine.kvcache: allocated_device_bytes() equals this)
-        state = {"guide": guide_bytes(m, guide_capacity(context, group), bits, group),
+        state = {"guide": guide_bytes(gm, guide_capacity(context, group), bits, group),
                  "residual_window": residual_slots(residual, group, chunk) * kvb, "sinks": sink_slots(sinks) * kvb}
-    queries, read = 1, state["guide"] + (tail + min(sinks, context)) * kvb
+    queries, read = 1, state["guide"] + (tail + min(sinks, context)) * kvb + window_read
     host = 0
     if mode in ("specache", "exact"):
-        state["fetch_buffers"] = fetch_buffer_bytes(m, k, eb, PAPER_FETCH_BUFFERS if paper else FETCH_BUFFERS)
+        state["fetch_buffers"] = fetch_buffer_bytes(gm, k, eb, PAPER_FETCH_BUFFERS if paper else FETCH_BUFFERS)
         queries, read, host = SPECULATIVE_TOKENS, read + k * kvb, context * kvb
         if hw.unified_memory:
             state["host_store"] = host
     if mode == "exact":  # drafts feed one token; a verification streams every layer's exact K/V through
         queries = 1
-        if hw.kind == "cuda" and not hw.unified_memory:
+        if hw.kind == "cuda" and not hw.unified_memory and global_part(m).layers:
             state["verify_buffers"] = verify_buffer_bytes(m, context, eb)
     prefill = prefill_activation_bytes(m, min(chunk, context), eb, past_tokens=context, past_views=PAST_VIEWS,
                                        mask=True)
+    state.update(windows)
     return _Sizing(state, decode_working_set_bytes(m, context, queries, eb, guided=True),
                    prefill, reference == "paper", host, read, queries)
 
@@ -382,7 +390,7 @@ def exact_cycle(hw: HardwareProfile, m: ModelProfile, s: _Sizing, batch: int, k:
     KV head) is not hidden; a verification feeds gamma + 1 tokens and reads every exact K/V:
     copied over PCIe (contiguous pinned rows, h2d_gbps) on a GPU, read in place on a CPU or a
     unified-memory device (its read is in the compute roofline)."""
-    kvb = kv_bytes_per_token(m, eb)
+    kvb = kv_bytes_per_token(global_part(m), eb)
     fetch, fetch_s, draft_compute = _step(hw, m, s, batch, k, context, eb)
     draft_s = draft_compute + fetch_s
     streamed = hw.kind == "cuda" and not hw.unified_memory
@@ -414,7 +422,7 @@ def _max_batch(s: _Sizing, available: int) -> tuple[int, int]:
 def _step(hw: HardwareProfile, m: ModelProfile, s: _Sizing, batch: int, k: int, context: int, eb: int,
           ) -> tuple[int, float, float]:
     """(transfer bytes, transfer seconds, compute seconds) of one decode step at this batch and k."""
-    kvb = kv_bytes_per_token(m, eb)
+    kvb = kv_bytes_per_token(global_part(m), eb)  # only the policy's layers fetch
     transfer = batch * k * kvb
     compute = decode_step_seconds(hw, m, batch, s.queries, s.read_per_sequence, context, eb)
     return transfer, transfer_seconds(hw, transfer), compute
@@ -423,7 +431,7 @@ def _step(hw: HardwareProfile, m: ModelProfile, s: _Sizing, batch: int, k: int, 
 def max_hidden_k(hw: HardwareProfile, m: ModelProfile, s: _Sizing, batch: int, k: int, context: int,
                  eb: int) -> int:
     """Largest k (<= context) whose prefetch time still fits inside the step's compute time."""
-    kvb = kv_bytes_per_token(m, eb)
+    kvb = kv_bytes_per_token(global_part(m), eb)
 
     def hidden(kk: int) -> bool:
         sized = replace(s, read_per_sequence=s.read_per_sequence + (kk - k) * kvb)

@@ -116,6 +116,8 @@ class ModelProfile:
     default_group: int = 64
     default_k: int = 64  # with speculative prefetch (the GPU default)
     default_k_current: int | None = None  # with current prefetch (the CPU default); None: default_k
+    sliding_window: int | None = None  # the model's sliding window W (Mistral v0.1, Gemma 2/3, ...)
+    sliding_window_layers: int = 0  # how many layers attend within it (each keeps only its window)
     hf_id: str = ""
     aliases: tuple[str, ...] = ()
     source: str = "<built-in>"
@@ -130,9 +132,18 @@ class ModelProfile:
         _check(self.default_bits in (1, 2), self.source, "default_bits", f"must be 1 or 2, not {self.default_bits}")
         _check(self.default_group in (32, 64), self.source, "default_group",
                f"must be 32 or 64, not {self.default_group}")
+        _check(0 <= self.sliding_window_layers <= self.layers, self.source, "sliding_window_layers",
+               f"must be in 0..layers ({self.layers}), not {self.sliding_window_layers}")
+        _check(self.sliding_window_layers == 0 or (self.sliding_window or 0) > 0, self.source, "sliding_window",
+               "must be > 0 when sliding_window_layers is given")
         embed = self.vocab_size * self.hidden_size
         _check(self.parameters > embed, self.source, "parameters",
                f"({self.parameters}) is smaller than the embedding table alone ({embed})")
+
+    @property
+    def global_layers(self) -> int:
+        """Layers that attend over the whole context (they keep the configured cache policy)."""
+        return self.layers - self.sliding_window_layers
 
     def k_for(self, prefetch: str) -> int:
         """The default k for a prefetch mode (the two select differently, so they need different k)."""
@@ -255,12 +266,37 @@ def model_profile_from_config(config: Any, name: str | None = None, source: str 
                                          bool(cfg.get("tie_word_embeddings", False)),
                                          bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
     label = name or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model"
+    window, window_layers = sliding_layers(cfg, layers)
     small = parameters < 1_000_000_000
     return ModelProfile(
         name=str(label), display_name=str(label), layers=layers, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, hidden_size=hidden, intermediate_size=intermediate, vocab_size=vocab,
         max_context=int(cfg.get("max_position_embeddings") or 2048), parameters=int(parameters),
-        default_bits=2 if small else 1, default_k=256 if small else 64, source=source)
+        default_bits=2 if small else 1, default_k=256 if small else 64, sliding_window=window,
+        sliding_window_layers=window_layers, source=source)
+
+
+def sliding_layers(cfg: dict, layers: int) -> tuple[int | None, int]:
+    """(the sliding window, how many layers use it) of a Hugging Face config dict, as the model's
+    attention modules apply it (engine.kvcache.base.sliding_windows): its layer_types' sliding_attention
+    layers; a config without layer_types is normalized by transformers' own config class (Qwen2's
+    use_sliding_window / max_window_layers, Gemma 3's pattern), else every layer has the window."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None, 0
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("model_type"):
+        try:
+            from transformers import AutoConfig
+
+            types = getattr(AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                                       if k != "model_type"}), "layer_types", None)
+        except (ValueError, KeyError, TypeError):
+            types = None
+    if types is None:
+        return int(window), layers
+    count = sum(t == "sliding_attention" for t in types)
+    return (int(window), count) if count else (None, 0)
 
 
 def model_from_hf(path: str | Path) -> ModelProfile:

@@ -1,0 +1,97 @@
+"""The model's sliding-window layers keep only their window (engine/kvcache/sliding.py), and the
+planner counts them so: `specache plan` and a built cache agree, layer type by layer type."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, MistralConfig
+from typer.testing import CliRunner
+
+from engine.config import CacheConfig
+from engine.generate.steps import prefill
+from engine.kvcache import make_cache
+from engine.kvcache.sizes import layer_kv_bytes_per_token, sliding_slots
+from engine.kvcache.sliding import SlidingWindowLayer
+from engine.kvcache.specache import SpecacheLayer
+from engine.model.loading import prepare_model
+from engine.plan import planner as P
+from engine.plan.profiles import load_hardware, load_model_profile, model_profile_from_config
+from specache_cli.app import app
+from tests.tiny_archs import WINDOW, tiny_config, tiny_model
+
+CONTEXT = 32768
+# the two profiles' transformers configs (the shapes that size a cache; a small vocabulary)
+CONFIGS = {
+    "gemma-3-4b": Gemma3TextConfig(num_hidden_layers=34, hidden_size=2560, intermediate_size=10240,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=1024,
+                                   vocab_size=1000),
+    "mistral-7b-v0.1": MistralConfig(sliding_window=4096, vocab_size=1000),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("mode", ["full", "kivi", "specache"])
+def test_plan_at_32k_counts_window_layers_as_windows_and_equals_the_built_cache(name, mode):
+    """Gemma-3-4B (29 of 34 layers with a 1024 window) and Mistral-7B-v0.1 (all 32 with 4096) at 32k
+    tokens on an A6000: the planner's resident device bytes per sequence are what a cache of the
+    same settings allocates (built on the meta device: shapes, no memory), and its host bytes what
+    the cache's host store holds at 32k tokens; the window layers count W + chunk slots, not 32k."""
+    m = load_model_profile(name)
+    config = CONFIGS[name]
+    derived = model_profile_from_config(config)
+    assert (derived.sliding_window, derived.sliding_window_layers) == (m.sliding_window, m.sliding_window_layers)
+    plan = P.plan(load_hardware("rtx-a6000"), m, CONTEXT)
+    mp = plan.mode(mode)
+    cache = make_cache(config, CacheConfig(mode=mode, bits=plan.bits, group=plan.group, k=plan.k), 1, CONTEXT,
+                       torch.float16, torch.device("meta"))
+    cache.lengths = torch.tensor([CONTEXT])
+    parts = {n: b for n, b in mp.device_breakdown.items() if n not in ("decode_working_set", "prefill_activations")}
+    per_layer = layer_kv_bytes_per_token(m, 2)
+    windows = m.sliding_window_layers * sliding_slots(m.sliding_window, 512, CONTEXT) * per_layer
+    assert parts["sliding_window_layers"] == windows
+    assert sum(parts.values()) == cache.allocated_device_bytes()
+    assert sum(isinstance(x, SlidingWindowLayer) for x in cache.layers) == m.sliding_window_layers
+    globals_ = m.layers - m.sliding_window_layers
+    if mode != "kivi":
+        assert mp.host_bytes_per_sequence == cache.host_bytes() == \
+            (CONTEXT * globals_ * per_layer if mode == "specache" else 0)
+    held = cache.device_bytes()  # what the layers hold at 32k: each window layer its last W tokens
+    window_held = sum(x.device_bytes(cache.lengths) for x in cache.layers if isinstance(x, SlidingWindowLayer))
+    assert window_held == m.sliding_window_layers * m.sliding_window * per_layer and held >= window_held
+    if mode == "full":
+        assert parts["kv_cache"] == CONTEXT * globals_ * per_layer
+
+
+def test_specache_plan_json_shows_the_window_layers():
+    r = CliRunner().invoke(app, ["plan", "--gpu", "rtx-a6000", "--model", "gemma-3-4b", "--context", str(CONTEXT),
+                                 "--json"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0, r.stderr
+    obj = json.loads(r.stdout)
+    spec = next(x for x in obj["modes"] if x["mode"] == "specache")
+    assert spec["device_breakdown"]["sliding_window_layers"] == 29 * (1024 + 512) * 2 * 4 * 256 * 2
+    assert spec["host_bytes_per_sequence"] == CONTEXT * 5 * 2 * 4 * 256 * 2  # only the 5 global layers
+
+
+def test_a_window_layer_keeps_only_its_window_and_the_global_layers_their_policy():
+    """Gemma 3 (five window layers of six): after a 300-token prefill a window layer holds W + chunk
+    slots and its window; its export for the store is the last W positions, which import back."""
+    model = prepare_model(tiny_model("gemma3"))
+    config = CacheConfig(mode="specache", k=16, group=32, residual=16, chunk_size=64)
+    cache = make_cache(tiny_config("gemma3"), config, 2, 400, torch.float32, torch.device("cpu"))
+    ids = list(range(3, 303))
+    list(prefill(model, cache, ids, 0, 64))
+    kinds = [type(x) for x in cache.layers]
+    assert kinds == [SlidingWindowLayer] * 5 + [SpecacheLayer]
+    ring = cache.layers[0]
+    assert ring.capacity == WINDOW + 64 and ring.k.shape[2] == WINDOW + 64
+    assert ring.device_bytes(cache.lengths[:1]) == WINDOW * layer_kv_bytes_per_token(cache.shape, 4)
+    assert sorted(ring.pos[0].tolist())[-WINDOW:] == list(range(300 - WINDOW, 300))
+    state = cache.export_row(0)
+    assert state["layers.0.k"].shape[1] == WINDOW and "layers.5.store_k" in state
+    cache.import_row(1, state)
+    for x in cache.layers[:5]:
+        kept = x._kept(300)
+        assert torch.equal(x.k[1, :, kept], x.k[0, :, kept]) and torch.equal(x.pos[1, kept], x.pos[0, kept])
+    cache.close()
