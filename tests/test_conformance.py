@@ -85,8 +85,12 @@ def test_the_windows_and_softcap_change_the_output(name):
     assert saved != refs[0]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", list(ARCHS))
+# the second prefetch mode only where the attention differs (windows, softcap): elsewhere it is the code
+# path tests/test_engine.py already checks on Llama (keeps this file's time down on 2 cores)
+CASES = [(name, mode) for name in ARCHS for mode in MODES if mode != "specache-current" or name in WINDOWED]
+
+
+@pytest.mark.parametrize("name,mode", CASES)
 def test_greedy_tokens_equal_transformers_eager(name, mode):
     model, ps, refs = case(name)
     assert all(len(set(r)) > 1 for r in refs), "the random model should not emit one token over and over"
