@@ -4,9 +4,12 @@ For 1, 2, 4 and 8 activation rows, times all 211 linears of SmolLM2-135M once ea
 decode step of a batch does) three ways, taking turns: torch's ``x @ W^T`` (stock nn.Linear),
 the native fp32 kernel, and the native kernel on the exactly packed weights (Q4_1 linears,
 Q8_0 embedding/lm_head). Checks that the packed and fp32 kernels return the same floats.
-Prints medians in ms per step and the machine's load average.
+Prints medians in ms per step, the machine's load average, the instruction set the native kernels
+were built for ($SPECACHE_NATIVE_ARCH) and the path each row class takes in the engine (the
+calibration, engine/native/calibrate.py), and the read bound: the time to read the packed weights
+once at this machine's read bandwidth, measured as torch.sum over 512 MiB on the same thread count.
 
-    python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7]
+    python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7] [--threads 1]
 """
 from __future__ import annotations
 
@@ -29,24 +32,43 @@ from engine.model.linears import (  # noqa: E402
 from engine.model.loading import load_model  # noqa: E402
 
 
+def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of torch.sum over a buffer much larger than the caches (best of `repeats`)."""
+    buf = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
+    from engine import native
+
+    print(f"CPU: {native.describe_line()}")
+    gbs = read_bandwidth()
     lm = load_model(device="cpu")
     mods = [m for m in lm.model.modules() if isinstance(m, SkinnyLinear)]
     info = packed_summary(lm.model)
     print(f"{info['packed']} of {info['linears']} linears packed: {info['packed_bytes'] / 2**20:.0f} MiB "
           f"instead of {info['fp32_bytes'] / 2**20:.0f} MiB of fp32 weights")
+    bound = info["packed_bytes"] / (gbs * 1e9) * 1000
+    print(f"read bandwidth {gbs:.1f} GB/s ({args.threads} thread(s)): reading the packed weights once takes "
+          f"{bound:.1f} ms, the fp32 ones {info['fp32_bytes'] / (gbs * 1e9) * 1000:.1f} ms")
     if not info["packed"]:
         sys.exit("no packed weights (native kernels unavailable or SPECACHE_PACK_WEIGHTS=0)")
     ways = {"torch x@W^T": lambda m, x: torch.nn.functional.linear(x, m.weight, m.bias),
             "native fp32": lambda m, x: native_linear(x, m.weight, m.bias),
             "native packed": lambda m, x: packed_linear(x, m.packed, m.bias)}
-    print(f"{'rows':>4} " + " ".join(f"{w:>14}" for w in ways) + "   packed vs fp32 / torch   same floats")
+    print(f"{'rows':>4} " + " ".join(f"{w:>14}" for w in ways) + "   packed vs fp32 / torch   same floats   vs bound")
     for rows in args.rows:
         xs = {m.in_features: torch.randn(rows, m.in_features) for m in mods}
         times = {w: [] for w in ways}
@@ -61,7 +83,7 @@ def main() -> None:
                                native_linear(xs[m.in_features], m.weight, m.bias)) for m in mods if m.packed)
         print(f"{rows:>4} " + " ".join(f"{med[w]:>11.1f} ms" for w in ways)
               + f"   {med['native fp32'] / med['native packed']:.2f}x / {med['torch x@W^T'] / med['native packed']:.2f}x"
-              + f"   {same}")
+              + f"   {same}   packed {med['native packed'] / bound:.2f}x the read bound")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
