@@ -55,13 +55,94 @@ class PackedWeight:
                           y.data_ptr(), n, native.threads())
         return y if rc == 0 else None
 
-    def unpack(self) -> torch.Tensor:
-        """The fp32 weight it stands for [N, K] (tests and checks)."""
-        n, k = self.shape
-        out = torch.empty(n, k, dtype=torch.float32)
-        rc = native.lib().specache_unpack(self.data.data_ptr(), self.fmt, 0, n, k, out.data_ptr())
+    @property
+    def kind(self) -> str:
+        return FORMAT_NAMES[self.fmt]
+
+    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return self(x, bias)
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel."""
+        out = torch.empty(n1 - n0, self.shape[1], dtype=torch.float32)
+        rc = native.lib().specache_unpack(self.data.data_ptr(), self.fmt, n0, n1, self.shape[1], out.data_ptr())
         assert rc == 0
         return out
+
+    def unpack(self) -> torch.Tensor:
+        """The fp32 weight it stands for [N, K] (tests and checks)."""
+        return self.rows(0, self.shape[0])
+
+
+FORMAT_NAMES = {4: "affine4", 8: "scaled8"}
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight [N, K] held as integer codes with one fp32 scale (and min) per block, in a format the
+    native kernels do not have yet (5-bit and 6-bit GGUF blocks); rebuilt by torch, a tile of rows at
+    a time, bit for bit: w = d * q (+ m), where d * q is exact for every GGUF format held this way.
+
+    affine8: q uint8 [N, K], d and m fp32 [N, K / 32] (Q5_1, Q5_K: 5-bit codes, w = d * q + m);
+    scaled8x16: q int8 [N, K], d fp32 [N, K / 16] (Q6_K: 16 weights per scale, w = d * q)."""
+
+    kind: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None  # no native kernel: the caller computes a tile of rows at a time
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        n, block = n1 - n0, self.q.shape[1] // self.d.shape[1]
+        q = self.q[n0:n1].view(n, -1, block).to(torch.float32)
+        w = q.mul_(self.d[n0:n1, :, None])
+        if self.m is not None:
+            w.add_(self.m[n0:n1, :, None])
+        return w.view(n, -1)
+
+    def unpack(self) -> torch.Tensor:
+        return self.rows(0, self.shape[0])
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    """A weight [N, K] held as it is in the file: fp32, or fp16 / bf16 (rebuilt to fp32 exactly)."""
+
+    w: torch.Tensor
+
+    @property
+    def kind(self) -> str:
+        return str(self.w.dtype).removeprefix("torch.")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return native_linear(x, self.w, bias) if self.w.dtype == torch.float32 else None
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        return self.w[n0:n1].to(torch.float32)
+
+    def unpack(self) -> torch.Tensor:
+        return self.rows(0, self.shape[0])
+
+
+HeldWeight = PackedWeight | BlockWeight | DenseWeight  # what a weightless SkinnyLinear computes with
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
@@ -114,8 +195,13 @@ class SkinnyLinear(torch.nn.Linear):
     prefill_dtype: torch.dtype | None = None
     _prefill_weight: torch.Tensor | None = None  # the weight in prefill_dtype, made on the first prefill call
 
+    held: HeldWeight | None = None  # the only copy of the weight (self.weight is None): read from a GGUF
+    TILE_ELEMENTS = 1 << 21  # weights rebuilt at a time for many rows (8 MiB in fp32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if self.weight is None:
+            return self.held_forward(x.reshape(rows, -1)).reshape(*x.shape[:-1], -1)
         if rows > self.SKINNY_ROWS or not x.is_cpu:
             if self.prefill_dtype is not None and x.is_cpu and x.dtype != self.prefill_dtype and _IN_PREFILL.get():
                 return self.prefill_forward(x)
@@ -128,6 +214,34 @@ class SkinnyLinear(torch.nn.Linear):
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*x.shape[:-1], -1)
+
+    def held_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [R, K] @ W^T (+ bias) for a weight held only in its blocks: decode rows by the native
+        kernel on the blocks (bit for bit the fp32 kernel's result), else a tile of output rows at a
+        time rebuilt in fp32 and multiplied (in prefill_dtype within a prefill pass)."""
+        fast = self.prefill_dtype is not None and _IN_PREFILL.get()
+        if not fast and flat.shape[0] <= self.NATIVE_ROWS:
+            parts = []
+            for s in range(0, flat.shape[0], self.SKINNY_ROWS):
+                y = self.held.decode(flat[s : s + self.SKINNY_ROWS], self.bias)
+                if y is None:
+                    break
+                parts.append(y)
+            else:
+                return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self.tiled_forward(flat, self.prefill_dtype if fast else None)
+
+    def tiled_forward(self, flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """flat [R, K] @ W^T (+ bias), W rebuilt TILE_ELEMENTS weights at a time (never whole)."""
+        n, k = self.held.shape
+        step = max(16, self.TILE_ELEMENTS // k // 16 * 16)
+        x = flat.to(dtype) if dtype is not None else flat
+        y = torch.empty(flat.shape[0], n, dtype=flat.dtype)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            w = self.held.rows(n0, n1)
+            y[:, n0:n1] = torch.nn.functional.linear(x, w.to(dtype) if dtype is not None else w)
+        return y + self.bias if self.bias is not None else y
 
     def native(self, flat: torch.Tensor) -> torch.Tensor | None:
         """flat [R <= SKINNY_ROWS, K] @ W^T (+ bias) by the native kernel (packed weight first); None
@@ -211,6 +325,9 @@ def use_skinny_linears(model: torch.nn.Module, prefill_dtype: torch.dtype | None
     for module in model.modules():
         if type(module) in (torch.nn.Linear, SkinnyLinear):  # again: packs the weights anew
             module.__class__ = SkinnyLinear
+            if module.weight is None:  # held in its blocks only (a GGUF model): nothing to pack
+                module.prefill_dtype = prefill_dtype
+                continue
             module.packed = pack_weight(module.weight.detach()) if pack else None
             fast = prefill_dtype is not None and prefill_dtype != module.weight.dtype
             module.prefill_dtype = prefill_dtype if fast else None
@@ -224,3 +341,55 @@ def packed_summary(model: torch.nn.Module) -> dict:
     return {"linears": len(linears), "packed": len(packed),
             "packed_bytes": sum(m.packed.nbytes for m in packed),
             "fp32_bytes": sum(m.weight.numel() * 4 for m in packed)}
+
+
+class HeldEmbedding(torch.nn.Module):
+    """nn.Embedding over a held weight [V, D] (the GGUF's blocks, often shared with a tied lm_head):
+    the rows of the looked-up tokens are rebuilt in fp32, bit for bit, on each lookup."""
+
+    def __init__(self, held, padding_idx: int | None = None):
+        super().__init__()
+        self.held, self.padding_idx = held, padding_idx
+        self.num_embeddings, self.embedding_dim = held.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        uniq, inverse = torch.unique(ids.reshape(-1).cpu(), return_inverse=True)
+        table = torch.cat([self.held.rows(int(i), int(i) + 1) for i in uniq.tolist()])
+        return table[inverse].reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+
+def held_bytes(model: torch.nn.Module) -> dict:
+    """The model's weights as held in memory, by format: {"total": bytes, "by_format": {kind: bytes}}
+    (parameters, packed and block weights; a linear's packed copy beside its fp32 weight counts too).
+    Tied weights (one held object for the embedding and the lm_head) count once."""
+    seen: set[int] = set()
+    by: dict[str, int] = {}
+
+    def add(kind: str, obj, nbytes: int) -> None:
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            by[kind] = by.get(kind, 0) + nbytes
+
+    for p in model.parameters():
+        if p.device.type != "meta":
+            add(str(p.dtype).removeprefix("torch."), p, p.numel() * p.element_size())
+    for m in model.modules():
+        for held in (getattr(m, "held", None), getattr(m, "packed", None)):
+            if held is not None:
+                add(held.kind, held, held.nbytes)
+    return {"total": sum(by.values()), "by_format": by}
+
+
+def held_parameters(model: torch.nn.Module) -> int:
+    """Weights the model computes with (parameters and held weights, tied ones once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        seen.add(id(p))
+        total += p.numel()
+    for m in model.modules():
+        held = getattr(m, "held", None)
+        if held is not None and id(held) not in seen:
+            seen.add(id(held))
+            total += held.shape[0] * held.shape[1]
+    return total

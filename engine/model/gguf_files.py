@@ -1,0 +1,259 @@
+"""GGUF files: their config, tokenizer and chat template converted once to a cached folder, and their
+tensors read into the blocks the engine computes with, without an fp32 copy.
+
+Block formats (every re-expression is exact: each weight rebuilds to gguf.quants.dequantize's value
+bit for bit, tests/test_gguf.py):
+  Q4_0 (w = d * (q - 8))          -> affine4, m = -8 d
+  Q4_1 (w = d * q + m)            -> affine4
+  Q4_K (8 sub-blocks of 32: d * sc, dmin * min, 6-bit sc and min) -> affine4 per sub-block, d' = d * sc,
+                                     m' = -(dmin * min), the nibbles reordered to affine4's layout
+  Q5_0 (w = d * (q - 16))         -> scaled8, q - 16 in int8
+  Q8_0 (w = d * q)                -> scaled8
+  Q5_1, Q5_K (5-bit affine)       -> affine8 (torch, 10 bits a weight; no native kernel yet)
+  Q6_K (16 sub-blocks of 16: d * sc, q - 32) -> scaled8x16 (torch, 10 bits a weight; no native kernel yet)
+  F32, F16, BF16                  -> held as they are
+  anything else (Q2_K, Q3_K, IQ*) -> fp32, gguf.quants.dequantize (exact, 32 bits a weight)
+Tensors are read with pread, not through the memory map, so the file's pages never count in the
+process's resident memory; an untied token embedding stays in the file (rows read on lookup).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+import torch
+from filelock import FileLock
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoConfig, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+from engine.errors import ModelLoadError
+from engine.model.linears import BlockWeight, DenseWeight, PackedWeight
+from engine.model.sources import GGUF_POINTER
+from engine.paths import cache_root
+
+IDENTITY_HEAD = 16 << 20  # bytes hashed at the start of the file (metadata, tokenizer) and
+IDENTITY_TAIL = 1 << 20  # at its end, with its size: the file's identity without reading 5 GB
+CONVERSION_VERSION = 1  # bump when the converted folder's contents change
+# architectures whose GGUF tensors map one to one onto the Hugging Face model's parameters (Q and K
+# rows permuted back for llama-style files): held in their blocks. Other architectures transformers
+# reads from GGUF load through transformers (dequantized to fp32).
+HELD_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def identity(path: Path) -> str:
+    """A key for the file's contents: its size and hashes of its first 16 MiB and last 1 MiB."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{size}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(IDENTITY_HEAD))
+        if size > IDENTITY_HEAD:
+            f.seek(max(IDENTITY_HEAD, size - IDENTITY_TAIL))
+            h.update(f.read(IDENTITY_TAIL))
+    return h.hexdigest()[:20]
+
+
+def converted_dir(path: Path, name: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:48] or "model"
+    return cache_root() / "models" / f"gguf-{safe}-{identity(path)}"
+
+
+def read_architecture(reader: gguf.GGUFReader) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ModelLoadError("the GGUF file has no general.architecture")
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError) as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def check_architecture(arch: str, path: Path) -> None:
+    """Refuse an architecture transformers cannot read from GGUF, in one line."""
+    readable = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
+    if arch not in readable and arch.replace("-", "_") not in readable:
+        raise ModelLoadError(f"{path.name}: GGUF architecture {arch!r} cannot be read by transformers "
+                             f"(it reads {', '.join(readable)})")
+
+
+def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = None) -> Path:
+    """Write the GGUF's config, tokenizer and chat template to dest (temp folder, then rename), with a
+    pointer back to the file the weights are read from."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest) + ".lock"):
+        if (dest / GGUF_POINTER).is_file():
+            return dest  # another process finished it while we waited
+        check_architecture(read_architecture(open_reader(path)), path)
+        if on_status:
+            on_status(f"reading the config and tokenizer of {path.name} once into {dest}")
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
+        try:
+            try:
+                config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            except (ValueError, KeyError, OSError, NotImplementedError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise ModelLoadError(f"{path.name}: transformers cannot read it ({first})") from None
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            config.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            pointer = {"source": str(path.resolve()), "size": path.stat().st_size, "identity": identity(path),
+                       "version": CONVERSION_VERSION}
+            (tmp / GGUF_POINTER).write_text(json.dumps(pointer, indent=1), encoding="utf-8")
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def ensure_converted(path: Path, name: str, on_status: Callable[[str], None] | None = None) -> Path:
+    dest = converted_dir(path, name)
+    return dest if (dest / GGUF_POINTER).is_file() else convert(path, dest, on_status)
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+class TensorFile:
+    """The tensors of a GGUF file: names, types and shapes from its header, bytes read on demand."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.reader = open_reader(path)
+        self.arch = read_architecture(self.reader)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes, [rows, bytes per row] (read, not mapped)."""
+        t = self.tensors[name]
+        with open(self.path, "rb") as f:
+            data = os.pread(f.fileno(), int(t.n_bytes), int(t.data_offset))
+        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        return np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Rows first, as torch writes it (GGUF lists the row length first)."""
+        return tuple(int(s) for s in reversed(self.tensors[name].shape))
+
+    def kind(self, name: str) -> Q:
+        return Q(self.tensors[name].tensor_type)
+
+    def mapped_rows(self, name: str) -> np.ndarray:
+        """The tensor's rows in the memory map (pages are read, and counted, only when touched)."""
+        t = self.tensors[name]
+        return t.data.reshape(self.shape(name)[0], -1) if t.data.ndim != 2 else t.data
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _records(d: np.ndarray, m: np.ndarray | None, codes: np.ndarray, n: int) -> torch.Tensor:
+    """affine4 (d, m, 16 bytes) or scaled8 (d, 32 bytes) records, one per block, as uint8 [n, ...]."""
+    parts = [d.astype(np.float32).reshape(-1, 1).view(np.uint8)]
+    if m is not None:
+        parts.append(m.astype(np.float32).reshape(-1, 1).view(np.uint8))
+    parts.append(codes.reshape(len(parts[0]), -1).view(np.uint8))
+    return torch.from_numpy(np.concatenate(parts, axis=1).reshape(n, -1))
+
+
+def _nibbles_affine4(q: np.ndarray) -> np.ndarray:
+    """Codes [blocks, 32] (0..15) -> affine4's 16 bytes: byte j = q[j] | q[j + 16] << 4."""
+    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
+
+
+def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return gguf.quants.Q4_K.get_scale_min(scales)
+
+
+def _blocks(raw: np.ndarray, kind: Q) -> np.ndarray:
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    return raw.reshape(-1, size)
+
+
+def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
+    """A GGUF tensor's bytes [n rows, ...] -> the held weight [n, k] (see the module's table)."""
+    if kind == Q.F32:
+        return DenseWeight(torch.from_numpy(raw.view(np.float32).reshape(n, k).copy()))
+    if kind == Q.F16:
+        return DenseWeight(torch.from_numpy(raw.view(np.float16).reshape(n, k).copy()))
+    if kind == Q.BF16:
+        return DenseWeight(torch.from_numpy(raw.view(np.int16).reshape(n, k).copy()).view(torch.bfloat16))
+    b = _blocks(raw, kind)
+    if kind in (Q.Q4_0, Q.Q4_1):
+        d = _f16(b[:, 0:2])
+        m = _f16(b[:, 2:4]) if kind == Q.Q4_1 else -8.0 * d
+        return PackedWeight(4, _records(d, m, b[:, 4 if kind == Q.Q4_1 else 2:], n), (n, k))
+    if kind == Q.Q8_0:
+        return PackedWeight(8, _records(_f16(b[:, 0:2]), None, b[:, 2:], n), (n, k))
+    if kind == Q.Q5_0:
+        q = _q5_codes(b[:, 2:6], b[:, 6:])
+        return PackedWeight(8, _records(_f16(b[:, 0:2]), None, (q.astype(np.int8) - np.int8(16)), n), (n, k))
+    if kind == Q.Q4_K:
+        d, dm, q = _k_affine(b, bits=4)
+        return PackedWeight(4, _records(d, -dm, _nibbles_affine4(q.reshape(-1, 32)), n), (n, k))
+    if kind == Q.Q5_1:
+        q = _q5_codes(b[:, 4:8], b[:, 8:])
+        return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)),
+                           torch.from_numpy(_f16(b[:, 0:2]).reshape(n, -1)), torch.from_numpy(_f16(b[:, 2:4]).reshape(n, -1)))
+    if kind == Q.Q5_K:
+        d, dm, q = _k_affine(b, bits=5)
+        return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, -1)),
+                           torch.from_numpy((-dm).reshape(n, -1)))
+    if kind == Q.Q6_K:
+        d, q = _q6k(b)
+        return BlockWeight("scaled8x16", torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, -1)))
+    return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: the 5-bit codes [blocks, 32] (gguf.quants' unpacking)."""
+    nb = qs.shape[0]
+    qh = np.ascontiguousarray(qh).view(np.uint32).reshape(nb, 1) >> np.arange(32, dtype=np.uint32).reshape(1, 32)
+    ql = qs.reshape(nb, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return ((ql & np.uint8(0x0F)).reshape(nb, -1) | ((qh & np.uint32(1)).astype(np.uint8) << np.uint8(4)))
+
+
+def _k_affine(b: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks -> per sub-block of 32: d * sc, dmin * min (fp32, exact products) and
+    the codes [blocks, 8, 32] (gguf.quants' unpacking)."""
+    nb = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _q4k_scale_min(b[:, 4:16])
+    if bits == 4:
+        qs = b[:, 16:]
+        q = (qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        q = q.reshape(nb, 8, 32)
+    else:
+        qh, qs = b[:, 16:48], b[:, 48:]
+        ql = (qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        qh = (qh.reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
+        q = ql.reshape(nb, 8, 32) | (qh.reshape(nb, 8, 32) << np.uint8(4))
+    return (d * sc.astype(np.float32)).reshape(-1), (dmin * mn.astype(np.float32)).reshape(-1), q
+
+
+def _q6k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks -> per sub-block of 16: d * sc (fp32, exact) and q - 32 (int8), in weight order."""
+    nb = b.shape[0]
+    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
+    dd = (_f16(d) * np.ascontiguousarray(scales).view(np.int8).astype(np.float32)).reshape(-1)
+    ql = ((ql.reshape(nb, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F))
+    qh = ((qh.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3))
+    q = (ql.reshape(nb, -1, 32) | (qh.reshape(nb, -1, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return dd, q.reshape(nb, 256)
+
+
+def dense_from_raw(raw: np.ndarray, kind: Q, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor dequantized (gguf.quants) to dtype: the exact reference (fp32) or a GPU's fp16."""
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(shape)).to(dtype)
