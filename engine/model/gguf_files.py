@@ -22,7 +22,9 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +33,9 @@ import numpy as np
 import torch
 from filelock import FileLock
 from gguf import GGMLQuantizationType as Q
-from transformers import AutoConfig, AutoTokenizer
+from gguf import GGUFValueType as V
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
@@ -65,18 +69,91 @@ def converted_dir(path: Path, name: str) -> Path:
     return cache_root() / "models" / f"gguf-{safe}-{identity(path)}"
 
 
-def read_architecture(reader: gguf.GGUFReader) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ModelLoadError("the GGUF file has no general.architecture")
-    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    ne: tuple[int, ...]  # GGUF's order: the row length first
+    kind: Q
+    offset: int  # from the start of the file
+    n_bytes: int
 
 
-def open_reader(path: Path) -> gguf.GGUFReader:
+@dataclass(frozen=True)
+class Header:
+    """A GGUF file's scalar metadata (arrays, such as the tokenizer's, skipped) and tensor table."""
+
+    fields: dict
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def arch(self) -> str:
+        return str(self.fields.get("general.architecture", ""))
+
+
+_SCALARS = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
+            V.FLOAT32: "<f", V.BOOL: "<?", V.UINT64: "<Q", V.INT64: "<q", V.FLOAT64: "<d"}
+
+
+def _unpack(f, fmt: str):
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError("the file ends inside its header")
+    return struct.unpack(fmt, data)[0]
+
+
+def _string(f) -> str:
+    return f.read(_unpack(f, "<Q")).decode("utf-8", errors="replace")
+
+
+def _value(f, vtype: int):
+    """One metadata value; arrays are skipped (None), strings of arrays without decoding them."""
+    vtype = V(vtype)
+    if vtype == V.STRING:
+        return _string(f)
+    if vtype != V.ARRAY:
+        return _unpack(f, _SCALARS[vtype])
+    itype, count = V(_unpack(f, "<I")), _unpack(f, "<Q")
+    if itype == V.STRING:
+        for _ in range(count):
+            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+    elif itype == V.ARRAY:
+        for _ in range(count):
+            _value(f, V.ARRAY)
+    else:
+        f.seek(count * struct.calcsize(_SCALARS[itype]), os.SEEK_CUR)
+    return None
+
+
+def read_header(path: Path) -> Header:
+    """The header of a GGUF file (format v2/v3), read without mapping the file: the gguf package's
+    reader decodes every tokenizer string into numpy views, 7 s for SmolLM2's 49k tokens."""
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError, KeyError, IndexError) as exc:
+        with open(path, "rb", buffering=1 << 20) as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError("no GGUF magic")
+            version = _unpack(f, "<I")
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is not supported")
+            n_tensors, n_fields = _unpack(f, "<Q"), _unpack(f, "<Q")
+            fields = {}
+            for _ in range(n_fields):
+                key = _string(f)
+                fields[key] = _value(f, _unpack(f, "<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = _string(f)
+                ne = tuple(_unpack(f, "<Q") for _ in range(_unpack(f, "<I")))
+                infos.append((name, ne, Q(_unpack(f, "<I")), _unpack(f, "<Q")))
+            align = int(fields.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT)
+            start = -(-f.tell() // align) * align
+    except (OSError, ValueError, KeyError, UnicodeDecodeError, struct.error) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    tensors = {}
+    for name, ne, kind, offset in infos:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        tensors[name] = TensorInfo(name, ne, kind, start + offset, int(np.prod(ne)) // block * size)
+    return Header(fields, tensors)
 
 
 def check_architecture(arch: str, path: Path) -> None:
@@ -94,7 +171,7 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
     with FileLock(str(dest) + ".lock"):
         if (dest / GGUF_POINTER).is_file():
             return dest  # another process finished it while we waited
-        check_architecture(read_architecture(open_reader(path)), path)
+        check_architecture(read_header(path).arch, path)
         if on_status:
             on_status(f"reading the config and tokenizer of {path.name} once into {dest}")
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
@@ -107,7 +184,10 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
                 raise ModelLoadError(f"{path.name}: transformers cannot read it ({first})") from None
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
+            if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
             config.save_pretrained(tmp)
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
             tok.save_pretrained(tmp)
             pointer = {"source": str(path.resolve()), "size": path.stat().st_size, "identity": identity(path),
                        "version": CONVERSION_VERSION}
@@ -130,29 +210,31 @@ class TensorFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.reader = open_reader(path)
-        self.arch = read_architecture(self.reader)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        header = read_header(path)
+        self.arch, self.fields, self.tensors = header.arch, header.fields, header.tensors
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes, [rows, bytes per row] (read, not mapped)."""
         t = self.tensors[name]
         with open(self.path, "rb") as f:
-            data = os.pread(f.fileno(), int(t.n_bytes), int(t.data_offset))
-        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
-        return np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+            data = bytearray(t.n_bytes)
+            f.seek(t.offset)
+            if f.readinto(data) != t.n_bytes:
+                raise ModelLoadError(f"{self.path} ends inside tensor {name} (a partial download?)")
+        return np.frombuffer(data, dtype=np.uint8).reshape(self.shape(name)[0] if len(t.ne) > 1 else 1, -1)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Rows first, as torch writes it (GGUF lists the row length first)."""
-        return tuple(int(s) for s in reversed(self.tensors[name].shape))
+        return tuple(int(s) for s in reversed(self.tensors[name].ne))
 
     def kind(self, name: str) -> Q:
-        return Q(self.tensors[name].tensor_type)
+        return self.tensors[name].kind
 
     def mapped_rows(self, name: str) -> np.ndarray:
-        """The tensor's rows in the memory map (pages are read, and counted, only when touched)."""
+        """The tensor's rows in a read-only memory map (pages are read, and counted, only when touched)."""
         t = self.tensors[name]
-        return t.data.reshape(self.shape(name)[0], -1) if t.data.ndim != 2 else t.data
+        rows = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.n_bytes,))
+        return rows.reshape(self.shape(name)[0], -1)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -257,3 +339,20 @@ def _q6k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dense_from_raw(raw: np.ndarray, kind: Q, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The tensor dequantized (gguf.quants) to dtype: the exact reference (fp32) or a GPU's fp16."""
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(shape)).to(dtype)
+
+
+class MappedRows:
+    """A weight left in the GGUF file (an untied token embedding): rows are dequantized from the
+    memory map on lookup, so only the pages of the tokens seen are ever read."""
+
+    kind = "in-file"
+    nbytes = 0  # not held: the file's pages, read on lookup
+
+    def __init__(self, tensors: TensorFile, name: str):
+        self._rows, self._kind = tensors.mapped_rows(name), tensors.kind(name)
+        self.shape = tensors.shape(name)
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        block = np.ascontiguousarray(self._rows[n0:n1])
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(block, self._kind),
+                                                     dtype=np.float32).reshape(n1 - n0, -1))
