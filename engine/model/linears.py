@@ -196,7 +196,7 @@ class SkinnyLinear(torch.nn.Linear):
     _prefill_weight: torch.Tensor | None = None  # the weight in prefill_dtype, made on the first prefill call
 
     held: HeldWeight | None = None  # the only copy of the weight (self.weight is None): read from a GGUF
-    TILE_ELEMENTS = 1 << 21  # weights rebuilt at a time for many rows (8 MiB in fp32)
+    TILE_ELEMENTS = 1 << 20  # weights rebuilt at a time for many rows (4 MiB in fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -237,11 +237,14 @@ class SkinnyLinear(torch.nn.Linear):
         step = max(16, self.TILE_ELEMENTS // k // 16 * 16)
         x = flat.to(dtype) if dtype is not None else flat
         y = torch.empty(flat.shape[0], n, dtype=flat.dtype)
+        tile = torch.empty(min(step, n), k, dtype=dtype) if dtype is not None else None
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
             w = self.held.rows(n0, n1)
-            y[:, n0:n1] = torch.nn.functional.linear(x, w.to(dtype) if dtype is not None else w)
-        return y + self.bias if self.bias is not None else y
+            if tile is not None:
+                w = tile[: n1 - n0].copy_(w)
+            torch.matmul(x, w.T, out=y[:, n0:n1]) if y.dtype == w.dtype else y[:, n0:n1].copy_(x @ w.T)
+        return y.add_(self.bias) if self.bias is not None else y
 
     def native(self, flat: torch.Tensor) -> torch.Tensor | None:
         """flat [R <= SKINNY_ROWS, K] @ W^T (+ bias) by the native kernel (packed weight first); None

@@ -3,6 +3,7 @@ whose weights are read from the file and, on the CPU, held in their quantized bl
 Face causal-LM folder (a folder, or an id in the local Hugging Face cache). Never reaches a hub."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from engine.errors import BadArgument, ModelLoadError
 from engine.model.attention import ATTENTION_NAME
+from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
 from engine.model.gguf_files import (
     HELD_ARCHITECTURES,
     MappedRows,
@@ -145,7 +147,17 @@ def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: boo
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     fill_from_gguf(model, tensors, dtype, held)
     model.specache_held = held
+    release_freed_memory()
     return model
+
+
+def release_freed_memory() -> None:
+    """Hand the heap the tensor conversions freed back to the system (glibc keeps it otherwise, and it
+    counts in the process's resident memory for the whole run)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def fill_from_gguf(model: torch.nn.Module, tensors: TensorFile, dtype: torch.dtype, held: bool) -> None:

@@ -72,7 +72,10 @@ engine_residual_slots = residual_slots  # the name this module's callers and doc
 
 
 def weight_bytes(model: ModelProfile, element_bytes: int = 2) -> int:
-    """Model weights, shared by every sequence of a batch."""
+    """Model weights, shared by every sequence of a batch: as held when the profile knows it (a GGUF's
+    blocks), else parameters x element bytes."""
+    if model.held_weight_bytes is not None:
+        return model.held_weight_bytes
     return model.parameters * element_bytes
 
 
@@ -578,18 +581,22 @@ def plan_for_run(model_config: Any, context: int, mode: str = "specache", *, bit
                  group: int | None = None, k: int | None = None, residual: int = 64, sinks: int = 4,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, batch_limit: int | None = None,
                  hardware: HardwareProfile | None = None, parameters: int | None = None,
-                 weights_resident: bool = False, element_bytes: int | None = None) -> ModePlan:
+                 weights_resident: bool = False, element_bytes: int | None = None,
+                 held_weight_bytes: int | None = None) -> ModePlan:
     """Pick the batch size and k for a run: `plan.max_batch`, `plan.k` of the returned ModePlan.
 
     model_config: a ModelProfile, a transformers PretrainedConfig or a config dict.
     context: tokens per sequence (prompt + generated). hardware: default detect_hardware().
     weights_resident: the model is already loaded on this device, so the detected free memory
-    already excludes the weights. Raises DoesNotFit when not even one sequence fits.
+    already excludes the weights. held_weight_bytes: the weights as the loaded model holds them
+    (engine.model.linears.held_bytes). Raises DoesNotFit when not even one sequence fits.
     """
     if mode not in MODES:
         raise BadArgument(f"the planner knows cache modes {', '.join(MODES)}, not {mode!r}")
     model = model_config if isinstance(model_config, ModelProfile) else model_profile_from_config(
         model_config, parameters=parameters)
+    if held_weight_bytes is not None:
+        model = replace(model, held_weight_bytes=held_weight_bytes)
     hw = hardware or detect_hardware()
     eb = element_bytes or hw.element_bytes
     if weights_resident and hw.free_memory_bytes is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,6 +21,7 @@ import yaml
 
 from engine.errors import BadArgument, ProfileError
 from engine.model.embedded import EMBEDDED_NAME
+from engine.model.linears import held_bytes, held_parameters
 
 MIB = 1024**2
 KINDS = ("cuda", "cpu")
@@ -119,6 +120,9 @@ class ModelProfile:
     hf_id: str = ""
     aliases: tuple[str, ...] = ()
     source: str = "<built-in>"
+    # bytes the weights take as the engine holds them (a GGUF's blocks: 4.5-10 bits a weight; fp32
+    # norms); None: parameters x the element size of the device's compute dtype
+    held_weight_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "layers", "heads", "kv_heads", "head_dim", "hidden_size", "intermediate_size",
@@ -363,8 +367,8 @@ def loaded_model_profile(lm) -> ModelProfile:
     """A loaded model's profile: the embedded model's own, else one derived from its config."""
     if lm.name == EMBEDDED_NAME:
         return load_model_profile("smollm2-135m")
-    return model_profile_from_config(lm.model.config, name=lm.name,
-                                     parameters=sum(p.numel() for p in lm.model.parameters()))
+    profile = model_profile_from_config(lm.model.config, name=lm.name, parameters=held_parameters(lm.model))
+    return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"])
 
 
 def model_defaults(lm, prefetch: str | None = None, profile: ModelProfile | None = None) -> dict:
