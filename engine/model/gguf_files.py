@@ -356,3 +356,28 @@ class MappedRows:
         block = np.ascontiguousarray(self._rows[n0:n1])
         return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(block, self._kind),
                                                      dtype=np.float32).reshape(n1 - n0, -1))
+
+
+# bytes a weight takes as held (the table at the top): what the planner and `specache models` count
+HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 24 / 32, Q.Q4_1: 24 / 32, Q.Q4_K: 24 / 32, Q.Q5_0: 36 / 32, Q.Q8_0: 36 / 32,
+                         Q.Q5_1: 40 / 32, Q.Q5_K: 40 / 32, Q.Q6_K: 20 / 16, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
+
+
+def estimate_held_bytes(header: Header) -> int:
+    """The weights of a GGUF file as the engine holds them on the CPU, from its header alone (an
+    untied token embedding stays in the file)."""
+    untied = "output.weight" in header.tensors
+    total = 0
+    for t in header.tensors.values():
+        if untied and t.name == "token_embd.weight":
+            continue
+        total += int(int(np.prod(t.ne)) * HELD_BYTES_PER_WEIGHT.get(t.kind, 4))
+    return total
+
+
+def file_type(header: Header) -> str:
+    """The file's main weight format: the kind most of its weights are in (Q4_K, Q8_0...)."""
+    count: dict[str, int] = {}
+    for t in header.tensors.values():
+        count[t.kind.name] = count.get(t.kind.name, 0) + int(np.prod(t.ne))
+    return max(count, key=count.get) if count else "?"

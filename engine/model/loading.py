@@ -34,10 +34,12 @@ from engine.model.gguf_files import (
     check_architecture,
     dense_from_raw,
     ensure_converted,
+    estimate_held_bytes,
     held_from_raw,
+    read_header,
 )
 from engine.model.linears import HeldEmbedding, SkinnyLinear, cpu_has_native_bf16, use_skinny_linears
-from engine.model.sources import GGUF_POINTER, resolve_source
+from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -125,6 +127,19 @@ def load_model(
     max_context = int(config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 4096))
     fp = fingerprint(path) + ("-held" if getattr(model, "specache_held", False) else "")
     return LoadedModel(model, tokenizer, source.name, path, fp, max_context, time.perf_counter() - start)
+
+
+def estimate_weight_bytes(source: ModelSource, dtype: str = "auto") -> int:
+    """The weights' bytes once loaded on the CPU, before loading: a GGUF's blocks as held (fp32 with
+    --dtype float32), a folder's weights in fp32 (16-bit files double)."""
+    if source.gguf is not None:
+        header = read_header(source.gguf)
+        if holds_blocks(torch.device("cpu"), dtype) and header.arch in HELD_ARCHITECTURES:
+            return estimate_held_bytes(header)
+        return sum(int(np.prod(t.ne)) for t in header.tensors.values()) * 4
+    config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
+    sixteen = str(config.get("torch_dtype") or config.get("dtype") or "").endswith(("float16", "bfloat16"))
+    return source.size_bytes * (2 if sixteen else 1)
 
 
 def holds_blocks(device: torch.device, dtype: str) -> bool:

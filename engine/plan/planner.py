@@ -611,6 +611,21 @@ def plan_for_run(model_config: Any, context: int, mode: str = "specache", *, bit
     return result
 
 
+def check_fits_before_load(model_config: Any, weight_bytes_held: int, context: int, mode: str = "specache", *,
+                           hardware: HardwareProfile | None = None, name: str = "the model", **settings) -> None:
+    """Before a model is loaded: refuse (DoesNotFit, one line) when its weights as they will be held plus
+    one sequence's cache of `context` tokens do not fit in this device's usable memory."""
+    model = replace(model_profile_from_config(model_config), held_weight_bytes=weight_bytes_held)
+    hw = hardware or detect_hardware(measure=False)
+    p = plan(hw, model, context, batch_limit=1, element_bytes=settings.pop("element_bytes", None), **settings)
+    budget, per_seq = p.device_budget_bytes, p.mode(mode).device_bytes_per_sequence
+    if weight_bytes_held + per_seq > budget:
+        raise DoesNotFit(f"{name} does not fit: its weights take {weight_bytes_held / GIB:.2f} GiB as held and one "
+                         f"sequence of {context} tokens {per_seq / GIB:.2f} GiB of cache and activations, "
+                         f"{(weight_bytes_held + per_seq) / GIB:.2f} GiB in all; {hw.display_name} has "
+                         f"{max(budget, 0) / GIB:.2f} GiB usable now")
+
+
 # --- this machine ------------------------------------------------------------------------------
 
 def machine_ram_bytes() -> tuple[int, int]:
