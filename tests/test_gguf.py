@@ -82,3 +82,35 @@ def test_weightless_linear_matches_the_dequantized_weight(kind, rows):
         ref = torch.nn.functional.linear(x, held.unpack(), bias)
         got = lin(x)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def write_tensors(path, tensors: dict) -> None:
+    """A GGUF file holding the given raw tensors {name: (kind, raw bytes [n, row bytes])}."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, (kind, raw) in tensors.items():
+        w.add_tensor(name, raw, raw_shape=None, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_header_reader_agrees_with_the_gguf_package_and_chunks_rebuild_whole(tmp_path, monkeypatch):
+    from engine.model import gguf_files
+
+    tensors = {f"t.{kind.name}": (kind, random_tensor(kind, 40, 512, seed=i))
+               for i, kind in enumerate((Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q8_0, Q.F16))}
+    path = tmp_path / "t.gguf"
+    write_tensors(path, tensors)
+    ref = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    tf = gguf_files.TensorFile(path)
+    monkeypatch.setattr(gguf_files, "CHUNK_BYTES", 3000)  # a few rows at a time
+    for name, (kind, raw) in tensors.items():
+        info = tf.tensors[name]
+        assert (info.kind, info.ne, info.offset, info.n_bytes) == \
+            (kind, tuple(int(x) for x in ref[name].shape), ref[name].data_offset, ref[name].n_bytes)
+        assert np.array_equal(tf.raw(name), raw)
+        whole = gguf_files.held_from_file(tf, name)
+        assert torch.equal(whole.unpack(), torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32)))
+        order = np.arange(40)[::-1].copy()
+        assert torch.equal(gguf_files.held_from_file(tf, name, order).unpack(), whole.unpack()[order])

@@ -18,6 +18,7 @@ process's resident memory; an untied token embedding stays in the file (rows rea
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -213,15 +214,21 @@ class TensorFile:
         header = read_header(path)
         self.arch, self.fields, self.tensors = header.arch, header.fields, header.tensors
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes, [rows, bytes per row] (read, not mapped)."""
+    def raw(self, name: str, r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """Rows [r0, r1) of the tensor's bytes, [rows, bytes per row] (read, not mapped)."""
         t = self.tensors[name]
+        rows = self.shape(name)[0] if len(t.ne) > 1 else 1
+        r1 = rows if r1 is None else r1
+        row_bytes = t.n_bytes // rows
+        data = bytearray((r1 - r0) * row_bytes)
         with open(self.path, "rb") as f:
-            data = bytearray(t.n_bytes)
-            f.seek(t.offset)
-            if f.readinto(data) != t.n_bytes:
+            f.seek(t.offset + r0 * row_bytes)
+            if f.readinto(data) != len(data):
                 raise ModelLoadError(f"{self.path} ends inside tensor {name} (a partial download?)")
-        return np.frombuffer(data, dtype=np.uint8).reshape(self.shape(name)[0] if len(t.ne) > 1 else 1, -1)
+        return np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, -1)
+
+    def row_bytes(self, name: str) -> int:
+        return self.tensors[name].n_bytes // max(1, self.shape(name)[0])
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Rows first, as torch writes it (GGUF lists the row length first)."""
@@ -334,6 +341,36 @@ def _q6k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     qh = ((qh.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3))
     q = (ql.reshape(nb, -1, 32) | (qh.reshape(nb, -1, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
     return dd, q.reshape(nb, 256)
+
+
+CHUNK_BYTES = 32 << 20  # a large tensor is read and converted this many file bytes at a time
+
+
+def held_from_file(tensors: TensorFile, name: str, order: np.ndarray | None = None):
+    """The tensor's held weight, read and converted CHUNK_BYTES at a time into its final buffers, so a
+    large tensor (a 128k-token output layer: 430 MB in Q6_K) never has its unpacked codes all at once.
+    order: the rows in this order (the whole tensor is read at once then; Q and K are small)."""
+    n, k = tensors.shape(name)
+    kind, step = tensors.kind(name), max(1, CHUNK_BYTES // tensors.row_bytes(name))
+    if order is not None or step >= n:
+        raw = tensors.raw(name)
+        return held_from_raw(raw[order] if order is not None else raw, kind, n, k)
+    full = None
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        part = held_from_raw(tensors.raw(name, r0, r1), kind, r1 - r0, k)
+        parts = _row_tensors(part)
+        if full is None:
+            full = {f: torch.empty((n, *t.shape[1:]), dtype=t.dtype) for f, t in parts.items()}
+        for f, t in parts.items():
+            full[f][r0:r1] = t
+    return dataclasses.replace(part, **full, **({"shape": (n, k)} if isinstance(part, PackedWeight) else {}))
+
+
+def _row_tensors(held) -> dict[str, torch.Tensor]:
+    """The tensors of a held weight whose first dimension is its rows, by field name."""
+    return {f.name: getattr(held, f.name) for f in dataclasses.fields(held)
+            if isinstance(getattr(held, f.name), torch.Tensor)}
 
 
 def dense_from_raw(raw: np.ndarray, kind: Q, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -63,10 +64,21 @@ class PackedWeight:
         return self(x, bias)
 
     def rows(self, n0: int, n1: int) -> torch.Tensor:
-        """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel."""
-        out = torch.empty(n1 - n0, self.shape[1], dtype=torch.float32)
-        rc = native.lib().specache_unpack(self.data.data_ptr(), self.fmt, n0, n1, self.shape[1], out.data_ptr())
-        assert rc == 0
+        """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel (a
+        large tile split over the native threads: the kernel is single-threaded, ctypes frees the GIL)."""
+        k = self.shape[1]
+        out = torch.empty(n1 - n0, k, dtype=torch.float32)
+        unpack, threads = native.lib().specache_unpack, native.threads()
+
+        def part(a: int, b: int) -> int:
+            return unpack(self.data.data_ptr(), self.fmt, a, b, k, out[a - n0:].data_ptr())
+
+        if threads > 1 and (n1 - n0) * k >= PARALLEL_UNPACK and n1 - n0 >= threads:
+            cuts = [n0 + (n1 - n0) * t // threads for t in range(threads + 1)]
+            rcs = list(_pool(threads).map(part, cuts[:-1], cuts[1:]))
+        else:
+            rcs = [part(n0, n1)]
+        assert not any(rcs)
         return out
 
     def unpack(self) -> torch.Tensor:
@@ -75,6 +87,14 @@ class PackedWeight:
 
 
 FORMAT_NAMES = {4: "affine4", 8: "scaled8"}
+PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    if threads not in _pools:
+        _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="specache-unpack")
+    return _pools[threads]
 
 
 @dataclass(frozen=True)

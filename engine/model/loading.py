@@ -35,7 +35,7 @@ from engine.model.gguf_files import (
     dense_from_raw,
     ensure_converted,
     estimate_held_bytes,
-    held_from_raw,
+    held_from_file,
     read_header,
 )
 from engine.model.linears import HeldEmbedding, SkinnyLinear, cpu_has_native_bf16, use_skinny_linears
@@ -187,14 +187,17 @@ def fill_from_gguf(model: torch.nn.Module, tensors: TensorFile, dtype: torch.dty
             continue  # e.g. rope_freqs: transformers computes those from the config
         module_name, _, attr = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
-        raw = rows_in_hf_order(tensors, gguf_name, processor)
-        shape = tensors.shape(gguf_name)
+        order = hf_row_order(tensors, gguf_name, processor)
         if held and attr == "weight" and module is embedding:
-            hold_embedding(model, module_name, held_or_mapped(tensors, gguf_name, raw, model))
+            weight = held_from_file(tensors, gguf_name, order) if model.config.tie_word_embeddings else \
+                MappedRows(tensors, gguf_name)  # untied: its rows are read from the file on lookup
+            hold_embedding(model, module_name, weight)
         elif held and attr == "weight" and isinstance(module, torch.nn.Linear):
-            hold_linear(module, held_from_raw(raw, tensors.kind(gguf_name), *shape))
+            hold_linear(module, held_from_file(tensors, gguf_name, order))
         else:
-            value = dense_from_raw(raw, tensors.kind(gguf_name), shape, dtype)
+            raw = tensors.raw(gguf_name)
+            value = dense_from_raw(raw[order] if order is not None else raw, tensors.kind(gguf_name),
+                                   tensors.shape(gguf_name), dtype)
             setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
     tie_head(model, held)
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
@@ -219,22 +222,13 @@ def gguf_to_hf_names(model: torch.nn.Module, arch: str) -> dict[str, str]:
     return out
 
 
-def rows_in_hf_order(tensors: TensorFile, name: str, processor) -> np.ndarray:
-    """The tensor's rows, in the order the Hugging Face model has them: llama.cpp's converter permutes
-    the rows of Q and K in llama-style files (transformers' processor permutes them back)."""
-    raw = tensors.raw(name)
+def hf_row_order(tensors: TensorFile, name: str, processor) -> np.ndarray | None:
+    """The order of the tensor's rows in the Hugging Face model, None when it is the file's: llama.cpp's
+    converter permutes the rows of Q and K in llama-style files (transformers' processor permutes them back)."""
     if isinstance(processor, LlamaTensorProcessor) and (".attn_q." in name or ".attn_k." in name):
-        order = processor.process(np.arange(raw.shape[0]).reshape(-1, 1), name).weights.reshape(-1)
-        raw = raw[order]
-    return raw
-
-
-def held_or_mapped(tensors: TensorFile, name: str, raw: np.ndarray, model: torch.nn.Module):
-    """The embedding: held in its blocks when the lm_head shares it, else left in the file (its rows
-    are read on lookup, so it costs no memory)."""
-    if model.config.tie_word_embeddings:
-        return held_from_raw(raw, tensors.kind(name), *tensors.shape(name))
-    return MappedRows(tensors, name)
+        rows = tensors.shape(name)[0]
+        return processor.process(np.arange(rows).reshape(-1, 1), name).weights.reshape(-1)
+    return None
 
 
 def hold_linear(module: torch.nn.Linear, held) -> None:
