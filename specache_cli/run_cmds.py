@@ -23,6 +23,7 @@ from engine.errors import (
     EmptyDocument,
     InputNotFound,
     ModelLoadError,
+    ProfileError,
     SpecacheError,
 )
 from engine.inputs.documents import STDIN, decode_text, load_document, read_regular_file
@@ -198,8 +199,11 @@ class Session:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         window = int(config.get("max_position_embeddings") or 4096)
         context = min(window, self.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)
-        check_fits_before_load(config, estimate_weight_bytes(resolve_source(m.model), m.dtype), context,
-                               POLICIES[self.cache_opts.cache].plan_mode, name=name)
+        try:
+            check_fits_before_load(config, estimate_weight_bytes(resolve_source(m.model), m.dtype), context,
+                                   POLICIES[self.cache_opts.cache].plan_mode, name=name)
+        except ProfileError:
+            return  # a config without the model's shapes: the load itself reports what is wrong
 
     def set_threads(self, requested: int | None) -> None:
         """torch's CPU threads for this run (engine.plan.threads: --threads, $OMP_NUM_THREADS or the

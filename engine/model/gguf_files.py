@@ -10,7 +10,7 @@ bit for bit, tests/test_gguf.py):
   Q5_0 (w = d * (q - 16))         -> scaled8, q - 16 in int8
   Q8_0 (w = d * q)                -> scaled8
   Q5_1, Q5_K (5-bit affine)       -> affine8 (torch, 10 bits a weight; no native kernel yet)
-  Q6_K (16 sub-blocks of 16: d * sc, q - 32) -> scaled8x16 (torch, 10 bits a weight; no native kernel yet)
+  Q6_K (16 sub-blocks of 16: d * sc, q - 32) -> its own blocks, rebuilt by torch (6.6 bits; no native kernel yet)
   F32, F16, BF16                  -> held as they are
   anything else (Q2_K, Q3_K, IQ*) -> fp32, gguf.quants.dequantize (exact, 32 bits a weight)
 Tensors are read with pread, not through the memory map, so the file's pages never count in the
@@ -40,7 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
-from engine.model.linears import BlockWeight, DenseWeight, PackedWeight
+from engine.model.linears import BlockWeight, DenseWeight, PackedWeight, Q6KWeight
 from engine.model.sources import GGUF_POINTER
 from engine.paths import cache_root
 
@@ -301,8 +301,7 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
         return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, -1)),
                            torch.from_numpy((-dm).reshape(n, -1)))
     if kind == Q.Q6_K:
-        d, q = _q6k(b)
-        return BlockWeight("scaled8x16", torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, -1)))
+        return Q6KWeight(torch.from_numpy(raw.copy()), (n, k))
     return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
 
 
@@ -332,17 +331,6 @@ def _k_affine(b: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return (d * sc.astype(np.float32)).reshape(-1), (dmin * mn.astype(np.float32)).reshape(-1), q
 
 
-def _q6k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q6_K super-blocks -> per sub-block of 16: d * sc (fp32, exact) and q - 32 (int8), in weight order."""
-    nb = b.shape[0]
-    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
-    dd = (_f16(d) * np.ascontiguousarray(scales).view(np.int8).astype(np.float32)).reshape(-1)
-    ql = ((ql.reshape(nb, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F))
-    qh = ((qh.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3))
-    q = (ql.reshape(nb, -1, 32) | (qh.reshape(nb, -1, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return dd, q.reshape(nb, 256)
-
-
 CHUNK_BYTES = 32 << 20  # a large tensor is read and converted this many file bytes at a time
 
 
@@ -364,7 +352,8 @@ def held_from_file(tensors: TensorFile, name: str, order: np.ndarray | None = No
             full = {f: torch.empty((n, *t.shape[1:]), dtype=t.dtype) for f, t in parts.items()}
         for f, t in parts.items():
             full[f][r0:r1] = t
-    return dataclasses.replace(part, **full, **({"shape": (n, k)} if isinstance(part, PackedWeight) else {}))
+    has_shape = any(f.name == "shape" for f in dataclasses.fields(part))
+    return dataclasses.replace(part, **full, **({"shape": (n, k)} if has_shape else {}))
 
 
 def _row_tensors(held) -> dict[str, torch.Tensor]:
@@ -397,7 +386,7 @@ class MappedRows:
 
 # bytes a weight takes as held (the table at the top): what the planner and `specache models` count
 HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 24 / 32, Q.Q4_1: 24 / 32, Q.Q4_K: 24 / 32, Q.Q5_0: 36 / 32, Q.Q8_0: 36 / 32,
-                         Q.Q5_1: 40 / 32, Q.Q5_K: 40 / 32, Q.Q6_K: 20 / 16, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
+                         Q.Q5_1: 40 / 32, Q.Q5_K: 40 / 32, Q.Q6_K: 210 / 256, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
 
 
 def estimate_held_bytes(header: Header) -> int:

@@ -104,7 +104,8 @@ class BlockWeight:
     a time, bit for bit: w = d * q (+ m), where d * q is exact for every GGUF format held this way.
 
     affine8: q uint8 [N, K], d and m fp32 [N, K / 32] (Q5_1, Q5_K: 5-bit codes, w = d * q + m);
-    scaled8x16: q int8 [N, K], d fp32 [N, K / 16] (Q6_K: 16 weights per scale, w = d * q)."""
+    (scaled8x16: q int8 [N, K], d fp32 [N, K / 16], w = d * q: Q6_K re-expressed, not used: Q6KWeight
+    keeps Q6_K's own 6.6 bits a weight instead of 10.)"""
 
     kind: str
     q: torch.Tensor
@@ -162,7 +163,42 @@ class DenseWeight:
         return self.rows(0, self.shape[0])
 
 
-HeldWeight = PackedWeight | BlockWeight | DenseWeight  # what a weightless SkinnyLinear computes with
+@dataclass(frozen=True)
+class Q6KWeight:
+    """A weight [N, K] held in the GGUF's own Q6_K blocks (210 bytes per 256 weights: 16 sub-blocks of
+    16 with an int8 scale under one fp16 d, 6-bit codes split in 4 + 2 bits), rebuilt by torch a tile
+    of rows at a time as gguf.quants does: w = (d * sc) * (q - 32), the product rounded once.
+    No native kernel yet: every pass rebuilds its tiles (a native one would read these bytes)."""
+
+    raw: torch.Tensor  # uint8 [N, K / 256 * 210]
+    shape: tuple[int, int]
+
+    kind = "q6_k"
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        n, nb = n1 - n0, self.shape[1] // 256
+        b = self.raw[n0:n1].view(n, nb, 210)
+        ql = b[..., :128].reshape(n, nb, 2, 1, 64)
+        ql = torch.cat((ql & 15, ql >> 4), dim=3).reshape(n, nb, 256)
+        qh = b[..., 128:192].reshape(n, nb, 2, 1, 32)
+        qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(n, nb, 256)
+        q = (ql | (qh << 4)).to(torch.float32).sub_(32).view(n, nb, 16, 16)
+        d = b[..., 208:210].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+        scale = d * b[..., 192:208].view(torch.int8).to(torch.float32)  # [n, nb, 16], exact
+        return q.mul_(scale[..., None]).view(n, -1)
+
+    def unpack(self) -> torch.Tensor:
+        return self.rows(0, self.shape[0])
+
+
+HeldWeight = PackedWeight | BlockWeight | DenseWeight | Q6KWeight  # what a weightless SkinnyLinear computes with
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
