@@ -155,3 +155,16 @@ def test_the_embedded_gguf_named_by_path_or_ollama_gives_the_default_output(tmp_
     assert outs[0]["generated_tokens"] >= 8
     assert outs[1]["text"] == outs[0]["text"] and outs[2]["text"] == outs[0]["text"]
     assert outs[1]["generated_tokens"] == outs[0]["generated_tokens"]
+
+
+def test_planner_counts_a_gguf_as_held():
+    from engine.model.linears import held_bytes
+    from engine.model.loading import load_model
+    from engine.plan.planner import weight_bytes
+
+    profile = load_model_profile(str(find_embedded_gguf()))  # `specache plan --model FILE.gguf`
+    lm = load_model(str(find_embedded_gguf()), device="cpu")
+    held = held_bytes(lm.model)
+    assert weight_bytes(profile, 2) == held["total"] == profile.held_weight_bytes
+    assert set(held["by_format"]) == {"affine4", "scaled8", "float32"}  # no fp32 copy of a linear
+    assert held["total"] < 0.25 * profile.parameters * 4  # 135M parameters in 112 MB, not 540
