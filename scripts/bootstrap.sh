@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 VENV=${SPECACHE_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 stamp="$VENV/.specache-bootstrap"
-want=$(cat pyproject.toml scripts/bootstrap.sh engine/native/*.c | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/bootstrap.sh engine/native/*.c engine/native/*.h | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
 echo "specache: setting up $VENV (first run only)..." >&2
 pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)

@@ -13,6 +13,9 @@ from engine.model.loading import prepare_model
 
 # SPECACHE_TEST_DEVICE=cuda runs the tiny-model engine tests on a GPU (scripts/gpu_check.py does)
 TEST_DEVICE = os.environ.get("SPECACHE_TEST_DEVICE", "cpu")
+# The native kernels everywhere they apply (not only where this CPU's calibration found them faster),
+# so that every test exercises them; tests/test_calibrate.py tests the calibration itself.
+os.environ.setdefault("SPECACHE_NATIVE_CALIBRATE", "0")
 
 
 def tiny_config(vocab: int = 320, max_pos: int = 2048, layers: int = 3) -> LlamaConfig:

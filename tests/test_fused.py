@@ -22,6 +22,7 @@ def prompts_of(lengths, vocab=320, seed=3):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("k", [192, 577])
@@ -37,6 +38,7 @@ def test_native_linear_matches_torch(rows, k):
             torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.kernels
 @needs_native
 def test_native_linear_declines_what_it_cannot_do():
     x, w = torch.randn(2, 64), torch.randn(8, 64)
@@ -79,6 +81,7 @@ CONFIGS = [CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, ch
            CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current")]
 
 
+@pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("config", CONFIGS, ids=["specache-2b", "specache-1b", "kivi", "select-both", "current"])
 def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
@@ -93,6 +96,7 @@ def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
 def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypatch, config):
@@ -118,6 +122,7 @@ def test_fused_results_do_not_depend_on_the_thread_count(tiny_model, monkeypatch
     assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3])
 
 
+@pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
 def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, config):

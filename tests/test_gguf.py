@@ -114,3 +114,13 @@ def test_header_reader_agrees_with_the_gguf_package_and_chunks_rebuild_whole(tmp
         assert torch.equal(whole.unpack(), torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32)))
         order = np.arange(40)[::-1].copy()
         assert torch.equal(gguf_files.held_from_file(tf, name, order).unpack(), whole.unpack()[order])
+
+
+@pytest.mark.parametrize("kind", (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K), ids=lambda k: k.name)
+def test_native_formats_rebuild_the_same_floats_in_torch(kind):
+    """Without the native library (SPECACHE_NATIVE=0) the blocks are rebuilt by torch: same floats."""
+    n, k = 24, 512
+    raw = random_tensor(kind, n, k)
+    held = held_from_raw(raw, kind, n, k)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(n, k).astype(np.float32))
+    assert torch.equal(held.torch_rows(0, n), ref) and torch.equal(held.torch_rows(3, 7), ref[3:7])

@@ -16,7 +16,8 @@ from engine.model.linears import (
     use_skinny_linears,
 )
 
-pytestmark = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+pytestmark = [pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here"),
+              pytest.mark.kernels]
 
 
 def affine4_weight(n, k, seed=0):

@@ -248,6 +248,7 @@ def backend(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group", GROUPS)
 def test_guide_scores_match_reference(bits, group, backend):
@@ -270,6 +271,7 @@ def test_guide_scores_match_reference(bits, group, backend):
         guide_scores(q, qk, group + 8)  # keys come in whole groups
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group", GROUPS)
 def test_guide_weighted_values_match_reference(bits, group, backend):
@@ -289,6 +291,7 @@ def test_guide_weighted_values_match_reference(bits, group, backend):
         assert (bf - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("bits", BITS)
 def test_kernels_on_row_views_and_small_chunks(bits, monkeypatch, backend):
     """Batch-row views (as the engine slices them) and many chunks give the same results."""
@@ -310,6 +313,7 @@ def test_kernels_on_row_views_and_small_chunks(bits, monkeypatch, backend):
     _close(guide_weighted_values(p, qv_r, v.shape[2]), v_ref)
 
 
+@pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group", GROUPS)
@@ -346,6 +350,7 @@ def test_native_matches_torch(bits, group, batch, nq, monkeypatch):
         monkeypatch.delenv(native.ENV_DISABLE)
 
 
+@pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
@@ -363,6 +368,7 @@ def test_native_other_head_dims(bits, head_dim, nq, native_only):
     _close(guide_weighted_values(p, qv, v.shape[2]), guide_weighted_values_reference(p, qv, v.shape[2]), rel=1e-4)
 
 
+@pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_native_threads_and_strided_inputs(threads, monkeypatch, native_only):
@@ -387,6 +393,7 @@ def test_native_threads_and_strided_inputs(threads, monkeypatch, native_only):
     _close(guide_scores(q16, qk_r, 8 * g), guide_scores_reference(q16.float(), qk_r, 8 * g), rel=1e-4)
 
 
+@pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("nq", [3, 6])
 def test_native_ignores_garbage_past_n(nq, native_only):

@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from engine import native
+from engine.native import calibrate
 
 ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
 BLOCK = 32
@@ -38,7 +39,8 @@ class PackedWeight:
 
     def __post_init__(self) -> None:
         # the kernel and the arguments that never change, bound once (a decode step makes ~200 calls)
-        object.__setattr__(self, "_kernel", native.lib().specache_packed_linear)
+        lib = native.lib()  # None without the native library: rows rebuilt by torch, no decode kernel
+        object.__setattr__(self, "_kernel", lib.specache_packed_linear if lib is not None else None)
         object.__setattr__(self, "_fixed", (self.data.data_ptr(), self.fmt, self.shape[0], self.shape[1]))
 
     @property
@@ -48,7 +50,7 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x [R <= 8, K] fp32 @ W^T (+ bias) by the native kernel; None where it does not apply.
         (The per-call checks are few: a decode step makes ~200 of these calls.)"""
-        if x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
+        if self._kernel is None or x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
             return None
         rows, n = x.shape[0], self.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
@@ -67,6 +69,8 @@ class PackedWeight:
         """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel (a
         large tile split over the native threads: the kernel is single-threaded, ctypes frees the GIL)."""
         k = self.shape[1]
+        if self._kernel is None:
+            return self.torch_rows(n0, n1)
         out = torch.empty(n1 - n0, k, dtype=torch.float32)
         unpack, threads = native.lib().specache_unpack, native.threads()
 
@@ -80,6 +84,18 @@ class PackedWeight:
             rcs = [part(n0, n1)]
         assert not any(rcs)
         return out
+
+    def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
+        """rows() by torch (without the native library): the same floats, d * q being exact in both
+        formats as packed here (fp16-sized d, 4-bit or 8-bit q), so d * q + m rounds once like fmaf."""
+        n, nb = n1 - n0, self.shape[1] // BLOCK
+        rec = self.data[n0:n1].view(n, nb, FORMATS[self.fmt])
+        d = rec[..., 0:4].contiguous().view(torch.float32)  # [n, nb, 1]
+        if self.fmt == 8:
+            return rec[..., 4:].view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
+        m = rec[..., 4:8].contiguous().view(torch.float32)
+        q = rec[..., 8:]
+        return torch.cat((q & 15, q >> 4), dim=-1).to(torch.float32).mul_(d).add_(m).view(n, -1)
 
     def unpack(self) -> torch.Tensor:
         """The fp32 weight it stands for [N, K] (tests and checks)."""
@@ -256,19 +272,19 @@ class SkinnyLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.weight is None:
+        if self.weight is None:  # held in its blocks only: the native kernel on them, or tiles rebuilt
             return self.held_forward(x.reshape(rows, -1)).reshape(*x.shape[:-1], -1)
+        # the native kernel only where it measured faster than torch for this weight form and row count
+        fast = x.is_cpu and rows <= self.NATIVE_ROWS and calibrate.use_native(self.packed.fmt if self.packed else 0, rows)
         if rows > self.SKINNY_ROWS or not x.is_cpu:
             if self.prefill_dtype is not None and x.is_cpu and x.dtype != self.prefill_dtype and _IN_PREFILL.get():
                 return self.prefill_forward(x)
-            y = self.native_chunks(x.reshape(rows, -1)) if rows <= self.NATIVE_ROWS and x.is_cpu else None
+            y = self.native_chunks(x.reshape(rows, -1)) if fast else None
             return super().forward(x) if y is None else y.reshape(*x.shape[:-1], -1)
         flat = x.reshape(rows, -1)
-        y = self.native(flat)
+        y = self.native(flat) if fast else None
         if y is None:
-            y = (self.weight @ flat.T).T
-            if self.bias is not None:
-                y = y + self.bias
+            y = skinny_torch_linear(flat, self.weight, self.bias)
         return y.reshape(*x.shape[:-1], -1)
 
     def held_forward(self, flat: torch.Tensor) -> torch.Tensor:
@@ -342,6 +358,13 @@ def prefill_pass() -> Iterator[None]:
         yield
     finally:
         _IN_PREFILL.reset(token)
+
+
+def skinny_torch_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """flat [R <= 8, K] @ weight^T (+ bias) by torch as W @ x^T: the BLAS's x @ W^T path packs the
+    weight matrix for 2-8 rows, so a 2-row step cost about twice a 1-row step that way."""
+    y = (weight @ flat.T).T
+    return y + bias if bias is not None else y
 
 
 def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:

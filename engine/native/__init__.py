@@ -4,8 +4,12 @@ attention (``attention_kernels.c``, AVX512-BF16 only).
 
 The C sources are compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``)
 into one ``cache_root()/native/guide-<hash>.so``, the hash covering the sources, the compiler
-and its flags and the machine (``-march=native``), written atomically (temporary file,
-then ``os.replace``), so concurrent first uses are safe. It is built lazily on the first
+and its flags, the instruction set and the machine, written atomically (temporary file, then
+``os.replace``), so concurrent first uses are safe. The instruction set is a build setting:
+``$SPECACHE_NATIVE_ARCH`` is the ``-march`` value (``native``, the default; ``x86-64-v4`` for
+AVX-512, ``x86-64-v3`` for AVX2 + FMA, ``x86-64-v2`` for SSE4.2 only, ``armv8-a`` ...); every
+kernel is written once against engine/native/simd.h, whose vector type has one definition per
+instruction set, so each level compiles the same kernels (``isa()`` says which one was built). It is built lazily on the first
 call of ``native_available()`` / ``lib()`` (``python -m engine.native`` builds it ahead
 of time). No torch headers and no ninja are involved.
 
@@ -34,9 +38,11 @@ log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
            Path(__file__).with_name("attention_kernels.c"))
+HEADERS = (Path(__file__).with_name("simd.h"),)
 ABI_VERSION = 5
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
+ENV_ARCH = "SPECACHE_NATIVE_ARCH"
 ENV_THREADS = "SPECACHE_NATIVE_THREADS"
 
 _lock = threading.Lock()
@@ -107,6 +113,55 @@ def threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def arch() -> str:
+    """The instruction set the library is built for: $SPECACHE_NATIVE_ARCH (a -march value), else native."""
+    raw = os.environ.get(ENV_ARCH, "").strip()
+    return raw or "native"
+
+
+# x86-64 micro-architecture levels and the /proc/cpuinfo flags a CPU needs to execute their code
+X86_LEVELS = {
+    "x86-64-v2": {"ssse3", "sse4_1", "sse4_2", "popcnt", "cx16"},
+    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+# the vector code simd.h picks at each level
+LEVEL_ISA = {"x86-64": "generic", "x86-64-v2": "generic", "x86-64-v3": "avx2", "x86-64-v4": "avx512", "armv8-a": "neon"}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo 'flags' on x86, 'Features' on ARM64)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def runnable_levels() -> list[str]:
+    """The named -march levels whose code this CPU can execute (besides native)."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ["armv8-a"]
+    if machine not in ("x86_64", "amd64"):
+        return []
+    have, out, need = cpu_flags(), ["x86-64"], set()
+    for level, wanted in X86_LEVELS.items():  # each level needs the ones below it too
+        need |= wanted
+        if not need <= have:
+            break
+        out.append(level)
+    return out
+
+
+def flags(march: str | None = None) -> tuple[str, ...]:
+    """The compiler flags for one instruction set."""
+    return (*FLAGS, f"-march={march or arch()}")
+
+
 def compiler() -> str | None:
     """The C compiler to use: $CC, else the first of cc, gcc, clang on PATH."""
     if os.environ.get("CC"):
@@ -139,46 +194,50 @@ def _machine_id() -> str:
     return "\n".join(parts)
 
 
-def library_path(cc: str | None = None) -> Path:
-    """Where the shared library for this source, compiler, flags and machine lives."""
+def library_path(cc: str | None = None, march: str | None = None) -> Path:
+    """Where the shared library for this source, compiler, flags, instruction set and machine lives."""
 
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install cc/gcc/clang)")
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), cc.encode(), _compiler_id(cc).encode(), " ".join(FLAGS).encode(),
-                 _machine_id().encode()):
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), cc.encode(), _compiler_id(cc).encode(),
+                 " ".join(flags(march)).encode(), _machine_id().encode()):
         h.update(part)
         h.update(b"\0")
     return cache_root() / "native" / f"guide-{h.hexdigest()[:20]}.so"
 
 
-def build(force: bool = False) -> Path:
-    """Compile the kernels (unless already cached) and return the library's path. Raises on failure.
+def build(force: bool = False, march: str | None = None) -> Path:
+    """Compile the kernels for one instruction set (default: arch()) unless already cached, and
+    return the library's path. Raises on failure.
 
     Tries the flags as they are first, then without OpenMP (a compiler without OpenMP
-    support still gives a single-threaded library), then also without -march=native (a
-    compiler that does not know this CPU). The library's name does not depend on which
+    support still gives a single-threaded library), then, for -march=native only, also without
+    it (a compiler that does not know this CPU). The library's name does not depend on which
     variant built, so a failing variant is not retried by every process."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC or install cc/gcc/clang)")
-    path = library_path(cc)
+    march = march or arch()
+    path = library_path(cc, march)
     if path.exists() and not force:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    variants = (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp"),
-                tuple(f for f in FLAGS if f not in ("-fopenmp", "-march=native")))
-    for flags in variants:
+    full = flags(march)
+    variants = [full, tuple(f for f in full if f != "-fopenmp")]
+    if march == "native":
+        variants.append(tuple(f for f in full if not f.startswith(("-fopenmp", "-march="))))
+    for opts in variants:
         fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=300)
+            res = subprocess.run([cc, *opts, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=300)
             if res.returncode == 0:
                 os.replace(tmp, path)
                 return path
-            errors.append(f"{cc} {' '.join(flags)}: exit {res.returncode}: {res.stderr.strip()[-2000:]}")
+            errors.append(f"{cc} {' '.join(opts)}: exit {res.returncode}: {res.stderr.strip()[-2000:]}")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -191,6 +250,7 @@ def _load(path: Path) -> ctypes.CDLL:
     if lib.specache_guide_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path}: ABI version {lib.specache_guide_abi_version()}, expected {ABI_VERSION}")
     lib.specache_guide_openmp.restype = ctypes.c_int
+    lib.specache_native_isa.restype = ctypes.c_char_p
     for name in ("specache_guide_scores", "specache_guide_weighted_values"):
         fn = getattr(lib, name)
         fn.argtypes = _KERNEL_ARGS
@@ -241,6 +301,13 @@ def native_available() -> bool:
 def native_error() -> str | None:
     """Why the library could not be built or loaded (None if it was, or was not tried)."""
     return _error
+
+
+def isa() -> str:
+    """The vector instruction set the loaded library's kernels use (simd.h): avx512, avx2, neon,
+    generic (plain C, no fused multiply-add), or "torch" when there is no library."""
+    lb = lib()
+    return lb.specache_native_isa().decode() if lb is not None else "torch"
 
 
 def openmp() -> bool:

@@ -1,7 +1,9 @@
 """Build the native guide kernels ahead of time: ``python -m engine.native [--force]``.
 
-Prints the library's path; exits 1 (with the reason on stderr) when it cannot be built,
-in which case engine.kvcache.quant uses its torch kernels."""
+Prints the library's path and instruction set, then calibrates which decode linears take the
+native kernel (engine/native/calibrate.py; once per library, about a second) unless
+$SPECACHE_NATIVE_CALIBRATE is 0; exits 1 (with the reason on stderr) when it cannot be built,
+in which case the torch kernels are used."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"native guide kernels not built ({type(exc).__name__}: {exc}); the torch kernels will be used",
               file=sys.stderr)
         return 1
-    print(path)
+    print(f"{path} ({native.isa()})")
+    from engine.native import calibrate
+
+    if calibrate.enabled():
+        print("decode linears:", ", ".join(f"{k} {v}" for k, v in calibrate.paths().items()))
     return 0
 
 

@@ -12,7 +12,8 @@
  * regrouped from that layout with a few SIMD instructions per 64 bytes:
  *   keys: a token's channel bits = bit i of the D bytes of its row: per row of 64 bytes one
  *         GFNI affine 8x8 bit transpose + one byte permutation (AVX-512 VBMI + GFNI), else
- *         one vptestmb per bit (AVX-512BW) or shift + movemask (AVX2), else scalar code;
+ *         one vptestmb per bit (AVX-512BW) or shift + movemask (AVX2), else one multiply per
+ *         8 bytes and bit (NEON, plain C);
  *         gathered one group ahead of the lookups;
  *   values: a channel's token bits = its byte in each of the block's 8 rows (an 8 x D byte
  *         transpose per block and plane); word bit 8r + i is token i*8 + r, which the table
@@ -276,9 +277,19 @@ static inline void gather_bit_planes(const uint8_t *src, uint64_t out[8]) {
     GB(0); GB(1); GB(2); GB(3); GB(4); GB(5); GB(6); GB(7);
 #undef GB
 #else
+    /* Portable (NEON, plain C): per 8 bytes, bit i of each byte moved to one byte by a multiply:
+     * ((w >> i) & 0x01..01) * 0x0102040810204080 has bit 56 + j = bit i of byte j (every partial
+     * product lands on its own bit, no carries), so its top byte is the 8 bits in byte order. */
     for (int i = 0; i < 8; i++) out[i] = 0;
-    for (int e = 0; e < 64; e++)
-        for (int i = 0; i < 8; i++) out[i] |= (uint64_t)((src[e] >> i) & 1) << e;
+    for (int c = 0; c < 8; c++) {
+        uint64_t w;
+        memcpy(&w, src + 8 * c, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        w = __builtin_bswap64(w);
+#endif
+        for (int i = 0; i < 8; i++)
+            out[i] |= ((((w >> i) & 0x0101010101010101ULL) * 0x0102040810204080ULL) >> 56) << (8 * c);
+    }
 #endif
 }
 #endif

@@ -4,16 +4,17 @@
  * is bound by reading the weights once. The CPU BLAS behind torch reads them at about half
  * the memory bandwidth for such skinny shapes (measured on a 2-core AVX-512 machine: 11-14
  * GB/s vs 25 GB/s for a plain sequential sum); this kernel streams the weight rows in memory
- * order through 16-wide fused multiply-adds against all activation rows, so each weight
- * byte is read once per call. Summation order differs from the BLAS: results agree to float
- * rounding. Without AVX-512 it is plain C (the compiler's vectorisation).
+ * order through VW-wide fused multiply-adds against all activation rows (simd.h: 16 lanes with
+ * AVX-512, 8 with AVX2 + FMA, 4 with NEON or plain C), so each weight byte is read once per
+ * call. Summation order differs from the BLAS: results agree to float rounding.
  *
  * Packed weights (below): a weight matrix whose values are exactly those of a block format
  * (the embedded model's GGUF stores its linears as Q4_1 and its embedding as Q8_0, and the
  * fp32 copy transformers makes is their exact dequantization) is kept a second time in that
  * format, 5 or 9 bits per weight instead of 32. The kernels rebuild each weight bit-exactly
- * before the same multiply-adds, so their results equal the fp32 kernel's bit for bit; they
- * only read 6.4x (4-bit) or 3.6x (8-bit) fewer bytes.
+ * and feed it through the same loop as the fp32 kernel (one function, the weight source a
+ * compile-time argument), so their results equal the fp32 kernel's bit for bit on every
+ * target; they only read 6.4x (4-bit) or 3.6x (8-bit) fewer bytes.
  *
  * Built into the same library as guide_kernels.c (engine/native/__init__.py).
  */
@@ -26,72 +27,16 @@
 #include <omp.h>
 #endif
 
+#include "simd.h"
+
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_ROWS 8
-#define VL 16
-#define PREFETCH 1024 /* floats ahead (4 KiB): with it, 2 rows ran 57 -> 37 ms and 8 rows 97 -> 78 ms
-                         per 708 MB of weights on the 2-core AVX-512 machine */
+#define PREFETCH 4096 /* bytes ahead: with it, 2 rows ran 57 -> 37 ms and 8 rows 97 -> 78 ms per 708 MB
+                         of fp32 weights on the 2-core AVX-512 machine */
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-/* Output columns [n0, n1) of y[R, N] for R activation rows (R a compile-time constant after
- * inlining). One weight row at a time, in memory order: a single sequential stream, which
- * the hardware prefetcher follows at full bandwidth (interleaving several weight rows
- * measured ~40% slower), plus a software prefetch a few KiB ahead, which the hardware
- * prefetcher alone did not match when several activation rows make the loop longer. */
-INLINE void linear_rows(const float *x, int64_t x_s, const float *W, int64_t K, const float *bias, float *y,
-                        int64_t y_s, int64_t n0, int64_t n1, const int R) {
-    const int64_t kv = K / VL * VL;
-    for (int64_t n = n0; n < n1; n++) {
-        const float *w = W + n * K;
-        __m512 acc[MAX_ROWS], acc2 = _mm512_setzero_ps();
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        int64_t k = 0;
-        if (R == 1) { /* two chains, so one row is not bound by the add latency */
-            for (; k + 2 * VL <= kv; k += 2 * VL) {
-                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc[0]);
-                acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + VL), _mm512_loadu_ps(x + k + VL), acc2);
-            }
-        }
-        for (; k < kv; k += VL) {
-            _mm_prefetch((const char *)(w + k + PREFETCH), _MM_HINT_T0);
-            const __m512 u = _mm512_loadu_ps(w + k);
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(u, _mm512_loadu_ps(x + r * x_s + k), acc[r]);
-        }
-        acc[0] = _mm512_add_ps(acc[0], acc2);
-        for (int r = 0; r < R; r++) {
-            float s = _mm512_reduce_add_ps(acc[r]);
-            for (int64_t j = kv; j < K; j++) s += w[j] * x[r * x_s + j];
-            y[r * y_s + n] = bias ? s + bias[n] : s;
-        }
-    }
-}
-#else
-INLINE void linear_rows(const float *x, int64_t x_s, const float *W, int64_t K, const float *bias, float *y,
-                        int64_t y_s, int64_t n0, int64_t n1, const int R) {
-    for (int64_t n = n0; n < n1; n++) {
-        const float *w = W + n * K;
-        for (int r = 0; r < R; r++) {
-            float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += w[k] * x[r * x_s + k];
-            y[r * y_s + n] = bias ? s + bias[n] : s;
-        }
-    }
-}
-#endif
-
-static void linear_range(const float *x, int64_t x_s, int64_t R, const float *W, int64_t K, const float *bias,
-                         float *y, int64_t y_s, int64_t n0, int64_t n1) {
-    switch (R) {
-#define CASE(r) \
-    case r: linear_rows(x, x_s, W, K, bias, y, y_s, n0, n1, r); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#undef CASE
-    default: break;
-    }
-}
+/* The vector instruction set the kernels were built for (simd.h). */
+EXPORT const char *specache_native_isa(void) { return SIMD_ISA; }
 
 /* ---- packed weights -------------------------------------------------------------------
  * Blocks of QB = 32 consecutive weights of one row (along K). Each block is stored as one
@@ -101,6 +46,7 @@ static void linear_range(const float *x, int64_t x_s, int64_t R, const float *W,
  *   scaled8: float d, 32 int8 codes; w[j] = d * q[j]                        (36 bytes / 32 weights)
  * The packers accept a matrix only if every block rebuilds to exactly the given floats. */
 #define QB 32
+#define NV (QB / VW) /* vectors per block */
 #define A4_BYTES 24
 #define S8_BYTES 36
 
@@ -108,6 +54,107 @@ typedef struct { float d, m; uint8_t q[QB / 2]; } affine4_block;
 typedef struct { float d; int8_t q[QB]; } scaled8_block;
 _Static_assert(sizeof(affine4_block) == A4_BYTES, "affine4 record");
 _Static_assert(sizeof(scaled8_block) == S8_BYTES, "scaled8 record");
+
+/* The 32 weights of the block record at p as NV vectors (fmt a compile-time constant after
+ * inlining; fmt 0 reads 32 fp32 weights). Every target rebuilds the same floats: fma(d, q, m)
+ * rounded once (an AVX-512 table of the 16 values fma(d, i, m) is the same numbers) and d * q. */
+INLINE void block_weights(const void *src, const int fmt, vf w[NV]) {
+    if (fmt == 0) {
+        for (int v = 0; v < NV; v++) w[v] = vf_load((const float *)src + v * VW);
+        return;
+    }
+    const uint8_t *p = (const uint8_t *)src;
+    float d;
+    memcpy(&d, p, 4);
+    if (fmt == 8) {
+        const vf dv = vf_set1(d);
+        for (int v = 0; v < NV; v++) w[v] = vf_mul(dv, vf_from_i8(p + 4 + v * VW));
+        return;
+    }
+    float m;
+    memcpy(&m, p + 4, 4);
+    const uint8_t *q = p + 8;
+#if VW == 16
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 tbl = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    w[0] = _mm512_permutexvar_ps(idx, tbl); /* uses the low 4 bits of each lane */
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), tbl);
+#elif VW == 8 /* AVX2 */
+    const __m128i b = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    w[0] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mv);
+    w[1] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))), mv);
+    w[2] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), mv);
+    w[3] = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))), mv);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    const uint8x16_t b = vld1q_u8(q);
+    const uint8x16_t half[2] = {vandq_u8(b, vdupq_n_u8(15)), vshrq_n_u8(b, 4)};
+    const float32x4_t dv = vdupq_n_f32(d), mv = vdupq_n_f32(m);
+    for (int h = 0; h < 2; h++) {
+        const uint16x8_t a = vmovl_u8(vget_low_u8(half[h])), c = vmovl_u8(vget_high_u8(half[h]));
+        w[4 * h + 0] = vfmaq_f32(mv, dv, vcvtq_f32_u32(vmovl_u16(vget_low_u16(a))));
+        w[4 * h + 1] = vfmaq_f32(mv, dv, vcvtq_f32_u32(vmovl_u16(vget_high_u16(a))));
+        w[4 * h + 2] = vfmaq_f32(mv, dv, vcvtq_f32_u32(vmovl_u16(vget_low_u16(c))));
+        w[4 * h + 3] = vfmaq_f32(mv, dv, vcvtq_f32_u32(vmovl_u16(vget_high_u16(c))));
+    }
+#else
+    const vf dv = vf_set1(d), mv = vf_set1(m);
+    for (int v = 0; v < NV; v++) {
+        float c[VW];
+        for (int i = 0; i < VW; i++) {
+            const int j = v * VW + i;
+            c[i] = (float)(j < QB / 2 ? q[j] & 15 : q[j - QB / 2] >> 4);
+        }
+        w[v] = vf_fmaf(dv, vf_load(c), mv);
+    }
+#endif
+}
+
+/* Output columns [n0, n1) of y[R, N] for R activation rows (R and fmt compile-time constants
+ * after inlining; fmt 0: W is fp32 [N, K], else packed records). One weight row at a time, in
+ * memory order: a single sequential stream, which the hardware prefetcher follows at full
+ * bandwidth (interleaving several weight rows measured ~40% slower), plus a software prefetch
+ * a few KiB ahead, which the hardware prefetcher alone did not match when several activation
+ * rows make the loop longer. One activation row uses two accumulator chains (even and odd
+ * vectors), so it is not bound by the add latency. The fp32 kernel and the packed one run the
+ * same multiply-adds in the same order: the same result bit for bit. */
+INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fmt, int64_t K, const float *bias,
+                        float *y, int64_t y_s, int64_t n0, int64_t n1, const int R) {
+    const int64_t nb = K / QB, rec = fmt == 0 ? QB * 4 : fmt == 4 ? A4_BYTES : S8_BYTES;
+    const int64_t row_bytes = fmt == 0 ? K * 4 : nb * rec;
+    const int64_t kv = fmt == 0 ? K / VW * VW : K; /* fp32: vectors past the last whole block, then scalars */
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = (const uint8_t *)W + n * row_bytes;
+        vf acc[MAX_ROWS], acc2 = vf_zero();
+        for (int r = 0; r < R; r++) acc[r] = vf_zero();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *p = row + b * rec;
+            simd_prefetch(p + (fmt == 0 ? PREFETCH : PREFETCH / 2));
+            vf w[NV];
+            block_weights(p, fmt, w);
+            const float *xb = x + b * QB;
+            for (int v = 0; v < NV; v++) {
+                if (R == 1) {
+                    if (v & 1) acc2 = vf_fma(w[v], vf_load(xb + v * VW), acc2);
+                    else acc[0] = vf_fma(w[v], vf_load(xb + v * VW), acc[0]);
+                } else {
+                    for (int r = 0; r < R; r++) acc[r] = vf_fma(w[v], vf_load(xb + r * x_s + v * VW), acc[r]);
+                }
+            }
+        }
+        const float *wf = (const float *)row;
+        for (int64_t k = nb * QB; k + VW <= kv; k += VW) /* fp32 only: K % 32 != 0 */
+            for (int r = 0; r < R; r++) acc[r] = vf_fma(vf_load(wf + k), vf_load(x + r * x_s + k), acc[r]);
+        acc[0] = vf_add(acc[0], acc2);
+        for (int r = 0; r < R; r++) {
+            float s = vf_hsum(acc[r]);
+            for (int64_t j = kv / VW * VW; fmt == 0 && j < K; j++) s += wf[j] * x[r * x_s + j];
+            y[r * y_s + n] = bias ? s + bias[n] : s;
+        }
+    }
+}
 
 /* Round to the nearest float with an fp16-sized mantissa (10 bits): the scale a GGUF stored. */
 static float fp16_mantissa(float x) {
@@ -174,80 +221,14 @@ static void unpack_block(const uint8_t *row, int64_t b, int fmt, float *w) {
     }
 }
 
-#ifdef __AVX512F__
-/* The two 16-weight vectors of block p (fmt a compile-time constant after inlining). */
-INLINE void unpack16x2(const uint8_t *p, const int fmt, const __m512 iota, __m512 *w0, __m512 *w1) {
-    float d;
-    memcpy(&d, p, 4);
-    if (fmt == 4) {
-        float m;
-        memcpy(&m, p + 4, 4);
-        const __m512 tbl = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
-        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
-        *w0 = _mm512_permutexvar_ps(idx, tbl); /* uses the low 4 bits of each lane */
-        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), tbl);
-    } else {
-        const __m512 dv = _mm512_set1_ps(d);
-        *w0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 4)))));
-        *w1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 20)))));
-    }
-}
-
-/* The fp32 kernel's loop with each pair of 16-wide weight vectors rebuilt from a block: same
- * multiply-adds in the same order (two chains for one row), so the same result bit for bit.
- * (Two output rows at a time for one activation row, sharing its loads, measured 30% slower.) */
-INLINE void packed_rows(const float *x, int64_t x_s, const uint8_t *P, const int fmt, int64_t K, const float *bias,
-                        float *y, int64_t y_s, int64_t n0, int64_t n1, const int R) {
-    const int64_t nb = K / QB, rec = fmt == 4 ? A4_BYTES : S8_BYTES;
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = P + n * nb * rec;
-        __m512 acc[MAX_ROWS], acc2 = _mm512_setzero_ps();
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *p = row + b * rec;
-            _mm_prefetch((const char *)(p + 2048), _MM_HINT_T0);
-            __m512 w0, w1;
-            unpack16x2(p, fmt, iota, &w0, &w1);
-            const int64_t k = b * QB;
-            if (R == 1) {
-                acc[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), acc[0]);
-                acc2 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + VL), acc2);
-            } else {
-                for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * x_s + k), acc[r]);
-                for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * x_s + k + VL), acc[r]);
-            }
-        }
-        acc[0] = _mm512_add_ps(acc[0], acc2);
-        for (int r = 0; r < R; r++) {
-            const float s = _mm512_reduce_add_ps(acc[r]);
-            y[r * y_s + n] = bias ? s + bias[n] : s;
-        }
-    }
-}
-#else
-INLINE void packed_rows(const float *x, int64_t x_s, const uint8_t *P, const int fmt, int64_t K, const float *bias,
-                        float *y, int64_t y_s, int64_t n0, int64_t n1, const int R) {
-    const int64_t nb = K / QB, rec = fmt == 4 ? A4_BYTES : S8_BYTES;
-    float w[QB];
-    for (int64_t n = n0; n < n1; n++) {
-        float s[MAX_ROWS] = {0};
-        for (int64_t b = 0; b < nb; b++) {
-            unpack_block(P + n * nb * rec, b, fmt, w);
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < QB; j++) s[r] += w[j] * x[r * x_s + b * QB + j];
-        }
-        for (int r = 0; r < R; r++) y[r * y_s + n] = bias ? s[r] + bias[n] : s[r];
-    }
-}
-#endif
-
-static void packed_range(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int fmt, int64_t K,
-                         const float *bias, float *y, int64_t y_s, int64_t n0, int64_t n1) {
-    switch (R * 16 + fmt) { /* rows and format as compile-time constants */
+/* Rows and format as compile-time constants. */
+static void linear_columns_of(const float *x, int64_t x_s, int64_t R, const void *W, int fmt, int64_t K,
+                              const float *bias, float *y, int64_t y_s, int64_t n0, int64_t n1) {
+    switch (R * 16 + fmt) {
 #define CASE(r) \
-    case r * 16 + 4: packed_rows(x, x_s, P, 4, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 8: packed_rows(x, x_s, P, 8, K, bias, y, y_s, n0, n1, r); break;
+    case r * 16 + 0: linear_rows(x, x_s, W, 0, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 4: linear_rows(x, x_s, W, 4, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 8: linear_rows(x, x_s, W, 8, K, bias, y, y_s, n0, n1, r); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     default: break;
@@ -269,8 +250,8 @@ typedef struct {
 } Linear;
 
 static void linear_columns(const Linear *L, int64_t n0, int64_t n1) {
-    if (L->fmt == 0) linear_range(L->x, L->x_s, L->R, L->W, L->K, L->bias, L->y, L->y_s, n0, n1);
-    else packed_range(L->x, L->x_s, L->R, L->P, L->fmt, L->K, L->bias, L->y, L->y_s, n0, n1);
+    linear_columns_of(L->x, L->x_s, L->R, L->fmt == 0 ? (const void *)L->W : (const void *)L->P, L->fmt, L->K,
+                      L->bias, L->y, L->y_s, n0, n1);
 }
 
 /* Output columns [0, N), split evenly over the threads when there are enough of them. */
