@@ -83,7 +83,7 @@ def resolve_path(path: Path, spec: str) -> ModelSource:
     """A file (GGUF) or a folder (Hugging Face, or one converted from a GGUF)."""
     if path.is_file():
         if not is_gguf_file(path):
-            raise ModelLoadError(f"{spec} is neither a GGUF file nor a Hugging Face model folder")
+            raise ModelLoadError(f"{spec} is neither a GGUF file nor a Hugging Face model folder (no config.json)")
         return ModelSource("gguf", path.stem, gguf=path)
     pointer = path / GGUF_POINTER
     if pointer.is_file():  # a folder converted from a GGUF: load from that GGUF
