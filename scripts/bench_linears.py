@@ -55,7 +55,7 @@ def main() -> None:
 
     print(f"CPU: {native.describe_line()}")
     gbs = read_bandwidth()
-    lm = load_model(device="cpu")
+    lm = load_model(device="cpu", dtype="float32")  # fp32 weights and their packed copy, side by side
     mods = [m for m in lm.model.modules() if isinstance(m, SkinnyLinear)]
     info = packed_summary(lm.model)
     print(f"{info['packed']} of {info['linears']} linears packed: {info['packed_bytes'] / 2**20:.0f} MiB "

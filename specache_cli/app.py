@@ -42,10 +42,10 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 # Each command module exposes register(app). Keep this list the only place commands are wired.
-from specache_cli import bench_cmd, cache_cmd, plan_cmd, run_cmds  # noqa: E402
+from specache_cli import bench_cmd, cache_cmd, models_cmd, plan_cmd, run_cmds  # noqa: E402
 from specache_cli.console import print_error  # noqa: E402
 
-for _module in (run_cmds, plan_cmd, bench_cmd, cache_cmd):
+for _module in (run_cmds, plan_cmd, bench_cmd, cache_cmd, models_cmd):
     _module.register(app)
 
 

@@ -23,13 +23,17 @@ from engine.errors import (
     EmptyDocument,
     InputNotFound,
     ModelLoadError,
+    ProfileError,
     SpecacheError,
 )
 from engine.inputs.documents import STDIN, decode_text, load_document, read_regular_file
 from engine.jobs.pipeline import STRATEGIES, Failed, Result, Runner, ask_many, count_tokens, summarize_many
 from engine.jobs.workers import WorkerConfig, ask_tasks, import_ray, run_job, summarize_tasks, validate
 from engine.model.embedded import EMBEDDED_NAME
-from engine.model.loading import load_model
+from engine.kvcache import POLICIES
+from engine.model.loading import estimate_weight_bytes, load_model, resolve_model_dir
+from engine.model.sources import resolve_source
+from engine.plan.planner import check_fits_before_load
 from engine.paths import cache_root
 from engine.plan.profiles import load_model_profile, model_defaults
 from engine.plan.threads import choose_threads
@@ -81,15 +85,11 @@ def check_device(device: str, dtype: str) -> None:
 
 def model_window(spec: str | None) -> int | None:
     """The model's context window in tokens, read without loading it: the embedded model's profile,
-    or max_position_embeddings of a folder's config.json (None when the config does not say).
-    A folder that is missing or has no readable config.json is refused here, before any load."""
+    or max_position_embeddings of the model's config.json (a GGUF's is converted once, in seconds;
+    None when the config does not say). A model that does not resolve is refused here, before any load."""
     if spec in EMBEDDED_SPECS:
         return load_model_profile(EMBEDDED_PROFILE).max_context
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model folder not found: {spec} (give a local Hugging Face model folder)")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{spec} is not a Hugging Face model folder (no config.json)")
+    _, path = resolve_model_dir(spec)
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -174,6 +174,7 @@ class Session:
             m = self.model_opts
             if self.pick_threads:
                 self.set_threads(m.threads)
+            self.check_fits()
             lm = load_model(m.model, device=m.device, dtype=m.dtype, on_status=self.status)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
             check_window(self.cache_opts, self.gen.max_tokens, lm.max_context)  # when config.json did not say
@@ -187,6 +188,22 @@ class Session:
                     self.status(f"{', '.join(notes)}: cut to {longest} tokens, the longest model call here")
             self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
         return self._runner
+
+    def check_fits(self) -> None:
+        """Before loading: the weights as they will be held and one sequence's cache of the longest
+        call (its text counted at 4 characters a token, the least a tokenizer gives) must fit in memory."""
+        m = self.model_opts
+        if m.device.startswith("cuda") or (m.device == "auto" and torch.cuda.is_available()):
+            return  # the GPU's check runs after loading (plan_for_run), with the device's own free memory
+        name, path = resolve_model_dir(m.model, self.status)
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        window = int(config.get("max_position_embeddings") or 4096)
+        context = min(window, self.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)
+        try:
+            check_fits_before_load(config, estimate_weight_bytes(resolve_source(m.model), m.dtype), context,
+                                   POLICIES[self.cache_opts.cache].plan_mode, name=name)
+        except ProfileError:
+            return  # a config without the model's shapes: the load itself reports what is wrong
 
     def set_threads(self, requested: int | None) -> None:
         """torch's CPU threads for this run (engine.plan.threads: --threads, $OMP_NUM_THREADS or the

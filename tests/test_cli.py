@@ -147,8 +147,8 @@ def test_batch_continues_after_a_document_the_model_cannot_take(cli):
 
 def test_missing_model_folder(tmp_path):
     r = CliRunner().invoke(app, ["summarize", str(DATA / "sample.txt"), "--model", str(tmp_path / "no")])
-    assert r.exit_code == 10
-    assert "model folder not found" in r.stderr
+    assert r.exit_code == 3  # a path that does not exist: input not found
+    assert r.stderr.startswith("error: model not found:") and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_planner_picks_batch_and_reports_it(cli):

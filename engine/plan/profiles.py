@@ -10,9 +10,10 @@ BadArgument listing the known names.
 from __future__ import annotations
 
 import json
+import math
 import re
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,6 +22,9 @@ import yaml
 
 from engine.errors import BadArgument, ProfileError
 from engine.model.embedded import EMBEDDED_NAME
+from engine.model.gguf_files import ensure_converted, estimate_held_bytes, read_header
+from engine.model.linears import held_bytes, held_parameters
+from engine.model.sources import OLLAMA_PREFIX, is_gguf_file, resolve_source
 
 MIB = 1024**2
 KINDS = ("cuda", "cpu")
@@ -121,6 +125,9 @@ class ModelProfile:
     hf_id: str = ""
     aliases: tuple[str, ...] = ()
     source: str = "<built-in>"
+    # bytes the weights take as the engine holds them (a GGUF's blocks: 4.5-10 bits a weight; fp32
+    # norms); None: parameters x the element size of the device's compute dtype
+    held_weight_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "layers", "heads", "kv_heads", "head_dim", "hidden_size", "intermediate_size",
@@ -367,15 +374,31 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
 
 
 def load_model_profile(name_or_path: str) -> ModelProfile:
-    """A model profile by name or alias, a YAML path, or a local HF model dir / config.json."""
+    """A model profile by name or alias, a YAML path, a local HF model dir / config.json, or a GGUF
+    file (or ollama:NAME[:TAG]), whose weights count as the engine holds them."""
+    if name_or_path.startswith(OLLAMA_PREFIX):
+        return model_from_gguf(resolve_source(name_or_path).gguf)
     if _looks_like_path(name_or_path):
         path = Path(name_or_path).expanduser()
         if not path.exists():
             raise BadArgument(f"model profile path not found: {path}")
         if path.suffix in (".yaml", ".yml"):
             return model_from_yaml(path)
+        if path.is_file() and is_gguf_file(path):
+            return model_from_gguf(path)
         return model_from_hf(path)
     return _by_name(name_or_path, list_models(), "model profile")
+
+
+def model_from_gguf(path: Path) -> ModelProfile:
+    """A GGUF file's profile: its config (converted once), its parameters counted from the tensor table
+    and its weights' bytes as held on the CPU (engine.model.gguf_files.estimate_held_bytes)."""
+    folder = ensure_converted(path, path.stem)
+    header = read_header(path)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    parameters = sum(int(math.prod(t.ne)) for t in header.tensors.values())
+    profile = model_profile_from_config(config, name=path.stem, source=str(path), parameters=parameters)
+    return replace(profile, held_weight_bytes=estimate_held_bytes(header))
 
 
 def match_cuda_device(device_name: str) -> HardwareProfile | None:
@@ -399,8 +422,8 @@ def loaded_model_profile(lm) -> ModelProfile:
     """A loaded model's profile: the embedded model's own, else one derived from its config."""
     if lm.name == EMBEDDED_NAME:
         return load_model_profile("smollm2-135m")
-    return model_profile_from_config(lm.model.config, name=lm.name,
-                                     parameters=sum(p.numel() for p in lm.model.parameters()))
+    profile = model_profile_from_config(lm.model.config, name=lm.name, parameters=held_parameters(lm.model))
+    return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"])
 
 
 def model_defaults(lm, prefetch: str | None = None, profile: ModelProfile | None = None) -> dict:

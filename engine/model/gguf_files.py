@@ -1,0 +1,409 @@
+"""GGUF files: their config, tokenizer and chat template converted once to a cached folder, and their
+tensors read into the blocks the engine computes with, without an fp32 copy.
+
+Block formats (every re-expression is exact: each weight rebuilds to gguf.quants.dequantize's value
+bit for bit, tests/test_gguf.py):
+  Q4_0 (w = d * (q - 8))          -> affine4, m = -8 d
+  Q4_1 (w = d * q + m)            -> affine4
+  Q4_K (8 sub-blocks of 32: d * sc, dmin * min, 6-bit sc and min) -> affine4 per sub-block, d' = d * sc,
+                                     m' = -(dmin * min), the nibbles reordered to affine4's layout
+  Q5_0 (w = d * (q - 16))         -> scaled8, q - 16 in int8
+  Q8_0 (w = d * q)                -> scaled8
+  Q5_1, Q5_K (5-bit affine)       -> affine8 (torch, 10 bits a weight; no native kernel yet)
+  Q6_K (16 sub-blocks of 16: d * sc, q - 32) -> its own blocks, rebuilt by torch (6.6 bits; no native kernel yet)
+  F32, F16, BF16                  -> held as they are
+  anything else (Q2_K, Q3_K, IQ*) -> fp32, gguf.quants.dequantize (exact, 32 bits a weight)
+Tensors are read with pread, not through the memory map, so the file's pages never count in the
+process's resident memory; an untied token embedding stays in the file (rows read on lookup).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+import torch
+from filelock import FileLock
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+from engine.errors import ModelLoadError
+from engine.model.linears import BlockWeight, DenseWeight, PackedWeight, Q6KWeight
+from engine.model.sources import GGUF_POINTER
+from engine.paths import cache_root
+
+IDENTITY_HEAD = 16 << 20  # bytes hashed at the start of the file (metadata, tokenizer) and
+IDENTITY_TAIL = 1 << 20  # at its end, with its size: the file's identity without reading 5 GB
+CONVERSION_VERSION = 1  # bump when the converted folder's contents change
+# architectures whose GGUF tensors map one to one onto the Hugging Face model's parameters (Q and K
+# rows permuted back for llama-style files): held in their blocks. Other architectures transformers
+# reads from GGUF load through transformers (dequantized to fp32).
+HELD_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def identity(path: Path) -> str:
+    """A key for the file's contents: its size and hashes of its first 16 MiB and last 1 MiB."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{size}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(IDENTITY_HEAD))
+        if size > IDENTITY_HEAD:
+            f.seek(max(IDENTITY_HEAD, size - IDENTITY_TAIL))
+            h.update(f.read(IDENTITY_TAIL))
+    return h.hexdigest()[:20]
+
+
+def converted_dir(path: Path, name: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:48] or "model"
+    return cache_root() / "models" / f"gguf-{safe}-{identity(path)}"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    ne: tuple[int, ...]  # GGUF's order: the row length first
+    kind: Q
+    offset: int  # from the start of the file
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A GGUF file's scalar metadata (arrays, such as the tokenizer's, skipped) and tensor table."""
+
+    fields: dict
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def arch(self) -> str:
+        return str(self.fields.get("general.architecture", ""))
+
+
+_SCALARS = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
+            V.FLOAT32: "<f", V.BOOL: "<?", V.UINT64: "<Q", V.INT64: "<q", V.FLOAT64: "<d"}
+
+
+def _unpack(f, fmt: str):
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError("the file ends inside its header")
+    return struct.unpack(fmt, data)[0]
+
+
+def _string(f) -> str:
+    return f.read(_unpack(f, "<Q")).decode("utf-8", errors="replace")
+
+
+def _value(f, vtype: int):
+    """One metadata value; arrays are skipped (None), strings of arrays without decoding them."""
+    vtype = V(vtype)
+    if vtype == V.STRING:
+        return _string(f)
+    if vtype != V.ARRAY:
+        return _unpack(f, _SCALARS[vtype])
+    itype, count = V(_unpack(f, "<I")), _unpack(f, "<Q")
+    if itype == V.STRING:
+        for _ in range(count):
+            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+    elif itype == V.ARRAY:
+        for _ in range(count):
+            _value(f, V.ARRAY)
+    else:
+        f.seek(count * struct.calcsize(_SCALARS[itype]), os.SEEK_CUR)
+    return None
+
+
+def read_header(path: Path) -> Header:
+    """The header of a GGUF file (format v2/v3), read without mapping the file: the gguf package's
+    reader decodes every tokenizer string into numpy views, 7 s for SmolLM2's 49k tokens."""
+    try:
+        with open(path, "rb", buffering=1 << 20) as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError("no GGUF magic")
+            version = _unpack(f, "<I")
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is not supported")
+            n_tensors, n_fields = _unpack(f, "<Q"), _unpack(f, "<Q")
+            fields = {}
+            for _ in range(n_fields):
+                key = _string(f)
+                fields[key] = _value(f, _unpack(f, "<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = _string(f)
+                ne = tuple(_unpack(f, "<Q") for _ in range(_unpack(f, "<I")))
+                infos.append((name, ne, Q(_unpack(f, "<I")), _unpack(f, "<Q")))
+            align = int(fields.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT)
+            start = -(-f.tell() // align) * align
+    except (OSError, ValueError, KeyError, UnicodeDecodeError, struct.error) as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    tensors = {}
+    for name, ne, kind, offset in infos:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        tensors[name] = TensorInfo(name, ne, kind, start + offset, int(np.prod(ne)) // block * size)
+    return Header(fields, tensors)
+
+
+def check_architecture(arch: str, path: Path) -> None:
+    """Refuse an architecture transformers cannot read from GGUF, in one line."""
+    readable = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
+    if arch not in readable and arch.replace("-", "_") not in readable:
+        raise ModelLoadError(f"{path.name}: GGUF architecture {arch!r} cannot be read by transformers "
+                             f"(it reads {', '.join(readable)})")
+
+
+def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = None) -> Path:
+    """Write the GGUF's config, tokenizer and chat template to dest (temp folder, then rename), with a
+    pointer back to the file the weights are read from."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest) + ".lock"):
+        if (dest / GGUF_POINTER).is_file():
+            return dest  # another process finished it while we waited
+        check_architecture(read_header(path).arch, path)
+        if on_status:
+            on_status(f"reading the config and tokenizer of {path.name} once into {dest}")
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
+        try:
+            try:
+                config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            except (ValueError, KeyError, OSError, NotImplementedError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise ModelLoadError(f"{path.name}: transformers cannot read it ({first})") from None
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+            config.save_pretrained(tmp)
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            pointer = {"source": str(path.resolve()), "size": path.stat().st_size, "identity": identity(path),
+                       "version": CONVERSION_VERSION}
+            (tmp / GGUF_POINTER).write_text(json.dumps(pointer, indent=1), encoding="utf-8")
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def ensure_converted(path: Path, name: str, on_status: Callable[[str], None] | None = None) -> Path:
+    dest = converted_dir(path, name)
+    return dest if (dest / GGUF_POINTER).is_file() else convert(path, dest, on_status)
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+class TensorFile:
+    """The tensors of a GGUF file: names, types and shapes from its header, bytes read on demand."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        header = read_header(path)
+        self.arch, self.fields, self.tensors = header.arch, header.fields, header.tensors
+
+    def raw(self, name: str, r0: int = 0, r1: int | None = None) -> np.ndarray:
+        """Rows [r0, r1) of the tensor's bytes, [rows, bytes per row] (read, not mapped)."""
+        t = self.tensors[name]
+        rows = self.shape(name)[0] if len(t.ne) > 1 else 1
+        r1 = rows if r1 is None else r1
+        row_bytes = t.n_bytes // rows
+        data = bytearray((r1 - r0) * row_bytes)
+        with open(self.path, "rb") as f:
+            f.seek(t.offset + r0 * row_bytes)
+            if f.readinto(data) != len(data):
+                raise ModelLoadError(f"{self.path} ends inside tensor {name} (a partial download?)")
+        return np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, -1)
+
+    def row_bytes(self, name: str) -> int:
+        return self.tensors[name].n_bytes // max(1, self.shape(name)[0])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Rows first, as torch writes it (GGUF lists the row length first)."""
+        return tuple(int(s) for s in reversed(self.tensors[name].ne))
+
+    def kind(self, name: str) -> Q:
+        return self.tensors[name].kind
+
+    def mapped_rows(self, name: str) -> np.ndarray:
+        """The tensor's rows in a read-only memory map (pages are read, and counted, only when touched)."""
+        t = self.tensors[name]
+        rows = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.n_bytes,))
+        return rows.reshape(self.shape(name)[0], -1)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _records(d: np.ndarray, m: np.ndarray | None, codes: np.ndarray, n: int) -> torch.Tensor:
+    """affine4 (d, m, 16 bytes) or scaled8 (d, 32 bytes) records, one per block, as uint8 [n, ...]."""
+    parts = [d.astype(np.float32).reshape(-1, 1).view(np.uint8)]
+    if m is not None:
+        parts.append(m.astype(np.float32).reshape(-1, 1).view(np.uint8))
+    parts.append(codes.reshape(len(parts[0]), -1).view(np.uint8))
+    return torch.from_numpy(np.concatenate(parts, axis=1).reshape(n, -1))
+
+
+def _nibbles_affine4(q: np.ndarray) -> np.ndarray:
+    """Codes [blocks, 32] (0..15) -> affine4's 16 bytes: byte j = q[j] | q[j + 16] << 4."""
+    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
+
+
+def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return gguf.quants.Q4_K.get_scale_min(scales)
+
+
+def _blocks(raw: np.ndarray, kind: Q) -> np.ndarray:
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    return raw.reshape(-1, size)
+
+
+def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
+    """A GGUF tensor's bytes [n rows, ...] -> the held weight [n, k] (see the module's table)."""
+    if kind == Q.F32:
+        return DenseWeight(torch.from_numpy(raw.view(np.float32).reshape(n, k).copy()))
+    if kind == Q.F16:
+        return DenseWeight(torch.from_numpy(raw.view(np.float16).reshape(n, k).copy()))
+    if kind == Q.BF16:
+        return DenseWeight(torch.from_numpy(raw.view(np.int16).reshape(n, k).copy()).view(torch.bfloat16))
+    b = _blocks(raw, kind)
+    if kind in (Q.Q4_0, Q.Q4_1):
+        d = _f16(b[:, 0:2])
+        m = _f16(b[:, 2:4]) if kind == Q.Q4_1 else -8.0 * d
+        return PackedWeight(4, _records(d, m, b[:, 4 if kind == Q.Q4_1 else 2:], n), (n, k))
+    if kind == Q.Q8_0:
+        return PackedWeight(8, _records(_f16(b[:, 0:2]), None, b[:, 2:], n), (n, k))
+    if kind == Q.Q5_0:
+        q = _q5_codes(b[:, 2:6], b[:, 6:])
+        return PackedWeight(8, _records(_f16(b[:, 0:2]), None, (q.astype(np.int8) - np.int8(16)), n), (n, k))
+    if kind == Q.Q4_K:
+        d, dm, q = _k_affine(b, bits=4)
+        return PackedWeight(4, _records(d, -dm, _nibbles_affine4(q.reshape(-1, 32)), n), (n, k))
+    if kind == Q.Q5_1:
+        q = _q5_codes(b[:, 4:8], b[:, 8:])
+        return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)),
+                           torch.from_numpy(_f16(b[:, 0:2]).reshape(n, -1)), torch.from_numpy(_f16(b[:, 2:4]).reshape(n, -1)))
+    if kind == Q.Q5_K:
+        d, dm, q = _k_affine(b, bits=5)
+        return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, -1)),
+                           torch.from_numpy((-dm).reshape(n, -1)))
+    if kind == Q.Q6_K:
+        return Q6KWeight(torch.from_numpy(raw.copy()), (n, k))
+    return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
+
+
+def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: the 5-bit codes [blocks, 32] (gguf.quants' unpacking)."""
+    nb = qs.shape[0]
+    qh = np.ascontiguousarray(qh).view(np.uint32).reshape(nb, 1) >> np.arange(32, dtype=np.uint32).reshape(1, 32)
+    ql = qs.reshape(nb, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return ((ql & np.uint8(0x0F)).reshape(nb, -1) | ((qh & np.uint32(1)).astype(np.uint8) << np.uint8(4)))
+
+
+def _k_affine(b: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks -> per sub-block of 32: d * sc, dmin * min (fp32, exact products) and
+    the codes [blocks, 8, 32] (gguf.quants' unpacking)."""
+    nb = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _q4k_scale_min(b[:, 4:16])
+    if bits == 4:
+        qs = b[:, 16:]
+        q = (qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        q = q.reshape(nb, 8, 32)
+    else:
+        qh, qs = b[:, 16:48], b[:, 48:]
+        ql = (qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        qh = (qh.reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
+        q = ql.reshape(nb, 8, 32) | (qh.reshape(nb, 8, 32) << np.uint8(4))
+    return (d * sc.astype(np.float32)).reshape(-1), (dmin * mn.astype(np.float32)).reshape(-1), q
+
+
+CHUNK_BYTES = 32 << 20  # a large tensor is read and converted this many file bytes at a time
+
+
+def held_from_file(tensors: TensorFile, name: str, order: np.ndarray | None = None):
+    """The tensor's held weight, read and converted CHUNK_BYTES at a time into its final buffers, so a
+    large tensor (a 128k-token output layer: 430 MB in Q6_K) never has its unpacked codes all at once.
+    order: the rows in this order (the whole tensor is read at once then; Q and K are small)."""
+    n, k = tensors.shape(name)
+    kind, step = tensors.kind(name), max(1, CHUNK_BYTES // tensors.row_bytes(name))
+    if order is not None or step >= n:
+        raw = tensors.raw(name)
+        return held_from_raw(raw[order] if order is not None else raw, kind, n, k)
+    full = None
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        part = held_from_raw(tensors.raw(name, r0, r1), kind, r1 - r0, k)
+        parts = _row_tensors(part)
+        if full is None:
+            full = {f: torch.empty((n, *t.shape[1:]), dtype=t.dtype) for f, t in parts.items()}
+        for f, t in parts.items():
+            full[f][r0:r1] = t
+    has_shape = any(f.name == "shape" for f in dataclasses.fields(part))
+    return dataclasses.replace(part, **full, **({"shape": (n, k)} if has_shape else {}))
+
+
+def _row_tensors(held) -> dict[str, torch.Tensor]:
+    """The tensors of a held weight whose first dimension is its rows, by field name."""
+    return {f.name: getattr(held, f.name) for f in dataclasses.fields(held)
+            if isinstance(getattr(held, f.name), torch.Tensor)}
+
+
+def dense_from_raw(raw: np.ndarray, kind: Q, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor dequantized (gguf.quants) to dtype: the exact reference (fp32) or a GPU's fp16."""
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(shape)).to(dtype)
+
+
+class MappedRows:
+    """A weight left in the GGUF file (an untied token embedding): rows are dequantized from the
+    memory map on lookup, so only the pages of the tokens seen are ever read."""
+
+    kind = "in-file"
+    nbytes = 0  # not held: the file's pages, read on lookup
+
+    def __init__(self, tensors: TensorFile, name: str):
+        self._rows, self._kind = tensors.mapped_rows(name), tensors.kind(name)
+        self.shape = tensors.shape(name)
+
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        block = np.ascontiguousarray(self._rows[n0:n1])
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(block, self._kind),
+                                                     dtype=np.float32).reshape(n1 - n0, -1))
+
+
+# bytes a weight takes as held (the table at the top): what the planner and `specache models` count
+HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 24 / 32, Q.Q4_1: 24 / 32, Q.Q4_K: 24 / 32, Q.Q5_0: 36 / 32, Q.Q8_0: 36 / 32,
+                         Q.Q5_1: 40 / 32, Q.Q5_K: 40 / 32, Q.Q6_K: 210 / 256, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
+
+
+def estimate_held_bytes(header: Header) -> int:
+    """The weights of a GGUF file as the engine holds them on the CPU, from its header alone (an
+    untied token embedding stays in the file)."""
+    untied = "output.weight" in header.tensors
+    total = 0
+    for t in header.tensors.values():
+        if untied and t.name == "token_embd.weight":
+            continue
+        total += int(int(np.prod(t.ne)) * HELD_BYTES_PER_WEIGHT.get(t.kind, 4))
+    return total
+
+
+def file_type(header: Header) -> str:
+    """The file's main weight format: the kind most of its weights are in (Q4_K, Q8_0...)."""
+    count: dict[str, int] = {}
+    for t in header.tensors.values():
+        count[t.kind.name] = count.get(t.kind.name, 0) + int(np.prod(t.ne))
+    return max(count, key=count.get) if count else "?"

@@ -1,0 +1,127 @@
+"""Write a random-weight GGUF with a real model's shapes, Q4_K_M-style (Q4_K linears and token embedding,
+Q6_K output, F32 norms), streamed tensor by tensor (the file is never held in memory). Its weights are
+random blocks (finite fp16 scales sized like a trained model's), so its text is noise: it measures
+memory and speed, not quality. The tokenizer is the embedded SmolLM2's, padded with reserved tokens to
+the vocabulary size.
+
+    .venv/bin/python scripts/make_random_gguf.py /tmp/llama3-8b-random.Q4_K_M.gguf   # Llama-3-8B's shapes
+    .venv/bin/python scripts/make_random_gguf.py tiny.gguf --layers 2 --hidden 256 --intermediate 512 \\
+        --heads 4 --kv-heads 2 --vocab 49152
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.model.embedded import find_embedded_gguf  # noqa: E402
+
+
+def random_blocks(kind: Q, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """rows x k weights of kind as random blocks: codes uniform, scales set so |w| is ~0.02."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+    f16 = lambda v: np.full((len(raw), 1), v, dtype=np.float16).view(np.uint8)  # noqa: E731
+    if kind == Q.Q4_K:  # w = d * sc * q - dmin * m, sc and m 6-bit, q 4-bit
+        raw[:, 0:2], raw[:, 2:4] = f16(6e-5), f16(4e-4)
+    elif kind == Q.Q6_K:  # w = d * sc * (q - 32), sc int8
+        raw[:, 208:210] = f16(1e-5)
+    return raw.reshape(rows, -1)
+
+
+def tokenizer_fields(vocab: int) -> dict:
+    """The embedded SmolLM2's tokenizer (tokens, merges, ids, chat template), padded to vocab tokens."""
+    reader = gguf.GGUFReader(find_embedded_gguf())
+
+    def value(key):
+        f = reader.fields[key]
+        return f.contents()
+
+    tokens = list(value("tokenizer.ggml.tokens"))
+    types = list(value("tokenizer.ggml.token_type"))
+    tokens += [f"<|reserved_{i}|>" for i in range(vocab - len(tokens))]
+    types += [gguf.TokenType.USER_DEFINED] * (vocab - len(types))
+    return {"tokens": tokens, "types": types, "merges": list(value("tokenizer.ggml.merges")),
+            "bos": int(value("tokenizer.ggml.bos_token_id")), "eos": int(value("tokenizer.ggml.eos_token_id")),
+            "pre": value("tokenizer.ggml.pre"), "template": value("tokenizer.chat_template")}
+
+
+def tensor_plan(a) -> list[tuple[str, Q, int, int]]:
+    """(name, kind, rows, row length) of every tensor, in the order llama.cpp writes them."""
+    head_dim = a.hidden // a.heads
+    out = [("token_embd.weight", Q.Q4_K, a.vocab, a.hidden)]
+    for i in range(a.layers):
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", Q.F32, 1, a.hidden),
+                (p + "attn_q.weight", Q.Q4_K, a.hidden, a.hidden),
+                (p + "attn_k.weight", Q.Q4_K, a.kv_heads * head_dim, a.hidden),
+                (p + "attn_v.weight", Q.Q4_K, a.kv_heads * head_dim, a.hidden),
+                (p + "attn_output.weight", Q.Q4_K, a.hidden, a.hidden),
+                (p + "ffn_norm.weight", Q.F32, 1, a.hidden),
+                (p + "ffn_gate.weight", Q.Q4_K, a.intermediate, a.hidden),
+                (p + "ffn_up.weight", Q.Q4_K, a.intermediate, a.hidden),
+                (p + "ffn_down.weight", Q.Q4_K, a.hidden, a.intermediate)]
+    return out + [("output_norm.weight", Q.F32, 1, a.hidden), ("output.weight", Q.Q6_K, a.vocab, a.hidden)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    tok = tokenizer_fields(a.vocab)
+    w = gguf.GGUFWriter(str(a.out), "llama")
+    w.add_name("random-llama-q4_k_m")
+    w.add_block_count(a.layers)
+    w.add_context_length(a.context)
+    w.add_embedding_length(a.hidden)
+    w.add_feed_forward_length(a.intermediate)
+    w.add_head_count(a.heads)
+    w.add_head_count_kv(a.kv_heads)
+    w.add_rope_dimension_count(a.hidden // a.heads)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(a.vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(tok["pre"])
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(tok["bos"])
+    w.add_eos_token_id(tok["eos"])
+    w.add_chat_template(tok["template"])
+    plan = tensor_plan(a)
+    for name, kind, rows, k in plan:
+        if kind == Q.F32:
+            w.add_tensor_info(name, (k,), np.dtype(np.float32), k * 4)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            w.add_tensor_info(name, (rows, k // block * size), np.dtype(np.uint8), rows * k // block * size, kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(a.seed)
+    for i, (name, kind, rows, k) in enumerate(plan):
+        data = np.ones(k, dtype=np.float32) if kind == Q.F32 else random_blocks(kind, rows, k, rng)
+        w.write_tensor_data(data)
+        if i % 50 == 0:
+            print(f"{i + 1}/{len(plan)} {name}", file=sys.stderr, flush=True)
+    w.close()
+    print(f"wrote {a.out} ({a.out.stat().st_size / 1e9:.2f} GB)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
