@@ -30,6 +30,7 @@ from engine.model.linears import (  # noqa: E402
     packed_summary,
 )
 from engine.model.loading import load_model  # noqa: E402
+from engine.native import calibrate  # noqa: E402
 
 
 def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
@@ -51,9 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from engine import native
-
-    print(f"CPU: {native.describe_line()}")
+    print(f"CPU: {calibrate.describe_line()}")
     gbs = read_bandwidth()
     lm = load_model(device="cpu", dtype="float32")  # fp32 weights and their packed copy, side by side
     mods = [m for m in lm.model.modules() if isinstance(m, SkinnyLinear)]

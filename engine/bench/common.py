@@ -36,6 +36,7 @@ from engine.config import CACHE_MODES, PREFETCH, CacheConfig
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
 from engine.model.linears import SkinnyLinear
+from engine.native import calibrate
 
 SCHEMA_VERSION = 1
 HF_MODE = "hf"
@@ -197,9 +198,7 @@ def environment(lm=None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu": _cpu_model(),
     }
-    from engine import native
-
-    env["kernels"] = native.describe()
+    env["kernels"] = calibrate.describe()
     if lm is not None:
         env["model"] = {"name": lm.name, "path": str(lm.path), "fingerprint": lm.fingerprint,
                         "max_context": lm.max_context, "dtype": str(lm.dtype).removeprefix("torch."),
@@ -328,9 +327,7 @@ def md_header(title: str, result: dict) -> str:
 
 
 def native_line(kernels: dict) -> str:
-    from engine import native
-
-    return native.describe_line(kernels)
+    return calibrate.describe_line(kernels)
 
 
 class stock_transformers:

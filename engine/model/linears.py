@@ -23,6 +23,7 @@ import torch
 
 from engine import native
 from engine.native import calibrate
+from engine.native.calibrate import skinny_torch_linear
 
 ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
 BLOCK = 32
@@ -358,13 +359,6 @@ def prefill_pass() -> Iterator[None]:
         yield
     finally:
         _IN_PREFILL.reset(token)
-
-
-def skinny_torch_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """flat [R <= 8, K] @ weight^T (+ bias) by torch as W @ x^T: the BLAS's x @ W^T path packs the
-    weight matrix for 2-8 rows, so a 2-row step cost about twice a 1-row step that way."""
-    y = (weight @ flat.T).T
-    return y + bias if bias is not None else y
 
 
 def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:

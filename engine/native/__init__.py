@@ -310,36 +310,6 @@ def isa() -> str:
     return lb.specache_native_isa().decode() if lb is not None else "torch"
 
 
-def describe() -> dict:
-    """Which code the decode step runs on this CPU, for the benches' reports: the native library's
-    instruction set and -march, torch's own CPU capability, the decode linears' path per shape class
-    (engine/native/calibrate.py) and the guided decode attention's (the fused call wherever the library
-    loads: on AVX2 and AVX-512 it measured 9x and more faster than the torch path, scripts/bench_fused.py
-    --vs-torch)."""
-    import torch
-
-    from engine.native import calibrate
-
-    have = cpu_flags()
-    return {"isa": isa(), "arch": arch(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_flags": sorted(have & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
-                                        "asimd", "sve", "bf16", "i8mm"}),
-            "decode_linears": calibrate.paths(), "decode_attention": "native" if lib() is not None else "torch"}
-
-
-def describe_line(d: dict | None = None) -> str:
-    """describe() in one line."""
-    d = d or describe()
-    lin = d["decode_linears"]
-    natives = [k for k, v in lin.items() if v == "native"]
-    torches = [k for k, v in lin.items() if v == "torch"]
-    parts = [f"native kernels {d['isa']} (-march={d['arch']})", f"torch CPU capability {d['torch_cpu_capability']}",
-             f"decode attention {d['decode_attention']}",
-             "decode linears native for " + (", ".join(natives) or "none")
-             + ("; torch for " + ", ".join(torches) if torches else "")]
-    return "; ".join(parts)
-
-
 def openmp() -> bool:
     """True when the loaded library was built with OpenMP (multi-threaded kernels possible)."""
     lb = lib()

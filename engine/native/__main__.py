@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from engine import native
+from engine.native import calibrate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,8 +25,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     print(f"{path} ({native.isa()})")
-    from engine.native import calibrate
-
     if calibrate.enabled():
         print("decode linears:", ", ".join(f"{k} {v}" for k, v in calibrate.paths().items()))
     return 0

@@ -6,7 +6,9 @@ rows of one call (1, 2-4, 5-8, and 9-64 in calls of 8). A short calibration (abo
 thread, the two paths taking turns, best of 5) times a weight bigger than the caches (4096 x 4096,
 what a decode step streams from memory) both ways, once per built library: its result is stored
 beside the library (``guide-<hash>.calib.json``, written atomically) and read by every later
-process. A packed weight's torch path is torch's GEMM on the fp32 weight it stands for.
+process. A packed weight's torch path is torch's GEMM on the fp32 weight it stands for; a weight held
+only in its blocks (a GGUF model, engine/model/linears.py HeldWeight) has no such path and always
+decodes on the native kernel (torch would first rebuild it).
 
 ``$SPECACHE_NATIVE_CALIBRATE=0`` skips the measurement and takes the native kernel everywhere (the
 tests, A/B runs); ``$SPECACHE_NATIVE=0`` takes torch everywhere.
@@ -49,34 +51,59 @@ def row_class(rows: int) -> str:
     raise ValueError(f"no row class for {rows} rows")
 
 
-def measure(repeats: int = 5, shape: tuple[int, int] = SHAPE) -> dict:
-    """Time every (form, row class) both ways on a weight of `shape`; returns the report stored."""
-    from engine.model.linears import native_linear, pack_weight, skinny_torch_linear  # (linears imports this module)
+def skinny_torch_linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """flat [R <= 8, K] @ weight^T (+ bias) by torch as W @ x^T, what a decode linear falls back to: the
+    BLAS's x @ W^T path packs the weight matrix for 2-8 rows, so a 2-row step cost about twice a 1-row
+    step that way."""
+    y = (weight @ flat.T).T
+    return y + bias if bias is not None else y
 
-    n, k = shape
-    g = torch.Generator().manual_seed(0)
+
+def _kernel_call(lib, w: torch.Tensor, packed: torch.Tensor | None, form: int) -> Callable[[torch.Tensor], None]:
+    """x [R, K] -> y by the native kernel on w (fp32 [N, K]) or its packed bytes, in calls of 8 rows."""
+    n, k = w.shape
+
+    def call(x: torch.Tensor) -> None:
+        y = torch.empty(x.shape[0], n)
+        for s in range(0, x.shape[0], 8):
+            r = min(8, x.shape[0] - s)
+            xp, yp = x[s:].data_ptr(), y[s:].data_ptr()
+            rc = (lib.specache_skinny_linear(xp, k, r, w.data_ptr(), n, k, None, yp, n, native.threads()) if form == 0
+                  else lib.specache_packed_linear(xp, k, r, packed.data_ptr(), form, n, k, None, yp, n, native.threads()))
+            assert rc == 0
+
+    return call
+
+
+def _exact_blocks(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fp32 weights [n, k] that are exactly affine4 and scaled8 blocks (linear_kernels.c)."""
     d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
     m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().float()
     q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15
-    w4 = torch.addcmul(m, d, q).reshape(n, k)
-    w8 = (d * (q * 17 - 128).clamp(-127, 127)).reshape(n, k)
-    weights = {0: (w4, None), 4: (w4, pack_weight(w4)), 8: (w8, pack_weight(w8))}
+    return torch.addcmul(m, d, q).reshape(n, k), (d * (q * 17 - 128).clamp(-127, 127)).reshape(n, k)
+
+
+def measure(repeats: int = 5, shape: tuple[int, int] = SHAPE) -> dict:
+    """Time every (form, row class) both ways on a weight of `shape`; returns the report stored."""
+    lib = native.lib()
+    n, k = shape
+    g = torch.Generator().manual_seed(0)
+    w4, w8 = _exact_blocks(n, k, g)
+    weights = {0: (w4, None)}
+    for form, w, packer in ((4, w4, lib.specache_pack_affine4), (8, w8, lib.specache_pack_scaled8)):
+        data = torch.empty(n, k // 32 * (24 if form == 4 else 36), dtype=torch.uint8)
+        assert packer(w.data_ptr(), n, k, data.data_ptr()) == 0
+        weights[form] = (w, data)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the native kernels follow torch's count (native.threads())
     timings: dict[str, dict[str, float]] = {}
     try:
         with torch.no_grad():
             for form, (w, packed) in weights.items():
+                ours = _kernel_call(lib, w, packed, form)
                 for cls in ROW_CLASSES:
-                    rows = PROBE_ROWS[cls]
-                    x = torch.randn(rows, k, generator=g)
-
-                    def ours(x=x, w=w, packed=packed) -> None:
-                        for s in range(0, x.shape[0], 8):
-                            part = x[s : s + 8]
-                            y = packed(part, None) if packed is not None else native_linear(part, w, None)
-                            assert y is not None
+                    x = torch.randn(PROBE_ROWS[cls], k, generator=g)
 
                     def theirs(x=x, w=w) -> None:  # what SkinnyLinear falls back to
                         if x.shape[0] <= 8:
@@ -84,8 +111,8 @@ def measure(repeats: int = 5, shape: tuple[int, int] = SHAPE) -> dict:
                         else:
                             torch.nn.functional.linear(x, w)
 
-                    t = _race({"native": ours, "torch": theirs}, repeats)
-                    timings[f"{FORMS[form]}/{row_class(rows)}"] = {p: round(v * 1e3, 3) for p, v in t.items()}
+                    t = _race({"native": lambda x=x: ours(x), "torch": theirs}, repeats)
+                    timings[f"{FORMS[form]}/{row_class(PROBE_ROWS[cls])}"] = {p: round(v * 1e3, 3) for p, v in t.items()}
     finally:
         torch.set_num_threads(threads)
     return {"version": VERSION, "isa": native.isa(), "torch": torch.__version__, "shape": list(shape),
@@ -172,6 +199,32 @@ def paths() -> dict[str, str]:
     table = _ensure()
     return {f"{FORMS[form]}/{row_class(lo)}": "native" if table[form][lo] else "torch"
             for form in FORMS for lo, _ in ROW_CLASSES}
+
+
+def describe() -> dict:
+    """Which code the decode step runs on this CPU, for the benches' reports: the native library's
+    instruction set and -march, torch's own CPU capability, the decode linears' path per shape class
+    (engine/native/calibrate.py) and the guided decode attention's (the fused call wherever the library
+    loads: on AVX2 and AVX-512 it measured 9x and more faster than the torch path, scripts/bench_fused.py
+    --vs-torch)."""
+    have = native.cpu_flags()
+    return {"isa": native.isa(), "arch": native.arch(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags": sorted(have & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16",
+                                        "asimd", "sve", "bf16", "i8mm"}),
+            "decode_linears": paths(), "decode_attention": "native" if native.lib() is not None else "torch"}
+
+
+def describe_line(d: dict | None = None) -> str:
+    """describe() in one line."""
+    d = d or describe()
+    lin = d["decode_linears"]
+    natives = [k for k, v in lin.items() if v == "native"]
+    torches = [k for k, v in lin.items() if v == "torch"]
+    parts = [f"native kernels {d['isa']} (-march={d['arch']})", f"torch CPU capability {d['torch_cpu_capability']}",
+             f"decode attention {d['decode_attention']}",
+             "decode linears native for " + (", ".join(natives) or "none")
+             + ("; torch for " + ", ".join(torches) if torches else "")]
+    return "; ".join(parts)
 
 
 def _reset_for_tests() -> None:
