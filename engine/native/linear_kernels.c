@@ -132,15 +132,16 @@ INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fm
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *p = row + b * rec;
             simd_prefetch(p + (fmt == 0 ? PREFETCH : PREFETCH / 2));
+            if (fmt == 0) simd_prefetch(p + PREFETCH + 64); /* an fp32 block is two cache lines */
             vf w[NV];
             block_weights(p, fmt, w);
-            const float *xb = x + b * QB;
+            const int64_t k = b * QB;
             for (int v = 0; v < NV; v++) {
                 if (R == 1) {
-                    if (v & 1) acc2 = vf_fma(w[v], vf_load(xb + v * VW), acc2);
-                    else acc[0] = vf_fma(w[v], vf_load(xb + v * VW), acc[0]);
-                } else {
-                    for (int r = 0; r < R; r++) acc[r] = vf_fma(w[v], vf_load(xb + r * x_s + v * VW), acc[r]);
+                    if (v & 1) acc2 = vf_fma(w[v], vf_load(x + k + v * VW), acc2);
+                    else acc[0] = vf_fma(w[v], vf_load(x + k + v * VW), acc[0]);
+                } else { /* (x + r * x_s + k) + v * VW: one address register per row, not per row and vector */
+                    for (int r = 0; r < R; r++) acc[r] = vf_fma(w[v], vf_load(x + r * x_s + k + v * VW), acc[r]);
                 }
             }
         }
