@@ -322,3 +322,27 @@ def test_stock_transformers_switches_the_engine_off_and_back(tiny_model):
         assert tiny_model.config._attn_implementation == "sdpa"
     assert sum(isinstance(m, SkinnyLinear) for m in tiny_model.modules()) == skinny
     assert tiny_model.config._attn_implementation == engine_attn
+
+
+def test_the_hf_baseline_runs_a_model_whose_weights_are_held_in_blocks(tiny_model):
+    """A GGUF model keeps no fp32 weight (engine/model/linears.py); the stock-transformers baseline
+    gives it the fp32 weight transformers would hold, and takes it away after."""
+    from engine.bench.common import stock_transformers
+    from engine.model.linears import SkinnyLinear, pack_weight
+    from tests.test_linears import affine4_weight
+
+    lin = next(m for m in tiny_model.modules() if isinstance(m, SkinnyLinear) and m.in_features % 32 == 0)
+    w = affine4_weight(*lin.weight.shape)
+    held = pack_weight(w)
+    if held is None:
+        pytest.skip("native kernels unavailable here")
+    saved = (lin.weight, lin.held)
+    try:
+        lin.weight, lin.held = None, held
+        x = torch.randn(3, lin.in_features)
+        with torch.no_grad(), stock_transformers(tiny_model):
+            assert type(lin) is torch.nn.Linear and torch.equal(lin.weight, w)
+            torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, lin.bias))
+        assert type(lin) is SkinnyLinear and lin.weight is None
+    finally:
+        lin.weight, lin.held = saved

@@ -342,6 +342,9 @@ class stock_transformers:
     def __enter__(self):
         self.previous = self.model.config._attn_implementation
         self.model.set_attn_implementation("sdpa")
+        self.materialized = [m for m in self.linears if m.weight is None]
+        for m in self.materialized:  # held only in its blocks (a GGUF model): transformers would hold it in fp32
+            m.weight = torch.nn.Parameter(m.held.rows(0, m.held.shape[0]).float(), requires_grad=False)
         for m in self.linears:
             m.__class__ = torch.nn.Linear
 
@@ -349,4 +352,6 @@ class stock_transformers:
 
         for m in self.linears:
             m.__class__ = SkinnyLinear
+        for m in self.materialized:
+            m.weight = None
         self.model.set_attn_implementation(self.previous)
