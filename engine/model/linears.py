@@ -236,15 +236,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 dot products or AMX tiles), so that
     torch's bf16 matmuls (oneDNN) run at bf16 speed instead of emulating it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    return bool(native.cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 class SkinnyLinear(torch.nn.Linear):
