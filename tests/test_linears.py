@@ -174,3 +174,24 @@ def test_dtype_rule(monkeypatch):
         assert loading.resolve_dtype("auto", torch.device("cuda")) == (torch.float16, None)
     with pytest.raises(BadArgument):
         loading.resolve_dtype("float8", cpu)
+
+
+def test_native_bf16_needs_the_flags_and_a_torch_allowed_to_use_them(monkeypatch):
+    """bf16 prefill only where the CPU has the instructions and torch is not held below AVX-512 (the
+    AVX2 stand-in: ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 emulate bf16 in a scalar loop)."""
+    from engine.model import linears
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(linears.native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert linears.cpu_has_native_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not linears.cpu_has_native_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_amx")
+    assert linears.cpu_has_native_bf16()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not linears.cpu_has_native_bf16()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(linears.native, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert not linears.cpu_has_native_bf16()

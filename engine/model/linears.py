@@ -233,10 +233,21 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return None
 
 
+# oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) that still include bf16 dot products or AMX tiles
+_BF16_ONEDNN_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10")
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 dot products or AMX tiles), so that
-    torch's bf16 matmuls (oneDNN) run at bf16 speed instead of emulating it."""
-    return bool(native.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 dot products or AMX tiles) AND torch may
+    use them, so that its bf16 matmuls (oneDNN) run at bf16 speed instead of emulating it. A torch held
+    below AVX-512 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2: the AVX2 stand-in) emulates bf16
+    in a slow scalar loop, as a CPU without the instructions would: there the prefill stays fp32."""
+    if not native.cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        return False
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    return limit.startswith(_BF16_ONEDNN_ISAS)
 
 
 class SkinnyLinear(torch.nn.Linear):

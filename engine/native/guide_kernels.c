@@ -926,37 +926,57 @@ typedef struct {
     float *out; /* [B, H, G*T, D] contiguous */
 } DecodeArgs;
 
-/* row[l] = exp(row[l] - m) for l < L, returning the sum: exp as 2^n * p(r), x = n ln2 + r,
- * |r| <= ln2/2, degree-6 polynomial (relative error ~2e-7); x below -87 (and -inf) gives 0.
- * Written as a plain loop without calls, which the compiler vectorises. */
+/* 16 floats (and their int32 bits) as one GCC vector: AVX-512 holds it in one register, AVX2 in
+ * two, SSE / NEON in four; the same lanes in the same order on every target. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define V16_SPLAT(x) ((v16f){0} + (x))
+
+INLINE v16f v16_select(v16i mask, v16f a, v16f b) { /* mask lanes are -1 (take a) or 0 (take b) */
+    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+/* exp(x) per lane as 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (relative error
+ * ~2e-7); x below -87 (also -inf and NaN) gives 0. */
+INLINE v16f v16_exp(v16f x) {
+    const v16i keep = x >= V16_SPLAT(-87.0f);
+    x = v16_select(keep, x, V16_SPLAT(-87.0f));
+    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const v16f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v16f p = V16_SPLAT(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return (v16f)((v16i)(p * (v16f)e) & keep);
+}
+
+INLINE v16f v16_load(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+INLINE void v16_store(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* row[l] = exp(row[l] - m) for l < L, 16 at a time (the tail through a padded copy). */
 static void exp_shifted(float *row, int64_t L, float m) {
-    for (int64_t l = 0; l < L; l++) {
-        float x = row[l] - m;
-        const int flush = !(x >= -87.0f); /* also NaN-safe for -inf - (-inf) */
-        x = flush ? -87.0f : x;
-        const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-        const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * r * r + r + 1.0f;
-        const int32_t e = ((int32_t)n + 127) << 23;
-        float sc;
-        memcpy(&sc, &e, sizeof sc);
-        row[l] = flush ? 0.0f : p * sc;
+    int64_t l = 0;
+    for (; l + 16 <= L; l += 16) v16_store(row + l, v16_exp(v16_load(row + l) - m));
+    if (l < L) {
+        float tail[16] = {0};
+        memcpy(tail, row + l, (size_t)(L - l) * sizeof(float));
+        v16_store(tail, v16_exp(v16_load(tail) - m));
+        memcpy(row + l, tail, (size_t)(L - l) * sizeof(float));
     }
 }
 
-/* Sum (op 0) or maximum (op 1) of x[0, L), with 16 independent lanes (vectorised). */
+/* Sum (op 0) or maximum (op 1) of x[0, L), with 16 independent lanes reduced in a fixed order. */
 static float reduce16(const float *x, int64_t L, int op) {
-    float acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = op ? -__builtin_inff() : 0.0f;
+    v16f acc = V16_SPLAT(op ? -__builtin_inff() : 0.0f);
     int64_t l = 0;
-    for (; l + 16 <= L; l += 16)
-        for (int i = 0; i < 16; i++) acc[i] = op ? (x[l + i] > acc[i] ? x[l + i] : acc[i]) : acc[i] + x[l + i];
+    for (; l + 16 <= L; l += 16) {
+        const v16f v = v16_load(x + l);
+        acc = op ? v16_select(v > acc, v, acc) : acc + v;
+    }
     for (; l < L; l++) acc[0] = op ? (x[l] > acc[0] ? x[l] : acc[0]) : acc[0] + x[l];
     float r = acc[0];
     for (int i = 1; i < 16; i++) r = op ? (acc[i] > r ? acc[i] : r) : r + acc[i];
@@ -996,8 +1016,6 @@ static void add_weighted_rows(float *restrict o, const float *restrict rows, con
     }
 }
 
-typedef float v16sf __attribute__((vector_size(64)));
-INLINE v16sf vload16u(const float *p) { v16sf v; memcpy(&v, p, sizeof v); return v; }
 
 /* Exact parts over scattered store rows (prefetch "current"): each row is read once, a few rows
  * ahead are prefetched, and every query uses it while it is in L1.
@@ -1018,14 +1036,14 @@ static void add_weighted_gather(float *o, int64_t nq, const float *base, const i
     if (D == 64) { /* four queries at a time, their outputs in 16 vector registers */
         for (int64_t i0 = 0; i0 < nq; i0 += 4) {
             const int64_t ni = nq - i0 < 4 ? nq - i0 : 4;
-            v16sf acc[4][4];
+            v16f acc[4][4];
             for (int64_t i = 0; i < 4; i++)
-                for (int c = 0; c < 4; c++) acc[i][c] = i < ni ? vload16u(o + (i0 + i) * 64 + 16 * c) : (v16sf){0};
+                for (int c = 0; c < 4; c++) acc[i][c] = i < ni ? v16_load(o + (i0 + i) * 64 + 16 * c) : (v16f){0};
             for (int64_t j = 0; j < m; j++) {
                 if (j + 8 < m)
                     for (int d = 0; d < 64; d += 16) __builtin_prefetch(base + (int64_t)idx[j + 8] * 64 + d);
                 const float *r = base + (int64_t)idx[j] * 64;
-                const v16sf r0 = vload16u(r), r1 = vload16u(r + 16), r2 = vload16u(r + 32), r3 = vload16u(r + 48);
+                const v16f r0 = v16_load(r), r1 = v16_load(r + 16), r2 = v16_load(r + 32), r3 = v16_load(r + 48);
                 for (int64_t i = 0; i < 4; i++) {
                     if (i >= ni) break;
                     const float wi = w[(i0 + i) * ld + j];
