@@ -46,6 +46,7 @@
 #if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include "simd.h"
 
 #define LANES 8
 #define ALIGN 64
@@ -448,6 +449,121 @@ static void keys_item_perm(const float *q, int64_t q_sq, int nl, const uint8_t *
 #define HAVE_PERM 0
 #endif
 
+/* ------------------------------------------------- few-query keys (AVX2 permutes) */
+
+/* The AVX2 analogue for keys: 8 tokens in the lanes; a run of 3 channels has an 8-entry table of
+ * the subset sums of its 3 weights (one 256-bit register), and one permute (vpermps: the low 3 bits
+ * of each 32-bit index lane pick an entry) looks up 8 tokens at once. A 32-bit half of a token's
+ * code word holds 32 channels = 10 runs of 3 + 1 of 2 (its table's upper entries are never
+ * picked: the shifted lane has zeros above bit 1). Head dim 64 (one word per token and plane). */
+#if !HAVE_PERM && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_KEYS_PERM8 1
+#define PERM8_MAX 3
+#define PERM8_RUNS 22 /* runs per 64 channels */
+
+/* The 32-bit halves of 8 consecutive 64-bit words, in word order. */
+INLINE void split_words8(const uint64_t *w, __m256i *lo, __m256i *hi) {
+    const __m256 a = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)w));
+    const __m256 b = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(w + 4)));
+    const __m256 l = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)); /* w0 w1 w4 w5 | w2 w3 w6 w7 */
+    const __m256 h = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    *lo = _mm256_castpd_si256(_mm256_permute4x64_pd(_mm256_castps_pd(l), _MM_SHUFFLE(3, 1, 2, 0)));
+    *hi = _mm256_castpd_si256(_mm256_permute4x64_pd(_mm256_castps_pd(h), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* acc_l += the table entries that each run's 3 bits of the lanes of x (a 32-bit half) select,
+ * tables T[run][l] (PERM8_MAX * 8 floats apart per run), runs r0 .. r0 + 10. */
+#define PERM8_LOOKUP(acc, x, T, r0, nl)                                                              \
+    do {                                                                                             \
+        for (int r_ = 0; r_ < 11; r_++) {                                                            \
+            const __m256i i_ = r_ ? _mm256_srli_epi32((x), 3 * r_) : (x);                            \
+            const float *t_ = (T) + (size_t)((r0) + r_) * PERM8_MAX * 8;                              \
+            for (int l_ = 0; l_ < (nl); l_++)                                                        \
+                acc[l_] = _mm256_add_ps(acc[l_], _mm256_permutevar8x32_ps(_mm256_load_ps(t_ + 8 * l_), i_)); \
+        }                                                                                            \
+    } while (0)
+
+INLINE void keys_perm8_body(const float *q, int64_t q_sq, const int nl, const uint8_t *codes, const uint16_t *sc,
+                            const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
+                            int bits, float *scratch, uint64_t *wbuf) {
+    const int R = g / 8;
+    float *T = scratch;                              /* PERM8_RUNS * PERM8_MAX * 8 */
+    float *sz = T + (size_t)PERM8_RUNS * PERM8_MAX * 8; /* 2 * D: the group's scale and zero */
+    float *qs = sz + 2 * (size_t)D;                  /* [PERM8_MAX][D] */
+    const size_t plane = (size_t)R * D, gbytes = plane * (size_t)bits, wplane = (size_t)g;
+    const __m256 m0 = _mm256_setr_ps(0, 1, 0, 1, 0, 1, 0, 1), m1 = _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
+    const __m256 m2 = _mm256_setr_ps(0, 0, 0, 0, 1, 1, 1, 1);
+    uint64_t bitw[8];
+    for (int64_t j = j0; j <= j1; j++) {
+        if (j < j1) { /* gather group j in token order (one ahead of the lookups) */
+            const uint8_t *cj = codes + (size_t)j * gbytes;
+            uint64_t *wb = wbuf + (size_t)(j & 1) * bits * wplane;
+            for (int k = 0; k < bits; k++)
+                for (int r = 0; r < R; r++) {
+                    gather_bit_planes(cj + (size_t)k * plane + (size_t)r * D, bitw);
+                    for (int i = 0; i < 8; i++) wb[k * wplane + (size_t)i * R + r] = bitw[i];
+                }
+        }
+        if (j == j0) continue;
+        const int64_t jj = j - 1; /* the previous group, whose words are ready */
+        const uint64_t *wb = wbuf + (size_t)(jj & 1) * bits * wplane;
+        halves_to_floats(sc + jj * D, sz, D);
+        halves_to_floats(zr + jj * D, sz + D, D);
+        float zq[PERM8_MAX];
+        for (int l = 0; l < nl; l++) { /* qs[l] = q[l] * s[j]; zq[l] = q[l] . z[j] */
+            const float *ql = q + l * q_sq;
+            __m256 z = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                const __m256 x = _mm256_loadu_ps(ql + d);
+                _mm256_storeu_ps(qs + l * D + d, _mm256_mul_ps(x, _mm256_loadu_ps(sz + d)));
+                z = _mm256_fmadd_ps(x, _mm256_loadu_ps(sz + D + d), z);
+            }
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            zq[l] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        }
+        for (int run = 0; run < PERM8_RUNS; run++) { /* channels e, e+1, e+2 of the run (2 in the last of a half) */
+            const int e = 32 * (run / 11) + 3 * (run % 11), two = run % 11 == 10;
+            for (int l = 0; l < nl; l++) {
+                const float *w = qs + l * D;
+                __m256 t = _mm256_mul_ps(_mm256_set1_ps(w[e]), m0);
+                t = _mm256_fmadd_ps(_mm256_set1_ps(w[e + 1]), m1, t);
+                if (!two) t = _mm256_fmadd_ps(_mm256_set1_ps(w[e + 2]), m2, t);
+                _mm256_store_ps(T + ((size_t)run * PERM8_MAX + l) * 8, t);
+            }
+        }
+        for (int t = 0; t < g; t += 8) {
+            __m256 p0[PERM8_MAX], p1[PERM8_MAX];
+            for (int l = 0; l < PERM8_MAX; l++) p0[l] = p1[l] = _mm256_setzero_ps();
+            __m256i lo, hi;
+            split_words8(wb + t, &lo, &hi);
+            PERM8_LOOKUP(p0, lo, T, 0, nl);
+            PERM8_LOOKUP(p0, hi, T, 11, nl);
+            if (bits == 2) {
+                split_words8(wb + wplane + t, &lo, &hi);
+                PERM8_LOOKUP(p1, lo, T, 0, nl);
+                PERM8_LOOKUP(p1, hi, T, 11, nl);
+            }
+            for (int l = 0; l < nl; l++)
+                _mm256_storeu_ps(out + l * n + jj * g + t,
+                                 _mm256_add_ps(_mm256_add_ps(p0[l], _mm256_add_ps(p1[l], p1[l])), _mm256_set1_ps(zq[l])));
+        }
+    }
+}
+
+static void keys_item_perm8(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
+                            const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
+                            int bits, float *scratch, uint64_t *wbuf) {
+    switch (nl) { /* a constant query count: the compiler unrolls the lookups */
+    case 1: keys_perm8_body(q, q_sq, 1, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    case 2: keys_perm8_body(q, q_sq, 2, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    default: keys_perm8_body(q, q_sq, 3, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    }
+}
+#else
+#define HAVE_KEYS_PERM8 0
+#endif
+
 /* --------------------------------------------------------------------------- keys */
 
 /* Scores of query block [nl <= 8 queries] against key groups [j0, j1) of one (b, h). */
@@ -457,6 +573,12 @@ static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes
 #if HAVE_PERM
     if (nl <= PERM_MAX && D % 64 == 0 && g % 16 == 0) {
         keys_item_perm(q, q_sq, nl, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf);
+        return;
+    }
+#endif
+#if HAVE_KEYS_PERM8
+    if (nl <= PERM8_MAX && D == 64 && g % 8 == 0) {
+        keys_item_perm8(q, q_sq, nl, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf);
         return;
     }
 #endif
@@ -926,60 +1048,69 @@ typedef struct {
     float *out; /* [B, H, G*T, D] contiguous */
 } DecodeArgs;
 
-/* 16 floats (and their int32 bits) as one GCC vector: AVX-512 holds it in one register, AVX2 in
- * two, SSE / NEON in four; the same lanes in the same order on every target. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-#define V16_SPLAT(x) ((v16f){0} + (x))
+/* The target's own vector width (VW floats, simd.h) as GCC vectors with int32 lanes beside them:
+ * comparisons and selects on a wider GCC vector than the target has are done lane by lane. */
+typedef float vnf __attribute__((vector_size(VW * 4)));
+typedef int32_t vni __attribute__((vector_size(VW * 4)));
+#define VN_SPLAT(x) ((vnf){0} + (x))
 
-INLINE v16f v16_select(v16i mask, v16f a, v16f b) { /* mask lanes are -1 (take a) or 0 (take b) */
-    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+INLINE vnf vn_select(vni mask, vnf a, vnf b) { /* mask lanes are -1 (take a) or 0 (take b) */
+    return (vnf)(((vni)a & mask) | ((vni)b & ~mask));
 }
+INLINE vnf vn_load(const float *p) { vnf v; memcpy(&v, p, sizeof v); return v; }
+INLINE void vn_store(float *p, vnf v) { memcpy(p, &v, sizeof v); }
 
 /* exp(x) per lane as 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (relative error
  * ~2e-7); x below -87 (also -inf and NaN) gives 0. */
-INLINE v16f v16_exp(v16f x) {
-    const v16i keep = x >= V16_SPLAT(-87.0f);
-    x = v16_select(keep, x, V16_SPLAT(-87.0f));
-    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const v16f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    v16f p = V16_SPLAT(1.9875691500e-4f);
+INLINE vnf vn_exp(vnf x) {
+    const vni keep = x >= VN_SPLAT(-87.0f);
+    x = vn_select(keep, x, VN_SPLAT(-87.0f));
+    const vnf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const vnf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    vnf p = VN_SPLAT(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return (v16f)((v16i)(p * (v16f)e) & keep);
+    const vni e = (__builtin_convertvector(n, vni) + 127) << 23;
+    return (vnf)((vni)(p * (vnf)e) & keep);
 }
 
-INLINE v16f v16_load(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
-INLINE void v16_store(float *p, v16f v) { memcpy(p, &v, sizeof v); }
-
-/* row[l] = exp(row[l] - m) for l < L, 16 at a time (the tail through a padded copy). */
+/* row[l] = exp(row[l] - m) for l < L, VW at a time (the tail through a padded copy). */
 static void exp_shifted(float *row, int64_t L, float m) {
     int64_t l = 0;
-    for (; l + 16 <= L; l += 16) v16_store(row + l, v16_exp(v16_load(row + l) - m));
+    for (; l + VW <= L; l += VW) vn_store(row + l, vn_exp(vn_load(row + l) - m));
     if (l < L) {
-        float tail[16] = {0};
+        float tail[VW] = {0};
         memcpy(tail, row + l, (size_t)(L - l) * sizeof(float));
-        v16_store(tail, v16_exp(v16_load(tail) - m));
+        vn_store(tail, vn_exp(vn_load(tail) - m));
         memcpy(row + l, tail, (size_t)(L - l) * sizeof(float));
     }
 }
 
-/* Sum (op 0) or maximum (op 1) of x[0, L), with 16 independent lanes reduced in a fixed order. */
+/* Sum (op 0) or maximum (op 1) of x[0, L), with 16 independent lanes (16 / VW vectors) reduced in a
+ * fixed order: the same float on every target. */
 static float reduce16(const float *x, int64_t L, int op) {
-    v16f acc = V16_SPLAT(op ? -__builtin_inff() : 0.0f);
+    enum { NV = 16 / VW };
+    vnf acc[NV];
+    for (int k = 0; k < NV; k++) acc[k] = VN_SPLAT(op ? -__builtin_inff() : 0.0f);
     int64_t l = 0;
-    for (; l + 16 <= L; l += 16) {
-        const v16f v = v16_load(x + l);
-        acc = op ? v16_select(v > acc, v, acc) : acc + v;
-    }
-    for (; l < L; l++) acc[0] = op ? (x[l] > acc[0] ? x[l] : acc[0]) : acc[0] + x[l];
-    float r = acc[0];
-    for (int i = 1; i < 16; i++) r = op ? (acc[i] > r ? acc[i] : r) : r + acc[i];
+    if (op)
+        for (; l + 16 <= L; l += 16)
+            for (int k = 0; k < NV; k++) {
+                const vnf v = vn_load(x + l + k * VW);
+                acc[k] = vn_select(v > acc[k], v, acc[k]);
+            }
+    else
+        for (; l + 16 <= L; l += 16)
+            for (int k = 0; k < NV; k++) acc[k] += vn_load(x + l + k * VW);
+    float lanes[16];
+    memcpy(lanes, acc, sizeof lanes);
+    for (; l < L; l++) lanes[0] = op ? (x[l] > lanes[0] ? x[l] : lanes[0]) : lanes[0] + x[l];
+    float r = lanes[0];
+    for (int i = 1; i < 16; i++) r = op ? (lanes[i] > r ? lanes[i] : r) : r + lanes[i];
     return r;
 }
 
@@ -1030,31 +1161,40 @@ static void dots_gather(const float *q, int64_t nq, const float *base, const int
     }
 }
 
-/* o[i * D + .] += sum_{j < m} w[i * ld + j] * base[idx[j] * D + .] for i < nq (same reading order). */
+/* Queries per block of add_weighted_gather: their accumulators (4 vectors each) plus a row vector and
+ * the weights must stay in registers (32 vector registers with AVX-512 and NEON, 16 with AVX2 / SSE). */
+#if VW == 16 || defined(__aarch64__)
+#define GATHER_QB 4
+#else
+#define GATHER_QB 3
+#endif
+
+/* o[i * D + .] += sum_{j < m} w[i * ld + j] * base[idx[j] * D + .] for i < nq (same reading order):
+ * per block of 4 vectors of the output and GATHER_QB queries, the accumulators stay in registers
+ * while the rows stream through (a row is read once per block, from L1 after the first). */
 static void add_weighted_gather(float *o, int64_t nq, const float *base, const int32_t *idx, const float *w,
                                 int64_t ld, int64_t m, int64_t D) {
-    if (D == 64) { /* four queries at a time, their outputs in 16 vector registers */
-        for (int64_t i0 = 0; i0 < nq; i0 += 4) {
-            const int64_t ni = nq - i0 < 4 ? nq - i0 : 4;
-            v16f acc[4][4];
-            for (int64_t i = 0; i < 4; i++)
-                for (int c = 0; c < 4; c++) acc[i][c] = i < ni ? v16_load(o + (i0 + i) * 64 + 16 * c) : (v16f){0};
-            for (int64_t j = 0; j < m; j++) {
-                if (j + 8 < m)
-                    for (int d = 0; d < 64; d += 16) __builtin_prefetch(base + (int64_t)idx[j + 8] * 64 + d);
-                const float *r = base + (int64_t)idx[j] * 64;
-                const v16f r0 = v16_load(r), r1 = v16_load(r + 16), r2 = v16_load(r + 32), r3 = v16_load(r + 48);
-                for (int64_t i = 0; i < 4; i++) {
-                    if (i >= ni) break;
-                    const float wi = w[(i0 + i) * ld + j];
-                    acc[i][0] += wi * r0;
-                    acc[i][1] += wi * r1;
-                    acc[i][2] += wi * r2;
-                    acc[i][3] += wi * r3;
+    if (D % (4 * VW) == 0) {
+        for (int64_t d0 = 0; d0 < D; d0 += 4 * VW)
+            for (int64_t i0 = 0; i0 < nq; i0 += GATHER_QB) {
+                const int64_t ni = nq - i0 < GATHER_QB ? nq - i0 : GATHER_QB;
+                vf acc[GATHER_QB][4];
+                for (int64_t i = 0; i < GATHER_QB; i++)
+                    for (int c = 0; c < 4; c++) acc[i][c] = i < ni ? vf_load(o + (i0 + i) * D + d0 + c * VW) : vf_zero();
+                for (int64_t j = 0; j < m; j++) {
+                    if (j + 8 < m)
+                        for (int64_t d = d0; d < d0 + 4 * VW; d += 16) simd_prefetch(base + (int64_t)idx[j + 8] * D + d);
+                    const float *r = base + (int64_t)idx[j] * D + d0;
+                    vf wi[GATHER_QB];
+                    for (int64_t i = 0; i < GATHER_QB; i++) wi[i] = vf_set1(i < ni ? w[(i0 + i) * ld + j] : 0.0f);
+                    for (int c = 0; c < 4; c++) {
+                        const vf rc = vf_load(r + c * VW);
+                        for (int64_t i = 0; i < GATHER_QB; i++) acc[i][c] = vf_fma(wi[i], rc, acc[i][c]);
+                    }
                 }
+                for (int64_t i = 0; i < ni; i++)
+                    for (int c = 0; c < 4; c++) vf_store(o + (i0 + i) * D + d0 + c * VW, acc[i][c]);
             }
-            for (int64_t i = 0; i < ni; i++) memcpy(o + (i0 + i) * 64, acc[i], 64 * sizeof(float));
-        }
         return;
     }
     for (int64_t j = 0; j < m; j++) {
