@@ -2,8 +2,8 @@
 writes, the default documents and small statistics helpers.
 
 Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode a registered cache policy
-(engine/kvcache/registry.py: full, specache, kivi, window, exact) (and ``hf`` = stock transformers ``generate`` with DynamicCache, speed and decode benches),
-options ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual
+(engine/kvcache/registry.py: full, specache, kivi, window, exact) or ``hf`` (stock transformers
+``generate`` with DynamicCache, speed and decode benches), options ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual
 window, ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``current`` /
 ``gamma<n>`` (exact mode's draft tokens per verification; default adaptive), ``speculative`` (prefetch: each pass picks its own fetched set and feeds one token, or the
 design's two-token speculative steps), ``both`` / ``spec`` (the fetch set is selected with the

@@ -242,7 +242,7 @@ class ModePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """The plan for one hardware x model x context, all three modes."""
+    """The plan for one hardware x model x context, one ModePlan per column (plan_columns)."""
 
     hardware: HardwareProfile
     model: ModelProfile
