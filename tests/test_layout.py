@@ -189,7 +189,7 @@ def test_adding_a_policy_is_one_module(probe_policy, tiny_model):
     r = CliRunner().invoke(app, ["plan", "--gpu", "l4", "--model", "smollm2-135m", "--context", "8192", "--json"])
     assert r.exit_code == 0 and "probe" in [m["mode"] for m in json.loads(r.stdout)["modes"]]
     assert parse_mode("probe-1b").config.k == 0  # kivi's fixed k, inherited
-    with pytest.raises(BadArgument, match="probe holds k = 0"):
+    with pytest.raises(BadArgument, match=r"probe never fetches \(k = 0\)"):
         parse_mode("probe-k64")
     with pytest.raises(BadArgument, match="w<n> only applies to window"):
         parse_mode("probe-w64")

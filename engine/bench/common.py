@@ -123,7 +123,8 @@ def policy_fields(label: str, cls: type, fields: dict) -> None:
                               f"{', '.join(owners)}")
     for name, value in cls.fixed_settings.items():
         if fields.get(name) not in (None, value):
-            raise BadArgument(f"mode {label!r}: {cls.policy} holds {name} = {value}")
+            held = "never fetches" if name == "k" and not cls.fetches else "holds"  # kivi: "never fetches (k = 0)"
+            raise BadArgument(f"mode {label!r}: {cls.policy} {held} ({name} = {value})")
         fields[name] = value
 
 
