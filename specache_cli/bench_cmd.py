@@ -48,9 +48,10 @@ from engine.bench.task import (
     run_task,
     task_markdown,
 )
-from engine.config import CACHE_MODES, PREFETCH
+from engine.config import PREFETCH
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
+from engine.kvcache.registry import names
 from engine.model.loading import load_model
 from engine.plan.profiles import loaded_model_profile, model_defaults
 from specache_cli.console import err_console, guarded
@@ -380,7 +381,7 @@ def store_cmd(
     out = out_dir(out, False)
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    known = CACHE_MODES  # the registered policies (engine.kvcache.registry; tests/test_layout.py)
+    known = names()  # the registered policies (engine.kvcache.registry; tests/test_layout.py)
     if not mode_list or any(m not in known for m in mode_list):
         raise BadArgument(f"--modes must list cache modes ({', '.join(known)}), not {modes!r}")
     document = load_document(doc or str(default_doc("report.pdf")))

@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar, Optional, get_type_hints
 import typer
 
 from engine.config import DECODING_DEFAULTS, GenerationConfig
+from engine.kvcache.registry import describe
 
 D = DECODING_DEFAULTS
 
@@ -36,8 +37,7 @@ class ModelOptions:
 class CacheOptions:
     PANEL: ClassVar[str] = "KV cache"  # the heading of these options in --help
 
-    cache: Annotated[str, typer.Option("--cache", help="KV cache mode: full, specache, kivi, window or exact (specache drafts, the exact store verifies: "
-        "the output of full).")] = "specache"
+    cache: Annotated[str, typer.Option("--cache", help=f"KV cache mode: {describe()}.")] = "specache"
     bits: Annotated[Optional[int], typer.Option(help="Guide code width, 1 or 2 (default: the model profile's).")] = None
     group: Annotated[Optional[int], typer.Option(
         help="Quantization group size, 32 or 64 (default: the model profile's).")] = None

@@ -9,10 +9,10 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.errors import BadArgument
+from engine.kvcache.registry import POLICIES
 from engine.plan.planner import (
     DEFAULT_PREFILL_CHUNK,
     GIB,
-    MODES,
     REFERENCES,
     Plan,
     check_settings,
@@ -85,9 +85,9 @@ def render_table(p: Plan) -> Table:
                f"(weights {size(budget['weights_bytes'])}); step times are a roofline estimate")
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
     table.add_column("")
-    for mode in MODES:
-        table.add_column(mode, justify="right")
-    modes = [p.mode(name) for name in MODES]
+    modes = list(p.modes)  # one per policy with a column (engine.plan.planner.plan_columns)
+    for mp in modes:
+        table.add_column(mp.mode, justify="right")
 
     def row(label: str, values: list[str]) -> None:
         table.add_row(label, *values)
@@ -99,7 +99,7 @@ def render_table(p: Plan) -> Table:
     row("shared: weights", [size(mp.shared_device_bytes["weights"]) for mp in modes])
     row("shared: prefill activations", [size(mp.shared_device_bytes.get("prefill_activations")) for mp in modes])
     row("max batch", [f"{mp.max_batch} ({mp.limited_by})" for mp in modes])
-    row("k (per layer, KV head)", [str(mp.k) if mp.mode in ("specache", "exact") else "-" for mp in modes])
+    row("k (per layer, KV head)", [str(mp.k) if POLICIES[mp.mode].fetches else "-" for mp in modes])
     cpu = hw.kind == "cpu"
     if not cpu:  # on a CPU the exact store is in the same RAM: counted in "device / sequence" above
         row("host RAM / sequence", [size(mp.host_bytes_per_sequence) for mp in modes])
@@ -111,7 +111,7 @@ def render_table(p: Plan) -> Table:
     row("compute / step", [ms(mp.compute_seconds_per_step) for mp in modes])
     if not cpu:
         row("prefetch hidden", [("yes" if mp.prefetch_hidden else f"no (k <= {mp.k_max_hidden} would)")
-                                if mp.mode == "specache" else "-" for mp in modes])
+                                if mp.k_max_hidden is not None else "-" for mp in modes])
     row("exact: gamma at acceptance", [f"{mp.gamma} at {mp.acceptance:g}" if mp.gamma else "-" for mp in modes])
     row("exact: draft step / verify", [f"{ms(mp.draft_seconds)} / {ms(mp.verify_seconds)}" if mp.gamma else "-"
                                        for mp in modes])

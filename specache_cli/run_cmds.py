@@ -30,7 +30,7 @@ from engine.inputs.documents import STDIN, decode_text, load_document, read_regu
 from engine.jobs.pipeline import STRATEGIES, Failed, Result, Runner, ask_many, count_tokens, summarize_many
 from engine.jobs.workers import WorkerConfig, ask_tasks, import_ray, run_job, summarize_tasks, validate
 from engine.model.embedded import EMBEDDED_NAME
-from engine.kvcache import POLICIES
+from engine.kvcache import policy
 from engine.model.loading import estimate_weight_bytes, load_model, resolve_model_dir
 from engine.model.sources import resolve_source
 from engine.plan.planner import check_fits_before_load
@@ -143,7 +143,8 @@ class Session:
         self.overrides = dict(bits=cache.bits, group=cache.group, k=cache.k, residual=cache.residual,
                               sinks=cache.sinks, chunk_size=cache.chunk_size, measure_hits=cache.hit_rate or None,
                               prefetch=cache.prefetch, gamma=cache.gamma)
-        CacheConfig(mode=cache.cache).with_overrides(**self.overrides)  # validate now
+        policy(cache.cache)  # validate now: a registered mode (engine.kvcache.registry) and its settings
+        CacheConfig(mode=cache.cache).with_overrides(**self.overrides)
         self.model_opts, self.cache_opts, self.quiet = model, cache, quiet
         self.gen = gen.config()
         self.strategy, self.batch = gen.strategy, parse_batch(gen.batch)
@@ -201,7 +202,7 @@ class Session:
         context = min(window, self.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)
         try:
             check_fits_before_load(config, estimate_weight_bytes(resolve_source(m.model), m.dtype), context,
-                                   POLICIES[self.cache_opts.cache].plan_mode, name=name)
+                                   policy(self.cache_opts.cache).plan_mode, name=name)
         except ProfileError:
             return  # a config without the model's shapes: the load itself reports what is wrong
 

@@ -110,12 +110,97 @@ def test_every_package_is_installed():
 
 
 def test_every_cache_mode_is_a_registered_policy():
-    """A policy is one module registered by name; the config accepts exactly the registered names, and
-    each declares what the jobs and the planner ask of it."""
-    from engine.config import CACHE_MODES
+    """A policy is one module registered by name; nothing else lists the names: the planner's columns
+    are the registered policies that have one, and each policy declares what the jobs and the planner
+    ask of it."""
     from engine.kvcache import POLICIES
-    from engine.plan.planner import MODES
+    from engine.plan.planner import plan_columns
 
-    assert set(CACHE_MODES) == set(POLICIES)
+    assert list(POLICIES) == ["full", "specache", "kivi", "window", "exact"]  # --cache's order
+    assert list(plan_columns()) == ["full", "kivi", "specache", "exact"]  # `specache plan`'s columns
     for name, cls in POLICIES.items():
-        assert cls.policy == name and cls.plan_mode in MODES and isinstance(cls.fetches, bool)
+        assert cls.policy == name and cls.plan_mode in plan_columns() and isinstance(cls.fetches, bool)
+
+
+def test_no_mode_name_outside_its_policy():
+    """The modes' names are written only in their own modules: no list of them and no branch on one
+    anywhere else in the engine and the CLI (the defaults of flags excepted, and the benches, whose
+    columns are compared with the reference's, "full", and the default's, "specache")."""
+    names = ("full", "specache", "kivi", "window", "exact")
+    found = []
+    for path in [*(ROOT / "engine").rglob("*.py"), *(ROOT / "specache_cli").rglob("*.py")]:
+        if path.parent.name == "bench":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                if sum(isinstance(e, ast.Constant) and e.value in names for e in node.elts) > 1:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: a list of modes")
+            elif isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in names
+                                                       for c in [node.left, *node.comparators]):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: a branch on a mode's name")
+    assert not found, "\n".join(found)
+
+
+@pytest.fixture
+def probe_policy():
+    """A new policy added as a module would add it: one class and its registration (undone after)."""
+    from engine.kvcache.kivi import KiviLayer
+    from engine.kvcache.registry import POLICIES, register
+
+    @register("probe")
+    class ProbeLayer(KiviLayer):  # kivi's layer under its own name: every declaration inherited
+        summary = "a test's policy"
+
+    yield ProbeLayer
+    del POLICIES["probe"]
+
+
+def test_adding_a_policy_is_one_module(probe_policy, tiny_model):
+    """A registered class is a mode everywhere: the config and the flag check take it, --cache's help
+    and `specache plan` list it, the planner sizes it from its declarations, the bench labels and
+    the document store's key follow them, and the engine runs it."""
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+
+    from engine.bench.common import parse_mode
+    from engine.config import CacheConfig, GenerationConfig
+    from engine.errors import BadArgument
+    from engine.generate.engine import Engine, Finished
+    from engine.generate.prefixes import store_settings
+    from engine.kvcache import make_cache, policy
+    from engine.kvcache.registry import describe
+    from engine.plan.planner import plan, plan_columns, plan_for_run
+    from engine.plan.profiles import load_hardware, load_model_profile
+    from specache_cli.app import app
+
+    assert policy(CacheConfig(mode="probe").mode) is probe_policy
+    with pytest.raises(BadArgument, match="exact, probe, not 'nope'"):
+        policy("nope")
+    assert describe().endswith("exact (specache drafts, the exact store verifies: the output of full) "
+                               "or probe (a test's policy)")
+    assert list(plan_columns()) == ["full", "kivi", "probe", "specache", "exact"]  # kivi's flags: beside it
+    p = plan(load_hardware("l4"), load_model_profile("smollm2-135m"), 8192)
+    assert p.mode("probe").device_bytes_per_sequence == p.mode("kivi").device_bytes_per_sequence
+    assert p.mode("probe").k == 0 and p.mode("probe").bits == p.bits
+    assert plan_for_run(load_model_profile("smollm2-135m"), 4096, probe_policy.plan_mode,
+                        hardware=load_hardware("l4")).mode == "kivi"  # a run is sized by the column it names
+    r = CliRunner().invoke(app, ["plan", "--gpu", "l4", "--model", "smollm2-135m", "--context", "8192", "--json"])
+    assert r.exit_code == 0 and "probe" in [m["mode"] for m in json.loads(r.stdout)["modes"]]
+    assert parse_mode("probe-1b").config.k == 0  # kivi's fixed k, inherited
+    with pytest.raises(BadArgument, match=r"probe never fetches \(k = 0\)"):
+        parse_mode("probe-k64")
+    with pytest.raises(BadArgument, match="w<n> only applies to window"):
+        parse_mode("probe-w64")
+
+    config = CacheConfig(mode="probe", k=0, residual=16, group=32)
+    with make_cache(tiny_model.config, config, 1, 256, torch.float32, torch.device("cpu")) as cache:
+        assert all(type(layer) is probe_policy for layer in cache.layers)
+        assert cache.stats()["mode"] == "probe" and cache.stats()["k"] == 0
+        assert store_settings(cache, torch.float32, "tiny")["residual"] == 16
+    prompt = [[3 + (i * 7) % 300 for i in range(120)]]
+    runs = {mode: next(e for e in Engine(tiny_model, CacheConfig(mode=mode, k=0, residual=16, group=32))
+                       .generate(prompt, GenerationConfig(max_tokens=8)) if isinstance(e, Finished))
+            for mode in ("probe", "kivi")}
+    assert runs["probe"].tokens == runs["kivi"].tokens and runs["probe"].cache_stats["mode"] == "probe"

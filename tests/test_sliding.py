@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from engine.config import CacheConfig
 from engine.generate.steps import prefill
-from engine.kvcache import make_cache
+from engine.kvcache import layer_classes, make_cache
 from engine.kvcache.sizes import layer_kv_bytes_per_token, sliding_slots
 from engine.kvcache.sliding import SlidingWindowLayer
 from engine.kvcache.specache import SpecacheLayer
@@ -84,6 +84,8 @@ def test_a_window_layer_keeps_only_its_window_and_the_global_layers_their_policy
     list(prefill(model, cache, ids, 0, 64))
     kinds = [type(x) for x in cache.layers]
     assert kinds == [SlidingWindowLayer] * 5 + [SpecacheLayer]
+    assert layer_classes(tiny_config("gemma3"), config) == [(SlidingWindowLayer, WINDOW)] * 5 + [(SpecacheLayer, None)]
+    assert cache.policy_layers == cache.layers[5:]  # the configured policy's layers describe the cache
     ring = cache.layers[0]
     assert ring.capacity == WINDOW + 64 and ring.k.shape[2] == WINDOW + 64
     assert ring.device_bytes(cache.lengths[:1]) == WINDOW * layer_kv_bytes_per_token(cache.shape, 4)

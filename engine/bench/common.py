@@ -1,9 +1,9 @@
 """Shared pieces of the benches: mode labels, progress events, the JSON envelope, atomic
 writes, the default documents and small statistics helpers.
 
-Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode one of full, specache, kivi, window
-(and ``hf`` = stock transformers ``generate`` with DynamicCache, speed and decode benches),
-options ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual
+Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode a registered cache policy
+(engine/kvcache/registry.py: full, specache, kivi, window, exact) or ``hf`` (stock transformers
+``generate`` with DynamicCache, speed and decode benches), options ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual
 window, ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``current`` /
 ``gamma<n>`` (exact mode's draft tokens per verification; default adaptive), ``speculative`` (prefetch: each pass picks its own fetched set and feeds one token, or the
 design's two-token speculative steps), ``both`` / ``spec`` (the fetch set is selected with the
@@ -14,7 +14,8 @@ paper's chain); these last four imply ``speculative``. Unset options keep the mo
 ``summarize``/``ask`` use) when the benches pass them, else engine.config.CacheConfig's, so
 ``specache`` is the setting users get. ``window`` without ``w<n>`` is sized to the device
 bytes of specache with the same bits / k / group (``window-1b`` matches ``specache-1b``);
-``kivi`` never fetches (k = 0).
+``kivi`` never fetches (k = 0: its ``fixed_settings``; an option only one policy reads, as
+``w<n>``, is its ``own_settings``).
 """
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from engine.config import CACHE_MODES, PREFETCH, CacheConfig
+from engine.config import PREFETCH, CacheConfig
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
+from engine.kvcache.registry import POLICIES, names
 from engine.model.linears import SkinnyLinear
 from engine.native import calibrate
 
@@ -44,6 +46,7 @@ EXAMPLES = Path(str(files("specache_examples")))  # examples/ of the checkout, o
 
 _OPTION = re.compile(r"^(?:(?P<bits>\d+)b|(?P<key>[kgrswc])(?P<val>\d+))$")
 _OPTION_FIELDS = {"k": "k", "g": "group", "r": "residual", "s": "sinks", "w": "window", "c": "chunk_size"}
+_OPTION_LETTERS = {field: letter for letter, field in _OPTION_FIELDS.items()}
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,8 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
         if len(parts) > 1:
             raise BadArgument(f"mode {label!r}: hf takes no options")
         return ModeSpec(label, HF_MODE, None)
-    if mode not in CACHE_MODES:
-        raise BadArgument(f"mode {label!r}: must start with one of {', '.join(CACHE_MODES + (HF_MODE,))}")
+    if mode not in POLICIES:
+        raise BadArgument(f"mode {label!r}: must start with one of {', '.join(names() + (HF_MODE,))}")
     fields: dict[str, int | bool | str] = {}
     for opt in parts[1:]:
         if re.fullmatch(r"gamma\d+", opt.lower()):  # exact: draft tokens per verification
@@ -102,16 +105,27 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
             fields[_OPTION_FIELDS[m.group("key")]] = int(m.group("val"))
     if ("select_both" in fields or "resync" in fields) and "prefetch" not in fields:
         fields["prefetch"] = "speculative"  # options of the speculative decoder imply it
-    if "window" in fields and mode != "window":
-        raise BadArgument(f"mode {label!r}: w<n> only applies to window")
-    if mode == "kivi":
-        if fields.get("k"):
-            raise BadArgument(f"mode {label!r}: kivi never fetches (k = 0)")
-        fields["k"] = 0
+    policy_fields(label, POLICIES[mode], fields)
     base = CacheConfig(mode=mode).with_overrides(**defaults)
     if k_for and "k" not in fields:
         fields["k"] = k_for[fields.get("prefetch", base.prefetch)]
     return ModeSpec(label, mode, base.with_overrides(**fields), tuple(parts[1:]))
+
+
+def policy_fields(label: str, cls: type, fields: dict) -> None:
+    """Check a label's options against what its policy declares (engine.kvcache.base.CacheLayer): an
+    option only other policies read is refused (w<n>: window's own_settings); a setting the policy
+    holds at one value is set to it, another value refused (kivi's fixed_settings: k = 0)."""
+    for name in fields:
+        owners = [n for n, c in POLICIES.items() if name in c.own_settings]
+        if owners and name not in cls.own_settings:
+            raise BadArgument(f"mode {label!r}: {_OPTION_LETTERS.get(name, name)}<n> only applies to "
+                              f"{', '.join(owners)}")
+    for name, value in cls.fixed_settings.items():
+        if fields.get(name) not in (None, value):
+            held = "never fetches" if name == "k" and not cls.fetches else "holds"  # kivi: "never fetches (k = 0)"
+            raise BadArgument(f"mode {label!r}: {cls.policy} {held} ({name} = {value})")
+        fields[name] = value
 
 
 def parse_modes(text: str | Sequence[str], allow_hf: bool = False, defaults: dict | None = None) -> list[ModeSpec]:

@@ -43,7 +43,7 @@ from engine.config import CacheConfig
 from engine.generate.engine import Engine
 from engine.generate.steps import decode_headroom, greedy
 from engine.inputs.prompts import SUMMARIZE, build_prompt, stop_ids
-from engine.kvcache import ModelShape, quant
+from engine.kvcache import ModelShape, policy, quant
 from engine.kvcache.sizes import quant_boundary
 from engine.model.attention import specache_attention
 
@@ -178,6 +178,13 @@ def _topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     mask = torch.zeros_like(scores, dtype=torch.bool)
     mask.scatter_(-1, scores.topk(k, -1).indices, True)
     return mask
+
+
+def selects(config: CacheConfig) -> bool:
+    """The mode picks a fetched set by its own attention that selection_quality can score: a policy
+    that fetches (k > 0) and decodes by it, not one whose drafts an exact pass verifies."""
+    cls = policy(config.mode)
+    return cls.fetches and not cls.verifies and config.k > 0
 
 
 def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch.Tensor]], probe: Probe,
@@ -321,7 +328,7 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
                 del cache
             selection = None
             if ref_tokens:
-                if cfg.mode == "specache" and cfg.k > 0:
+                if selects(cfg):
                     with probing(model) as probe:
                         logps = forced_logps(model, prompt, ref_tokens, cfg)
                     selection = selection_quality(ref_keys, ref_queries, probe, cfg, len(prompt), scaling,

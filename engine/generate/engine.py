@@ -19,7 +19,7 @@ from engine.docstore.store import make_key
 from engine.generate.prefixes import DocStoreUse, load_row, prefix_layout, save_row, store_settings
 from engine.generate.sampling import Sampler
 from engine.generate.steps import Picker, decode_headroom, decoder_for, prefill, sync
-from engine.kvcache import KVCache, make_cache
+from engine.kvcache import KVCache, make_cache, policy
 
 
 @dataclass
@@ -60,6 +60,7 @@ class Engine:
     cache configuration. store: the persistent document store for document prefixes (or None)."""
 
     def __init__(self, model: torch.nn.Module, config: CacheConfig, store: DocStoreUse | None = None):
+        policy(config.mode)  # a registered mode, checked before any cache is made (BadArgument)
         self.model, self.config, self.store = model, config, store
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device

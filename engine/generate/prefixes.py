@@ -44,18 +44,16 @@ def prefix_layout(prompts: list[list[int]], shared_prefix: int, prefixes: list[i
 def store_settings(cache: KVCache, dtype: torch.dtype, model_id: str, prefill_dtype: torch.dtype | None = None) -> dict:
     """Everything besides the token ids that a stored row state depends on (prefill_dtype: the
     prefill's compute dtype when it is not the model's, e.g. bf16 prefill of an fp32 model)."""
-    shape, config = cache.shape, cache.config
-    settings = {"model": model_id, "dtype": str(dtype).replace("torch.", ""), "mode": config.mode,
+    shape = cache.shape
+    settings = {"model": model_id, "dtype": str(dtype).replace("torch.", ""), "mode": cache.config.mode,
                 "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
     if prefill_dtype is not None and prefill_dtype != dtype:
         settings["prefill"] = str(prefill_dtype).replace("torch.", "")
     windows = [layer.window for layer in cache.layers]
     if any(w is not None for w in windows):  # the model's sliding-window layers keep only their window
         settings["windows"] = ",".join("-" if w is None else str(w) for w in windows)
-    layer = cache.policy_layers[0] if cache.policy_layers else None
-    if layer is not None and layer.guided:
-        settings.update(residual=layer.residual, group=layer.group, sinks=layer.sinks,
-                        bits=config.bits if layer.guide is not None else None)
+    if cache.policy_layers:  # what the policy's layers keep (the window layers: their windows, above)
+        settings.update(cache.policy_layers[0].store_key())
     return settings
 
 

@@ -17,7 +17,7 @@ import torch
 
 from engine.config import GAMMA_MAX, CacheConfig
 from engine.generate.sampling import Sampler
-from engine.kvcache import POLICIES, KVCache
+from engine.kvcache import KVCache, policy as policy_of
 from engine.model.linears import prefill_pass
 
 
@@ -170,7 +170,7 @@ def decoder_for(config: CacheConfig):
     """The step loop of a cache mode: exact's draft-and-verify cycles when its policy verifies,
     speculative when it speculates (specache with k > 0 and prefetch "speculative"), plain otherwise
     (one token per step)."""
-    policy = POLICIES[config.mode]
+    policy = policy_of(config.mode)
     if policy.verifies:
         return exact_steps
     return speculative_steps if policy.speculates(config) else plain_steps
@@ -470,4 +470,4 @@ def exact_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, histo
 def decode_headroom(config: CacheConfig) -> int:
     """Cache tokens a decode loop needs beyond the tokens it emits: exact mode's last cycle may
     commit GAMMA_MAX + 1 tokens past a row's end (a finished row leaves the batch: drop_finished)."""
-    return GAMMA_MAX + 1 if POLICIES[config.mode].verifies else 0
+    return GAMMA_MAX + 1 if policy_of(config.mode).verifies else 0

@@ -16,7 +16,7 @@ from engine.generate.engine import Engine, Finished, Progress, Tokens
 from engine.generate.prefixes import DocStoreUse
 from engine.generate.steps import merge_exact_stats
 from engine.inputs import prompts as P
-from engine.kvcache import POLICIES
+from engine.kvcache import policy as policy_of
 from engine.model.linears import held_bytes, held_parameters
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
@@ -156,7 +156,7 @@ class Runner:
 
     def batch_size(self, rows: int, context: int) -> int:
         """How many of `rows` sequences of `context` tokens to decode together."""
-        policy = POLICIES[self.cache.mode]
+        policy = policy_of(self.cache.mode)
         if self.batch is not None:
             self.plan = {"batch": min(self.batch, rows), "chosen_by": "flag"}
             if policy.fetches:

@@ -273,20 +273,45 @@ class CacheLayer:
     """One model layer's K/V (transformers cache_utils style: one class per layer type). The policies
     (engine/kvcache/full.py, specache.py, kivi.py, window.py, exact.py) and the sliding-window layers
     of the model (sliding.py) subclass it; every hook a policy does not need has a default here.
-    Buffers are preallocated for `batch` rows of `max_len` tokens."""
+    Buffers are preallocated for `batch` rows of `max_len` tokens.
+
+    A cache holds one such object per model layer, each of its own class (make_cache: the model's
+    window layers beside the configured policy's). The ClassVars below are what the rest of the
+    engine asks of a policy instead of its name (engine/kvcache/registry.py)."""
 
     policy: ClassVar[str] = ""  # the --cache name it is registered under (engine.kvcache.registry)
+    summary: ClassVar[str] = ""  # a note after its name in --cache's help (registry.describe)
     quantizes: ClassVar[bool] = False  # True: the layer moves a quantization boundary on commits (boundaries/after_step)
     fetches: ClassVar[bool] = False  # True: CacheConfig.k exact positions are fetched per step (k matters)
-    plan_mode: ClassVar[str] = ""  # the memory planner's mode whose sizes this policy has (engine.plan.planner.MODES)
     verifies: ClassVar[bool] = False  # True: decoded by drafting and one exact verification pass per cycle (exact)
-    guided: ClassVar[bool] = False  # True: a low-bit guide / residual-window policy (its settings key the store)
+    guided: ClassVar[bool] = False  # True: a low-bit guide / residual window / sinks (the planner sizes them)
+    # the planner (engine.plan.planner.plan_columns): plan_column, whether `specache plan` gives it a
+    # column of its own, sized from the flags above; plan_mode, the column a run of it is sized by
+    # (register: its own name unless it names another, as window names kivi's)
+    plan_column: ClassVar[bool] = True
+    plan_mode: ClassVar[str] = ""
+    fixed_settings: ClassVar[dict] = {}  # CacheConfig fields the policy holds at one value (kivi: k = 0)
+    own_settings: ClassVar[tuple[str, ...]] = ()  # CacheConfig fields no other policy reads (window: window)
     window: int | None = None  # the model's sliding window of this layer (None: global attention)
+
+    @classmethod
+    def build(cls, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
+              device: torch.device, transfer: Transfer, window: int | None = None) -> "CacheLayer":
+        """The layer for one model layer (make_cache); window: the model's sliding window there,
+        which only a window layer (sliding.py) takes."""
+        if window is not None:
+            raise ValueError(f"{cls.__name__} does not keep a sliding window")
+        return cls(shape, config, batch, max_len, dtype, device, transfer)
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
         """True: decode with the two-token speculative step loop (engine.generate.steps)."""
         return False
+
+    def store_key(self) -> dict:
+        """The settings besides the model's and the mode that a stored row of this layer depends on
+        (the document store's key, engine.generate.prefixes.store_settings; `specache cache ls`)."""
+        return {}
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
         """Store the new tokens' K/V [b, H_kv, T, D] of this pass."""
@@ -349,7 +374,7 @@ class KVCache(Cache):
         self._bounds: list[int] | None = None  # the layers' quantization boundaries after the last commit
         self._acting = [layer for layer in layers if layer.quantizes]  # layers that act on a commit
         # the layers of the configured policy (the others: the model's sliding-window layers, sliding.py)
-        self.policy_layers = [layer for layer in layers if layer.window is None]
+        self.policy_layers = [layer for layer in layers if layer.policy == config.mode]
         self.decode_stats: dict = {}  # what a step loop measured (exact mode: gamma, acceptance), for --json
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,

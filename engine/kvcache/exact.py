@@ -50,6 +50,10 @@ class ExactLayer(SpecacheLayer):
     """A specache layer that drafts with the guide and verifies with the exact host store."""
 
     verifies = True  # decoded by engine.generate.steps.exact_steps (draft, then one exact pass)
+    summary = "specache drafts, the exact store verifies: the output of full"
+    # `specache plan` has an exact column (its verification's figures); a run's batch is planned as
+    # its draft cache's, specache's
+    plan_mode = "specache"
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:

@@ -41,8 +41,6 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 class FullLayer(CacheLayer):
     """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
 
-    plan_mode = "full"
-
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
         self.shape = shape

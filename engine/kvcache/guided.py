@@ -310,6 +310,11 @@ class GuidedLayer(CacheLayer):
             tensors += [self.store.fk, self.store.fv]
         return sum(t.numel() * t.element_size() for t in tensors) // self.res_k.shape[0]
 
+    def store_key(self) -> dict:
+        """A stored row depends on the window, the group, the sinks and the guide's width (None: no guide)."""
+        return {"residual": self.residual, "group": self.group, "sinks": self.sinks,
+                "bits": self.config.bits if self.guide is not None else None}
+
     def run_stats(self, layers: list["GuidedLayer"]) -> dict:
         """Settings for --json."""
         return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,

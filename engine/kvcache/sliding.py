@@ -25,10 +25,20 @@ from engine.kvcache.base import (
     ungroup_output,
 )
 from engine.kvcache.sizes import layer_kv_bytes_per_token, sliding_kept_tokens, sliding_slots
+from engine.kvcache.transfer import Transfer
 
 
 class SlidingWindowLayer(CacheLayer):
-    """Exact K/V of the last `capacity` positions per row in a ring; attention masked to the window."""
+    """Exact K/V of the last `capacity` positions per row in a ring; attention masked to the window.
+    Not a `--cache` policy (not registered): the model chooses it per layer (make_cache)."""
+
+    @classmethod
+    def build(cls, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
+              device: torch.device, transfer: Transfer, window: int | None = None) -> "SlidingWindowLayer":
+        """The window layer of a model layer that attends within `window` (it shares no transfer)."""
+        if window is None:
+            raise ValueError("a sliding-window layer needs the model's window")
+        return cls(shape, config, batch, max_len, dtype, device, window)
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, window: int):

@@ -17,7 +17,7 @@ from engine.kvcache.transfer import Transfer
 class SpecacheLayer(GuidedLayer):
     """Guide + sinks + residual window + the fetched set of k exact positions (k = config.k)."""
 
-    fetches, plan_mode = True, "specache"
+    fetches = True
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:

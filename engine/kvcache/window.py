@@ -14,7 +14,9 @@ from engine.kvcache.transfer import Transfer
 
 @register("window")
 class WindowLayer(GuidedLayer):
-    plan_mode = "kivi"  # the planner sizes it as kivi: window's default W gives it specache's device bytes
+    # the planner sizes it as kivi (no column of its own): window's default W gives it specache's device bytes
+    plan_column, plan_mode = False, "kivi"
+    own_settings = ("window",)  # --window / a bench label's w<n>
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):

@@ -1,10 +1,10 @@
-/* Native CPU kernels for the SpeCache guide (engine/quant.py): scores q @ K^T and the
+/* Native CPU kernels for the SpeCache guide (engine/kvcache/quant.py): scores q @ K^T and the
  * weighted sum p @ V over 1/2-bit packed KIVI codes, without a dequantized copy.
  *
  * Plain C ABI (ctypes), raw pointers + sizes + strides; no torch headers. Built and loaded
  * by engine/native/__init__.py (cc -O3 -march=native -fopenmp -shared -fPIC).
  *
- * Layouts (engine/quant.py module docstring: "bit-sliced", one byte per channel, bit i of
+ * Layouts (engine/kvcache/quant.py module docstring: "bit-sliced", one byte per channel, bit i of
  * byte row r of a block of R rows is token i*R + r):
  *   keys   codes [B, H, J, bits, g/8, D]   scale/zero fp16 [B, H, J, D]
  *   values codes [B, H, nb, bits, 8, D]    scale/zero fp16 [B, H, L, D/gv]   (64-token blocks)
@@ -1004,7 +1004,7 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
 
 /* ------------------------------------------------------- fused decode attention */
 
-/* One decode pass of one layer (engine/guided.py GuidedLayer.attend_decode, same semantics):
+/* One decode pass of one layer (engine/kvcache/guided.py GuidedLayer.attend_decode, same semantics):
  * per cache row b and KV head h, the Q = G*T grouped queries (query i is query head i / T of
  * the group, new token i % T) attend to
  *   [0, n)          n = qend[b]: guide scores, replaced by exact ones at the sinks

@@ -3,8 +3,14 @@ the largest batch, the fetch size k and a roofline estimate of a decode step, fo
 KIVI (guide + residual window only), SpeCache and exact mode (SpeCache drafts, the exact store verifies). Every formula and constant is explained in
 docs/planner.md; each formula is a small pure function here so it can be tested alone.
 
+The modes are the registered cache policies (engine/kvcache/registry.py) that have a column
+(plan_columns), and a column is sized from its policy's declarations, not its name: `guided` (a
+guide, residual window and sinks), `fetches` (k fetched positions: fetch buffers, the host store),
+`speculates` under the speculative prefetch (two tokens a step, a prefetch that can hide),
+`verifies` (draft-and-verify cycles, verification buffers); none of them: the full cache.
+
 Public entry points:
-    plan(hardware, model, context, ...) -> Plan            # all three modes, for `specache plan`
+    plan(hardware, model, context, ...) -> Plan            # every column, for `specache plan`
     plan_for_run(model_config, context, mode, ...) -> ModePlan   # --batch auto / --k auto
     detect_hardware() -> HardwareProfile                   # this machine (CUDA, else CPU)
 """
@@ -15,7 +21,9 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.config import CacheConfig
 from engine.errors import BadArgument, DoesNotFit
+from engine.kvcache.registry import POLICIES
 from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of this module's API)
     FETCH_BUFFERS,
     exact_tail_tokens,
@@ -61,8 +69,21 @@ EXACT_ACCEPTANCE = 0.9  # exact mode: share of draft tokens the exact pass accep
 EXACT_GAMMA_MAX = 16  # exact mode: most draft tokens per verification (engine.config.GAMMA_MAX)
 VERIFY_BUFFERS = 2  # exact mode on a GPU: one layer's exact K/V attended while the next layer's is copied in
 
-MODES = ("full", "kivi", "specache", "exact")
 REFERENCES = ("engine", "paper")
+
+
+def plan_columns() -> dict[str, type]:
+    """The policies `specache plan` gives a column (every registered one with plan_column; window is
+    sized as kivi), by what each adds to an exact cache: nothing (full), a guide (kivi), a fetched set
+    (specache), an exact verification (exact); among equals in the registry's order."""
+    columns = [(name, cls) for name, cls in POLICIES.items() if cls.plan_column]
+    return dict(sorted(columns, key=lambda item: (item[1].guided, item[1].fetches, item[1].verifies)))
+
+
+def speculative(cls: type) -> bool:
+    """The policy feeds two tokens a step and fetches the next step's set behind it, under the
+    speculative prefetch (the method's, which the planner models; docs/planner.md)."""
+    return cls.speculates(CacheConfig(mode=cls.policy, k=1, prefetch="speculative"))
 
 
 # --- sizes ---------------------------------------------------------------------------------------
@@ -221,7 +242,7 @@ class ModePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """The plan for one hardware x model x context, all three modes."""
+    """The plan for one hardware x model x context, one ModePlan per column (plan_columns)."""
 
     hardware: HardwareProfile
     model: ModelProfile
@@ -328,15 +349,16 @@ class _Sizing:
     queries: int  # tokens fed per step
 
 
-def _sizing(mode: str, hw: HardwareProfile, m: ModelProfile, context: int, bits: int, group: int, residual: int,
+def _sizing(policy: type, hw: HardwareProfile, m: ModelProfile, context: int, bits: int, group: int, residual: int,
             sinks: int, k: int, reference: str, chunk: int, eb: int) -> _Sizing:
+    """How a policy's column occupies the device, from its flags (the module docstring)."""
     gm = global_part(m)  # the layers of the policy; the sliding-window layers keep only their window
     kvb = kv_bytes_per_token(gm, eb)
     paper = reference == "paper"
     windows = {"sliding_window_layers": sliding_window_bytes(m, context, chunk, eb, in_use=paper)} \
         if m.sliding_window_layers else {}
     window_read = m.sliding_window_layers and sliding_window_bytes(m, context, chunk, eb, in_use=True)
-    if mode == "full":
+    if not policy.guided:  # every token's exact K/V on the device
         one_shot = reference == "paper"  # the whole batch in one forward, as one generate() call does
         if one_shot:
             prefill = prefill_activation_bytes(m, context, eb, all_logits=True)
@@ -354,13 +376,12 @@ def _sizing(mode: str, hw: HardwareProfile, m: ModelProfile, context: int, bits:
                  "residual_window": residual_slots(residual, group, chunk) * kvb, "sinks": sink_slots(sinks) * kvb}
     queries, read = 1, state["guide"] + (tail + min(sinks, context)) * kvb + window_read
     host = 0
-    if mode in ("specache", "exact"):
+    if policy.fetches:
         state["fetch_buffers"] = fetch_buffer_bytes(gm, k, eb, PAPER_FETCH_BUFFERS if paper else FETCH_BUFFERS)
-        queries, read, host = SPECULATIVE_TOKENS, read + k * kvb, context * kvb
+        queries, read, host = SPECULATIVE_TOKENS if speculative(policy) else 1, read + k * kvb, context * kvb
         if hw.unified_memory:
             state["host_store"] = host
-    if mode == "exact":  # drafts feed one token; a verification streams every layer's exact K/V through
-        queries = 1
+    if policy.verifies:  # drafts feed one token; a verification streams every layer's exact K/V through
         if hw.kind == "cuda" and not hw.unified_memory and global_part(m).layers:
             state["verify_buffers"] = verify_buffer_bytes(m, context, eb)
     prefill = prefill_activation_bytes(m, min(chunk, context), eb, past_tokens=context, past_views=PAST_VIEWS,
@@ -508,11 +529,11 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     if hardware.unified_memory:
         host_ram_bytes = None  # the exact store lives in the same RAM: counted on the device side
     modes = []
-    for name in MODES:
-        mode_k = k if name in ("specache", "exact") else 0
-        s = _sizing(name, hardware, model, context, bits, group, residual, sinks, mode_k, reference,
+    for name, policy in plan_columns().items():
+        mode_k = k if policy.fetches else 0
+        s = _sizing(policy, hardware, model, context, bits, group, residual, sinks, mode_k, reference,
                     prefill_chunk, eb)
-        modes.append(_plan_mode(name, hardware, model, s, available, context, mode_k, bits, group, eb,
+        modes.append(_plan_mode(policy, hardware, model, s, available, context, mode_k, bits, group, eb,
                                 host_ram_bytes, batch_limit))
     full_tps = modes[0].tokens_per_second
     modes = [replace(mp, predicted_speedup_vs_full=(mp.tokens_per_second / full_tps) if full_tps > 0 else None)
@@ -527,7 +548,7 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
                 host_ram_bytes, tuple(modes), tuple(notes))
 
 
-def _plan_mode(name: str, hw: HardwareProfile, m: ModelProfile, s: _Sizing, available: int, context: int, k: int,
+def _plan_mode(policy: type, hw: HardwareProfile, m: ModelProfile, s: _Sizing, available: int, context: int, k: int,
                bits: int, group: int, eb: int, host_ram_bytes: int | None, batch_limit: int | None) -> ModePlan:
     by_device, per_seq = _max_batch(s, max(available, 0))
     by_host = None
@@ -539,7 +560,7 @@ def _plan_mode(name: str, hw: HardwareProfile, m: ModelProfile, s: _Sizing, avai
     transfer, transfer_s, compute_s = _step(hw, m, s, at, k, context, eb)
     step_s = max(compute_s, transfer_s)
     exact = {}
-    if name == "exact":  # per output token of a row; the transfer is one verification's
+    if policy.verifies:  # per output token of a row; the transfer is one verification's
         gamma, transfer, draft_s, verify_s, step_s = exact_cycle(hw, m, s, at, k, context, eb)
         transfer_s = transfer / (hw.h2d_gbps * 1e9) if transfer else 0.0
         compute_s = step_s
@@ -552,16 +573,16 @@ def _plan_mode(name: str, hw: HardwareProfile, m: ModelProfile, s: _Sizing, avai
         breakdown["prefill_activations"] = s.prefill_bytes
     else:
         shared["prefill_activations"] = s.prefill_bytes
-    guided = name != "full"
+    guided = policy.guided
     return ModePlan(
-        mode=name, max_batch=batch, limited_by=limited_by, max_batch_device=by_device, max_batch_host=by_host,
+        mode=policy.policy, max_batch=batch, limited_by=limited_by, max_batch_device=by_device, max_batch_host=by_host,
         k=k, bits=bits if guided else None, group=group if guided else None,
         device_bytes_per_sequence=per_seq, device_breakdown=breakdown, shared_device_bytes=shared,
         host_bytes_per_sequence=s.host_per_sequence, transfer_bytes_per_step=transfer,
         transfer_seconds_per_step=transfer_s, compute_seconds_per_step=compute_s, step_seconds=step_s,
         prefetch_hidden=transfer_s <= compute_s, tokens_per_second=batch / step_s,
         predicted_speedup_vs_full=None,
-        k_max_hidden=max_hidden_k(hw, m, s, at, k, context, eb) if name == "specache" else None, **exact)
+        k_max_hidden=max_hidden_k(hw, m, s, at, k, context, eb) if speculative(policy) else None, **exact)
 
 
 def _mode_notes(modes: list[ModePlan], available: int, m: ModelProfile, eb: int) -> list[str]:
@@ -575,8 +596,8 @@ def _mode_notes(modes: list[ModePlan], available: int, m: ModelProfile, eb: int)
         elif mp.limited_by == "host":
             notes.append(f"{mp.mode}: host RAM for the exact store limits the batch to {mp.max_batch} "
                          f"(the device alone would fit {mp.max_batch_device})")
-        if mp.mode == "specache" and mp.fits and not mp.prefetch_hidden:
-            notes.append(f"specache: the prefetch ({mp.transfer_seconds_per_step * 1e3:.1f} ms) does not hide "
+        if mp.k_max_hidden is not None and mp.fits and not mp.prefetch_hidden:  # a prefetch that could hide
+            notes.append(f"{mp.mode}: the prefetch ({mp.transfer_seconds_per_step * 1e3:.1f} ms) does not hide "
                          f"behind the step ({mp.compute_seconds_per_step * 1e3:.1f} ms); k <= {mp.k_max_hidden} would")
     if modes[0].max_batch == 0:
         notes.append("full cache does not fit: no speedup ratio against it")
@@ -599,8 +620,8 @@ def plan_for_run(model_config: Any, context: int, mode: str = "specache", *, bit
     already excludes the weights. held_weight_bytes: the weights as the loaded model holds them
     (engine.model.linears.held_bytes). Raises DoesNotFit when not even one sequence fits.
     """
-    if mode not in MODES:
-        raise BadArgument(f"the planner knows cache modes {', '.join(MODES)}, not {mode!r}")
+    if mode not in plan_columns():
+        raise BadArgument(f"the planner knows cache modes {', '.join(plan_columns())}, not {mode!r}")
     model = model_config if isinstance(model_config, ModelProfile) else model_profile_from_config(
         model_config, parameters=parameters)
     if held_weight_bytes is not None:
