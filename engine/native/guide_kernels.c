@@ -857,6 +857,100 @@ static void values_item_perm(const float *p, int64_t p_sq, int nl, int64_t n, co
 }
 #endif
 
+#if HAVE_KEYS_PERM8
+/* values_item for nl <= PERM8_MAX queries and gv % 8 == 0 on AVX2 (same arguments and outputs): 8
+ * channels in the lanes; a run of 3 bits of a channel's code word (bit b is token (b % 8) * 8 + b / 8,
+ * transpose_rows) has an 8-entry table of the subset sums of its 3 tokens' p * s, one vpermps per 8
+ * channels. Runs as for the keys: 11 per 32-bit half (the last of 2 bits). Tables [22][PERM8_MAX][8]
+ * per channel group; the sums are kept per query, [PERM8_MAX][D], and written in values_item's
+ * layout at the end. */
+INLINE void values_perm8_body(const float *p, int64_t p_sq, const int nl, int64_t n, const uint8_t *codes,
+                              const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
+                              int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
+    const int ng = D / gv;
+    float *T = scratch;                              /* PERM8_RUNS * PERM8_MAX * 8 */
+    float *pw = T + PERM8_RUNS * PERM8_MAX * 8;      /* [PERM8_MAX][64] probabilities of the block */
+    float *s = pw + PERM8_MAX * VB;                  /* 64 * ng */
+    float *z = s + (size_t)VB * ng;                  /* 64 * ng */
+    float *sum = z + (size_t)VB * ng;                /* [PERM8_MAX][D] */
+    float zs[PERM8_MAX * MAX_WORDS * 8];             /* [PERM8_MAX][ng], ng <= D / 8 */
+    const size_t plane = (size_t)8 * D, bbytes = plane * (size_t)bits;
+    const __m256 m0 = _mm256_setr_ps(0, 1, 0, 1, 0, 1, 0, 1), m1 = _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
+    const __m256 m2 = _mm256_setr_ps(0, 0, 0, 0, 1, 1, 1, 1);
+    memset(sum, 0, (size_t)PERM8_MAX * D * sizeof(float));
+    memset(zs, 0, sizeof zs);
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t t0 = k * VB;
+        const int cnt = (int)(n - t0 < VB ? n - t0 : VB);
+        for (int l = 0; l < nl; l++) { /* tokens past n weigh 0 */
+            memcpy(pw + l * VB, p + l * p_sq + t0, (size_t)cnt * sizeof(float));
+            if (cnt < VB) memset(pw + l * VB + cnt, 0, (size_t)(VB - cnt) * sizeof(float));
+        }
+        halves_to_floats(sc + t0 * ng, s, (int64_t)cnt * ng);
+        halves_to_floats(zr + t0 * ng, z, (int64_t)cnt * ng);
+        if (cnt < VB) {
+            memset(s + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
+            memset(z + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
+        }
+        const uint8_t *ck = codes + (size_t)k * bbytes;
+        for (int pl = 0; pl < bits; pl++)
+            transpose_rows(ck + (size_t)pl * plane, D, words + (size_t)pl * D);
+        for (int jv = 0; jv < ng; jv++) {
+            for (int l = 0; l < nl; l++) {
+                const float *pl_ = pw + l * VB;
+                float za = 0.0f;
+                for (int t = 0; t < VB; t++) za += pl_[t] * z[t * ng + jv];
+                zs[l * ng + jv] += za;
+            }
+            for (int run = 0; run < PERM8_RUNS; run++) {
+                const int b = 32 * (run / 11) + 3 * (run % 11), two = run % 11 == 10;
+                const int u0 = (b % 8) * 8 + b / 8, u1 = ((b + 1) % 8) * 8 + (b + 1) / 8;
+                const int u2 = two ? u1 : ((b + 2) % 8) * 8 + (b + 2) / 8;
+                const float s0 = s[u0 * ng + jv], s1 = s[u1 * ng + jv], s2 = s[u2 * ng + jv];
+                for (int l = 0; l < nl; l++) {
+                    const float *pl_ = pw + l * VB;
+                    __m256 t = _mm256_mul_ps(_mm256_set1_ps(pl_[u0] * s0), m0);
+                    t = _mm256_fmadd_ps(_mm256_set1_ps(pl_[u1] * s1), m1, t);
+                    if (!two) t = _mm256_fmadd_ps(_mm256_set1_ps(pl_[u2] * s2), m2, t);
+                    _mm256_store_ps(T + ((size_t)run * PERM8_MAX + l) * 8, t);
+                }
+            }
+            for (int d = jv * gv; d < (jv + 1) * gv; d += 8) {
+                __m256 p0[PERM8_MAX], p1[PERM8_MAX];
+                for (int l = 0; l < PERM8_MAX; l++) p0[l] = p1[l] = _mm256_setzero_ps();
+                __m256i lo, hi;
+                split_words8(words + d, &lo, &hi);
+                PERM8_LOOKUP(p0, lo, T, 0, nl);
+                PERM8_LOOKUP(p0, hi, T, 11, nl);
+                if (bits == 2) {
+                    split_words8(words + D + d, &lo, &hi);
+                    PERM8_LOOKUP(p1, lo, T, 0, nl);
+                    PERM8_LOOKUP(p1, hi, T, 11, nl);
+                }
+                for (int l = 0; l < nl; l++) {
+                    float *o = sum + l * D + d;
+                    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(p0[l], _mm256_add_ps(p1[l], p1[l]))));
+                }
+            }
+        }
+    }
+    for (int d = 0; d < D; d++)
+        for (int l = 0; l < LANES; l++) acc[d * LANES + l] = l < nl ? sum[l * D + d] : 0.0f;
+    for (int jv = 0; jv < ng; jv++)
+        for (int l = 0; l < LANES; l++) zacc[jv * LANES + l] = l < nl ? zs[l * ng + jv] : 0.0f;
+}
+
+static void values_item_perm8(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes,
+                              const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
+                              int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
+    switch (nl) {
+    case 1: values_perm8_body(p, p_sq, 1, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    case 2: values_perm8_body(p, p_sq, 2, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    default: values_perm8_body(p, p_sq, 3, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    }
+}
+#endif
+
 /* values_item's scratch: floats for its tables, transposed probabilities and scale/zero,
  * followed by its transposed code words ([2][D] uint64, 4 D floats) at values_words(). */
 static size_t values_scratch_floats(int64_t ng) { return 16 * 16 * LANES + VB * LANES + 2 * (size_t)VB * ng; }
@@ -872,6 +966,12 @@ static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const u
 #if HAVE_PERM
     if (nl <= PERM_MAX && gv % 16 == 0 && D <= 256) {
         values_item_perm(p, p_sq, nl, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words);
+        return;
+    }
+#endif
+#if HAVE_KEYS_PERM8
+    if (nl <= PERM8_MAX && gv % 8 == 0 && D <= 256) {
+        values_item_perm8(p, p_sq, nl, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words);
         return;
     }
 #endif
