@@ -54,7 +54,7 @@ def capture(args) -> None:
     from engine.inputs.prompts import stop_ids
     from engine.model.loading import load_model
 
-    lm = load_model(None, device="cpu")
+    lm = load_model(args.model, device="cpu")
     model, tok = lm.model, lm.tokenizer
     budget = lm.max_context - args.tokens - 4
     if args.context:
@@ -111,6 +111,443 @@ def capture(args) -> None:
         log(f"saved {out}")
 
 
+# ============================================================================ guide transforms
+
+def rot_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def rope(x, cos, sin):
+    """x [H, L, D] at positions 0..L-1 (cos/sin [L, D])."""
+    return x * cos + rot_half(x) * sin
+
+
+def unrope(x, cos, sin):
+    return x * cos - rot_half(x) * sin
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix (n a power of 2): orthogonal, symmetric."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    assert h.shape[0] == n, "head_dim must be a power of two"
+    return h / math.sqrt(n)
+
+
+def random_orthogonal(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))[None, :]
+    return q.float()
+
+
+def _params(lo, hi, bits):
+    """As engine.kvcache.quant._params: min/max -> fp16 (scale, zero); 1 bit: the paper's modified KIVI."""
+    rng = hi - lo
+    if bits == 1:
+        s, z = rng / 2, lo + rng / 4
+    else:
+        s, z = rng / ((1 << bits) - 1), lo
+    return s.half().float(), z.half().float()
+
+
+def _codes(x, s, z, bits):
+    sg = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round((x - z) / sg).clamp_(0, (1 << bits) - 1)
+
+
+def fake_quant_groups(xg: torch.Tensor, bits: int, method: str = "minmax", iters: int = 4) -> torch.Tensor:
+    """Quantize the groups on the last axis of xg and return the dequantized values (fp32).
+    minmax: the engine's quantizer (KIVI; 1 bit at min + range/4, min + 3 range/4).
+    lsq: start from minmax, then alternate codes <-> least-squares (zero, scale) per group (same storage:
+    2 fp16 per group, the same dequantization q * s + z, so the engine's kernels are unchanged)."""
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    s, z = _params(lo, hi, bits)
+    c = _codes(xg, s, z, bits)
+    if method == "lsq":
+        for _ in range(iters):
+            cm, xm = c.mean(-1, keepdim=True), xg.mean(-1, keepdim=True)
+            var = ((c - cm) ** 2).mean(-1, keepdim=True)
+            cov = ((c - cm) * (xg - xm)).mean(-1, keepdim=True)
+            s_new = torch.where(var > 0, cov / var.clamp(min=1e-30), torch.zeros_like(var))
+            z_new = xm - s_new * cm
+            s, z = s_new.clamp(min=0).half().float(), z_new.half().float()
+            c = _codes(xg, s, z, bits)
+    elif method != "minmax":
+        raise ValueError(method)
+    return c * s + z
+
+
+def fake_quant(x: torch.Tensor, bits: int, group: int, along: str, method: str = "minmax") -> torch.Tensor:
+    """x [H, L, D] -> dequantized copy. along='tokens': per-channel groups of `group` tokens (the guide's
+    keys; the last L % group tokens are left exact, never in the guide); along='channels': per-token groups
+    of `group` channels (the guide's values)."""
+    h, n, d = x.shape
+    out = x.clone()
+    if along == "tokens":
+        m = n // group * group
+        xg = x[:, :m].reshape(h, m // group, group, d).transpose(2, 3)
+        out[:, :m] = fake_quant_groups(xg, bits, method).transpose(2, 3).reshape(h, m, d)
+    else:
+        g = min(group, d)
+        out = fake_quant_groups(x.reshape(h, n, d // g, g), bits, method).reshape(h, n, d)
+    return out
+
+
+@dataclass(frozen=True)
+class Option:
+    """One guide option for the keys (values only matter end to end; `vbits` counts their bytes)."""
+
+    name: str
+    bits: int
+    group: int = 64  # key group (tokens, or channels with along='channels')
+    along: str = "tokens"
+    rotation: str | None = None  # hadamard | random (applied to k and q; post- or pre-RoPE space)
+    pre_rope: bool = False  # quantize the keys before RoPE, rotate the dequantized keys
+    outliers: int = 0  # channels per KV head kept exact (fp16), by largest |k| of the prompt
+    method: str = "minmax"
+    vbits: int | None = None  # value bits (None: = bits)
+    note: str = ""
+
+    def key_bits_per_token(self, d: int) -> float:
+        """Key guide bits per token per KV head (codes + fp16 scale and zero, + exact outlier channels)."""
+        per_el = self.bits + 32 / (self.group if self.along == "tokens" else min(self.group, d))
+        return (d - self.outliers) * per_el + 16 * self.outliers
+
+    def bytes_per_token(self, d: int) -> float:
+        """Guide bytes per token per KV head, K + V (values per token in groups of min(64, d) channels,
+        engine.kvcache.sizes.guide_bytes with g = 64)."""
+        vb = self.bits if self.vbits is None else self.vbits
+        return (self.key_bits_per_token(d) + d * (vb + 32 / min(64, d))) / 8
+
+    def guide_keys(self, k_post, k_pre, cos, sin, mats) -> torch.Tensor:
+        """The keys the guide scores against, in post-RoPE coordinates [H, L, D] (q @ k_hat^T is what the
+        engine would compute on the transformed q and packed codes: an orthogonal R gives
+        (q R)(k_hat_R)^T = q (k_hat_R R^T)^T)."""
+        x = k_pre if self.pre_rope else k_post
+        r = mats[self.rotation] if self.rotation else None
+        if r is not None:
+            x = x @ r
+        xq = fake_quant(x, self.bits, self.group, self.along, self.method)
+        if self.outliers:
+            src = x  # channels judged in the quantized space
+            idx = src.abs().amax(1).topk(self.outliers, -1).indices  # [H, n]
+            sel = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.bool)
+            sel.scatter_(-1, idx, True)
+            xq = torch.where(sel[:, None, :], x, xq)
+        if r is not None:
+            xq = xq @ r.T
+        if self.pre_rope:
+            xq = rope(xq, cos, sin)
+        return xq
+
+
+def options() -> list[Option]:
+    out = []
+    for b in (1, 2):
+        out += [
+            Option(f"base-{b}b", b, note="today: per-channel keys post-RoPE, g64, min-max"),
+            Option(f"g32-{b}b", b, group=32),
+            Option(f"g128-{b}b", b, group=128),
+            Option(f"hadamard-{b}b", b, rotation="hadamard"),
+            Option(f"randorth-{b}b", b, rotation="random"),
+            Option(f"pertoken-{b}b", b, along="channels"),
+            Option(f"hadamard-pertoken-{b}b", b, along="channels", rotation="hadamard"),
+            Option(f"prerope-{b}b", b, pre_rope=True),
+            Option(f"prerope-g128-{b}b", b, pre_rope=True, group=128),
+            Option(f"prerope-hadamard-{b}b", b, pre_rope=True, rotation="hadamard"),
+            Option(f"outlier1-{b}b", b, outliers=1),
+            Option(f"outlier2-{b}b", b, outliers=2),
+            Option(f"outlier4-{b}b", b, outliers=4),
+            Option(f"prerope-outlier2-{b}b", b, pre_rope=True, outliers=2),
+            Option(f"lsq-{b}b", b, method="lsq"),
+            Option(f"prerope-lsq-{b}b", b, pre_rope=True, method="lsq"),
+            Option(f"hadamard-lsq-{b}b", b, rotation="hadamard", method="lsq"),
+        ]
+    return out
+
+
+# ============================================================================ ranking quality
+
+def quant_boundary(n: torch.Tensor, residual: int, group: int) -> torch.Tensor:
+    return ((n - residual).clamp(min=0) // group) * group
+
+
+class LayerEval:
+    """One layer of one document: exact target attention of a set of queries, and the quality of the
+    top-k that a guide (or any score) picks. Queries q [N, H, D] at positions pos [N] (each sees [0, pos])."""
+
+    def __init__(self, keys, q, pos, scaling, sinks=SINKS, residual=RESIDUAL, group=64):
+        self.h_kv, self.length, d = keys.shape
+        n, h, _ = q.shape
+        self.g = h // self.h_kv
+        self.q = q.reshape(n, self.h_kv, self.g, d).permute(1, 2, 0, 3)  # [H_kv, G, N, D]
+        self.pos, self.scaling, self.sinks = pos, scaling, sinks
+        col = torch.arange(self.length)
+        self.causal = col[None, :] <= pos[:, None]  # [N, L]
+        self.exact = self.scores(keys)
+        self.target = self.softmax(self.exact)  # [H_kv, N, L]
+        self.residual = residual
+        self.regions = {}
+        self.set_group(group)
+
+    def set_group(self, group):
+        if group not in self.regions:
+            qb = quant_boundary(self.pos, self.residual, group)
+            col = torch.arange(self.length)
+            self.regions[group] = (col[None, :] >= self.sinks) & (col[None, :] < qb[:, None])
+        self.region = self.regions[group]
+
+    def scores(self, keys):
+        return torch.einsum("hgnd,hld->hgnl", self.q, keys) * self.scaling
+
+    def softmax(self, s):
+        return torch.softmax(s.masked_fill(~self.causal, float("-inf")), -1).mean(1)
+
+    def guide_probs(self, guide_keys, exact=None):
+        """The selecting attention as the engine computes it: guide scores over the guide region, exact at
+        sinks and the residual window, one softmax, averaged over each KV head's query heads."""
+        exact = self.exact if exact is None else exact
+        return self.softmax(torch.where(self.region, self.scores(guide_keys), exact))
+
+    def evaluate(self, sel_probs, ks, target=None):
+        """Top-k of sel_probs [H_kv, N, L] in the region vs the exact top-k of the target.
+        -> {k: (recall [H_kv, N], coverage [H_kv, N])}"""
+        target = self.target if target is None else target
+        t = target.masked_fill(~self.region, -1.0)
+        kmax = max(ks)
+        o_idx = t.topk(kmax, -1).indices
+        s_idx = sel_probs.masked_fill(~self.region, -1.0).topk(kmax, -1).indices
+        mass = target.masked_fill(~self.region, 0.0)
+        region = mass.sum(-1).clamp(min=1e-30)
+        out = {}
+        for k in ks:
+            om = torch.zeros_like(t, dtype=torch.bool).scatter_(-1, o_idx[..., :k], True)
+            sm = torch.zeros_like(t, dtype=torch.bool).scatter_(-1, s_idx[..., :k], True)
+            recall = (om & sm).sum(-1).double() / k
+            cov = (mass * sm).sum(-1) / region
+            out[k] = (recall, cov, (mass * om).sum(-1) / region)
+        return out
+
+
+def load_capture(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def layer_inputs(cap, layer, first=1, stride=1):
+    """keys post/pre RoPE [H_kv, L, D], own queries [N, H, D] and positions of forced tokens first.. ."""
+    k_post = cap["keys"][layer]
+    cos, sin = cap["cos"], cap["sin"]
+    k_pre = unrope(k_post, cos, sin)
+    q = cap["q_own"][layer]
+    idx = torch.arange(first, q.shape[0], stride)
+    pos = len(cap["prompt"]) + idx
+    return k_post, k_pre, cos, sin, q[idx], pos
+
+
+def check_quantizer(cap) -> None:
+    """fake_quant equals the engine's quantize/dequantize at 1 and 2 bits (keys and values)."""
+    from engine.kvcache import quant
+    k = cap["keys"][3][:, :1024]
+    for b in (1, 2):
+        ours = fake_quant(k, b, 64, "tokens")
+        theirs = quant.dequantize_keys(quant.quantize_keys(k[None], b, 64))[0]
+        assert torch.allclose(ours, theirs, atol=1e-6), f"keys {b} bit: {(ours - theirs).abs().max()}"
+        ours = fake_quant(k, b, 64, "channels")
+        theirs = quant.dequantize_values(quant.quantize_values(k[None], b, 64))[0]
+        assert torch.allclose(ours, theirs, atol=1e-6), f"values {b} bit: {(ours - theirs).abs().max()}"
+    k_pre = unrope(cap["keys"][3], cap["cos"], cap["sin"])
+    assert torch.allclose(rope(k_pre, cap["cos"], cap["sin"]), cap["keys"][3], atol=1e-4), "RoPE round trip"
+    log("quantizer and RoPE checks: equal to engine.kvcache.quant")
+
+
+def guide_study(args) -> None:
+    opts = [o for o in options() if not args.options or o.name in args.options or
+            any(o.name.startswith(p) for p in args.options)]
+    ks = sorted(args.k)
+    d = 64
+    mats = {"hadamard": hadamard(d), "random": random_orthogonal(d, 0)}
+    results = {"settings": {"k": ks, "sinks": SINKS, "residual": RESIDUAL, "stride": args.stride,
+                            "layers": args.layers}, "options": {}, "docs": {}}
+    per = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # opt -> k -> metric -> [doc means]
+    per_layer = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # opt -> k -> layer -> [cov]
+    for path in sorted(CAPTURES.glob("*.pt")):
+        if args.docs and path.stem not in args.docs:
+            continue
+        cap = load_capture(path)
+        check_quantizer(cap)
+        n_layers = cap["keys"].shape[0]
+        layers = args.layers or list(range(n_layers))
+        acc = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+        t0 = time.perf_counter()
+        for layer in layers:
+            k_post, k_pre, cos, sin, q, pos = layer_inputs(cap, layer, stride=args.stride)
+            ev = LayerEval(k_post, q, pos, cap["scaling"])
+            o = None
+            for opt in opts:
+                ev.set_group(opt.group if opt.along == "tokens" else 64)
+                kg = opt.guide_keys(k_post, k_pre, cos, sin, mats)
+                res = ev.evaluate(ev.guide_probs(kg), ks)
+                for k, (rec, cov, orc) in res.items():
+                    acc[opt.name][k]["recall"].append(rec.flatten())
+                    acc[opt.name][k]["coverage"].append(cov.flatten())
+                    acc[opt.name][k]["oracle"].append(orc.flatten())
+                    per_layer[opt.name][k][layer].append(float(cov.mean()))
+            log(f"{path.stem} layer {layer} done ({time.perf_counter() - t0:.0f} s)")
+        results["docs"][path.stem] = {"prompt_tokens": len(cap["prompt"]), "forced": len(cap["ref_tokens"])}
+        for name, by_k in acc.items():
+            for k, m in by_k.items():
+                for metric, xs in m.items():
+                    per[name][k][metric].append(float(torch.cat(xs).mean()))
+    for opt in opts:
+        if opt.name not in per:
+            continue
+        results["options"][opt.name] = {
+            "option": opt.__dict__, "bytes_per_token_per_kv_head": opt.bytes_per_token(d),
+            "bytes_vs_1bit": opt.bytes_per_token(d) / Option("x", 1).bytes_per_token(d),
+            "k": {str(k): {metric: {"mean": sum(v) / len(v), "per_doc": v} for metric, v in per[opt.name][k].items()}
+                  for k in ks},
+            "per_layer_coverage": {str(k): {str(l): sum(v) / len(v) for l, v in sorted(per_layer[opt.name][k].items())}
+                                   for k in ks}}
+    out = Path(args.out)
+    out.write_text(json.dumps(results, indent=1))
+    log(f"wrote {out}")
+    kshow = ks
+    print("| option | bytes vs 1b | " + " | ".join(f"k{k} recall / coverage" for k in kshow) + " |")
+    for name, r in results["options"].items():
+        cells = [f"{r['k'][str(k)]['recall']['mean']:.3f} / {r['k'][str(k)]['coverage']['mean']:.3f}" for k in kshow]
+        print(f"| {name} | {r['bytes_vs_1bit']:.3f} | " + " | ".join(cells) + " |")
+    print("oracle coverage: " + ", ".join(
+        f"k{k} {next(iter(results['options'].values()))['k'][str(k)]['oracle']['mean']:.3f}" for k in kshow))
+
+
+# ============================================================================ speculative selection
+
+def probs_for(q, causal_pos, region, keys, guide_keys, scaling, h_kv):
+    """Selecting attention of queries q [N, H, D] at positions causal_pos [N]: guide scores over region
+    [N, L], exact elsewhere; softmax; mean over each KV head's query heads -> [H_kv, N, L]."""
+    n, h, d = q.shape
+    qg = q.reshape(n, h_kv, h // h_kv, d).permute(1, 2, 0, 3)
+    ex = torch.einsum("hgnd,hld->hgnl", qg, keys)
+    gs = torch.einsum("hgnd,hld->hgnl", qg, guide_keys)
+    col = torch.arange(keys.shape[1])
+    causal = col[None, :] <= causal_pos[:, None]
+    s = torch.where(region, gs, ex) * scaling
+    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1).mean(1)
+
+
+def topk_mask(scores, region, k):
+    idx = scores.masked_fill(~region, -1.0).topk(k, -1).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+def split_mask(first, second, region, k, n_first):
+    """n_first of first's top positions, the rest of the budget from second's ranking (no duplicates)."""
+    m = topk_mask(first, region, n_first)
+    return m | topk_mask(second.masked_fill(m, -1.0), region & ~m, k - n_first)
+
+
+RULES = ("spec", "out", "both", "both_w25", "both_w75", "max", "split50", "split75", "ema50", "prevout",
+         "adaptive", "exact_spec", "own")
+
+
+def rule_masks(p_spec, p_out, p_own, p_exact_spec, region, k, hits_prev):
+    """Every rule's chosen set [H_kv, N, L] for the step whose target is the next token's own attention."""
+    both = p_spec + p_out
+    prev_both = torch.cat([torch.zeros_like(both[:, :1]), both[:, :-1]], 1)
+    ema = both.clone()
+    for j in range(1, ema.shape[1]):
+        ema[:, j] += 0.5 * ema[:, j - 1]
+    prev_out = torch.cat([torch.zeros_like(p_out[:, :1]), p_out[:, :-1]], 1)
+    adaptive = torch.where(hits_prev[None, :, None], p_spec, both)
+    scores = {"spec": p_spec, "out": p_out, "both": both, "both_w25": 0.25 * p_spec + 0.75 * p_out,
+              "both_w75": 0.75 * p_spec + 0.25 * p_out, "max": torch.maximum(p_spec, p_out), "ema50": ema,
+              "prevout": p_spec + p_out + prev_out, "adaptive": adaptive, "exact_spec": p_exact_spec,
+              "own": p_own}
+    masks = {name: topk_mask(x, region, k) for name, x in scores.items()}
+    masks["split50"] = split_mask(p_spec, p_out, region, k, k // 2)
+    masks["split75"] = split_mask(p_spec, p_out, region, k, 3 * k // 4)
+    return masks
+
+
+def spec_study(args) -> None:
+    names = args.options
+    opts = {o.name: o for o in options()}
+    mats = {"hadamard": hadamard(64), "random": random_orthogonal(64, 0)}
+    ks = sorted(args.k)
+    acc = defaultdict(lambda: defaultdict(list))  # (opt, k, rule, metric) -> [doc means]
+    docs = {}
+    for path in sorted(CAPTURES.glob("*.pt")):
+        if args.docs and path.stem not in args.docs:
+            continue
+        cap = load_capture(path)
+        sp = cap["spec"]
+        p_len, ref = len(cap["prompt"]), cap["ref_tokens"]
+        n_pass = len(sp["start"])
+        js = [j for j in range(1, min(n_pass, len(ref))) if sp["start"][j] == p_len + j - 1 and sp["n_new"][j] == 2]
+        hit = torch.tensor([sp["ids"][j][1] == ref[j] for j in js])
+        hits_prev = torch.tensor([j >= 2 and sp["ids"][j - 1][1] == ref[j - 1] for j in js])
+        docs[path.stem] = {"passes": len(js), "speculation_hit_rate": float(hit.double().mean()),
+                           "engine_run": sp["cmp"]}
+        local = defaultdict(list)
+        t0 = time.perf_counter()
+        layers = args.layers or list(range(cap["keys"].shape[0]))
+        for layer in layers:
+            keys = cap["keys"][layer]
+            k_pre = unrope(keys, cap["cos"], cap["sin"])
+            jt = torch.tensor(js)
+            pos = p_len + jt
+            q_own = cap["q_own"][layer][jt]
+            q_out = torch.stack([sp["q"][layer][j][:, 0] for j in js]).float()
+            q_spec = torch.stack([sp["q"][layer][j][:, 1] for j in js]).float()
+            h_kv = keys.shape[0]
+            col = torch.arange(keys.shape[1])
+            region = (col[None, :] >= SINKS) & (col[None, :] < quant_boundary(pos, RESIDUAL, 64)[:, None])
+            target = probs_for(q_own, pos, region, keys, keys, cap["scaling"], h_kv)
+            mass = target.masked_fill(~region, 0.0)
+            total = mass.sum(-1).clamp(min=1e-30)
+            p_exact_spec = probs_for(q_spec, pos, region, keys, keys, cap["scaling"], h_kv)
+            for name in names:
+                kg = opts[name].guide_keys(keys, k_pre, cap["cos"], cap["sin"], mats)
+                p_spec = probs_for(q_spec, pos, region, keys, kg, cap["scaling"], h_kv)
+                p_out = probs_for(q_out, pos - 1, region, keys, kg, cap["scaling"], h_kv)
+                p_own = probs_for(q_own, pos, region, keys, kg, cap["scaling"], h_kv)
+                for k in ks:
+                    oracle = topk_mask(target, region, k)
+                    for rule, m in rule_masks(p_spec, p_out, p_own, p_exact_spec, region, k, hits_prev).items():
+                        cov = (mass * m).sum(-1) / total  # [H_kv, N]
+                        rec = (m & oracle).sum(-1).double() / k
+                        local[(name, k, rule, "coverage")].append(cov)
+                        local[(name, k, rule, "recall")].append(rec)
+                    local[(name, k, "oracle", "coverage")].append((mass * oracle).sum(-1) / total)
+            log(f"{path.stem} layer {layer} ({time.perf_counter() - t0:.0f} s)")
+        for key, xs in local.items():
+            x = torch.stack(xs).double()  # [layers, H_kv, N]
+            acc[key]["all"].append(float(x.mean()))
+            if key[3] == "coverage":
+                acc[key]["hit"].append(float(x[:, :, hit].mean()) if hit.any() else float("nan"))
+                acc[key]["miss"].append(float(x[:, :, ~hit].mean()) if (~hit).any() else float("nan"))
+    out = {"docs": docs, "k": ks, "options": names, "rules": {}}
+    for (name, k, rule, metric), v in acc.items():
+        out["rules"].setdefault(name, {}).setdefault(str(k), {}).setdefault(rule, {})[metric] = {
+            part: {"mean": sum(x) / len(x), "per_doc": x} for part, x in v.items()}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    log(f"wrote {args.out}")
+    print(json.dumps(docs, indent=1))
+    for name in names:
+        for k in ks:
+            r = out["rules"][name][str(k)]
+            orc = r["oracle"]["coverage"]["all"]["mean"]
+            print(f"\n{name} k{k} (oracle coverage {orc:.3f})")
+            print("| rule | recall | coverage | / oracle | coverage when the guess is right / wrong |")
+            for rule in RULES:
+                c, rc = r[rule]["coverage"], r[rule]["recall"]["all"]["mean"]
+                print(f"| {rule} | {rc:.3f} | {c['all']['mean']:.3f} | {c['all']['mean'] / orc:.3f} | "
+                      f"{c['hit']['mean']:.3f} / {c['miss']['mean']:.3f} |")
+
+
 # ============================================================================ main
 
 def main() -> None:
@@ -122,8 +559,28 @@ def main() -> None:
     c.add_argument("--tokens", type=int, default=128)
     c.add_argument("--context", type=int, default=None)
     c.add_argument("--force", action="store_true")
+    c.add_argument("--model", default=None, help="default: the embedded model")
+    c.add_argument("--captures", default=None)
+    g = sub.add_parser("guide")
+    g.add_argument("--docs", nargs="*", default=None, help="capture stems")
+    g.add_argument("--captures", default=None)
+    g.add_argument("--layers", nargs="*", type=int, default=None)
+    g.add_argument("--options", nargs="*", default=None, help="names or name prefixes")
+    g.add_argument("--k", nargs="+", type=int, default=[128, 256, 512])
+    g.add_argument("--stride", type=int, default=1, help="every n-th forced position")
+    g.add_argument("--out", default="/tmp/guide-study-guide.json")
+    sp = sub.add_parser("spec")
+    sp.add_argument("--docs", nargs="*", default=None)
+    sp.add_argument("--captures", default=None)
+    sp.add_argument("--layers", nargs="*", type=int, default=None)
+    sp.add_argument("--options", nargs="+", default=["base-2b", "base-1b"])
+    sp.add_argument("--k", nargs="+", type=int, default=[256, 512])
+    sp.add_argument("--out", default="/tmp/guide-study-spec.json")
     args = ap.parse_args()
-    {"capture": capture}[args.cmd](args)
+    global CAPTURES
+    if args.captures:
+        CAPTURES = Path(args.captures)
+    {"capture": capture, "guide": guide_study, "spec": spec_study}[args.cmd](args)
 
 
 if __name__ == "__main__":
