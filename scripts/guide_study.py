@@ -196,6 +196,19 @@ def fake_quant(x: torch.Tensor, bits: int, group: int, along: str, method: str =
     return out
 
 
+def _fake_quant_bits(x, bits, group):
+    """Uniform min-max quantization at any width (outlier channels at 4 or 8 bits), per channel in token groups."""
+    h, n, d = x.shape
+    m = n // group * group
+    out = x.clone()
+    xg = x[:, :m].reshape(h, m // group, group, d)
+    lo, hi = xg.amin(2, keepdim=True), xg.amax(2, keepdim=True)
+    s = ((hi - lo) / ((1 << bits) - 1)).half().float()
+    z = lo.half().float()
+    out[:, :m] = (_codes(xg, s, z, bits) * s + z).reshape(h, m, d)
+    return out
+
+
 @dataclass(frozen=True)
 class Option:
     """One guide option for the keys (values only matter end to end; `vbits` counts their bytes)."""
@@ -207,6 +220,7 @@ class Option:
     rotation: str | None = None  # hadamard | random (applied to k and q; post- or pre-RoPE space)
     pre_rope: bool = False  # quantize the keys before RoPE, rotate the dequantized keys
     outliers: int = 0  # channels per KV head kept exact (fp16), by largest |k| of the prompt
+    outlier_bits: int = 16  # 16: exact fp16; 8 / 4: those channels quantized per channel at that width
     method: str = "minmax"
     vbits: int | None = None  # value bits (None: = bits)
     note: str = ""
@@ -214,7 +228,8 @@ class Option:
     def key_bits_per_token(self, d: int) -> float:
         """Key guide bits per token per KV head (codes + fp16 scale and zero, + exact outlier channels)."""
         per_el = self.bits + 32 / (self.group if self.along == "tokens" else min(self.group, d))
-        return (d - self.outliers) * per_el + 16 * self.outliers
+        ob = 16 if self.outlier_bits == 16 else self.outlier_bits + 32 / self.group
+        return (d - self.outliers) * per_el + ob * self.outliers
 
     def bytes_per_token(self, d: int) -> float:
         """Guide bytes per token per KV head, K + V (values per token in groups of min(64, d) channels,
@@ -236,7 +251,8 @@ class Option:
             idx = src.abs().amax(1).topk(self.outliers, -1).indices  # [H, n]
             sel = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.bool)
             sel.scatter_(-1, idx, True)
-            xq = torch.where(sel[:, None, :], x, xq)
+            keep = x if self.outlier_bits == 16 else _fake_quant_bits(x, self.outlier_bits, self.group)
+            xq = torch.where(sel[:, None, :], keep, xq)
         if r is not None:
             xq = xq @ r.T
         if self.pre_rope:
@@ -265,7 +281,16 @@ def options() -> list[Option]:
             Option(f"lsq-{b}b", b, method="lsq"),
             Option(f"prerope-lsq-{b}b", b, pre_rope=True, method="lsq"),
             Option(f"hadamard-lsq-{b}b", b, rotation="hadamard", method="lsq"),
+            Option(f"outlier2-lsq-{b}b", b, outliers=2, method="lsq"),
+            Option(f"outlier1-g128-{b}b", b, outliers=1, group=128),
+            Option(f"outlier2-int8-g128-{b}b", b, outliers=2, outlier_bits=8, group=128),
+            Option(f"outlier4-int4-g128-{b}b", b, outliers=4, outlier_bits=4, group=128),
+            Option(f"outlier4-int8-{b}b", b, outliers=4, outlier_bits=8),
+            Option(f"outlier4-int4-g128-lsq-{b}b", b, outliers=4, outlier_bits=4, group=128, method="lsq"),
+            Option(f"outlier8-int2-g128-{b}b", b, outliers=8, outlier_bits=2, group=128),
+            Option(f"outlier16-int2-g128-{b}b", b, outliers=16, outlier_bits=2, group=128),
         ]
+    out.append(Option("k2v1", 2, vbits=1, note="2-bit keys (ranking = base-2b), 1-bit values"))
     return out
 
 
