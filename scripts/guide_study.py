@@ -290,6 +290,7 @@ def options() -> list[Option]:
             Option(f"outlier8-int2-g128-{b}b", b, outliers=8, outlier_bits=2, group=128),
             Option(f"outlier16-int2-g128-{b}b", b, outliers=16, outlier_bits=2, group=128),
         ]
+    out = [o for o in out if not o.outliers or o.outlier_bits > o.bits]
     out.append(Option("k2v1", 2, vbits=1, note="2-bit keys (ranking = base-2b), 1-bit values"))
     return out
 
@@ -573,6 +574,149 @@ def spec_study(args) -> None:
                       f"{c['hit']['mean']:.3f} / {c['miss']['mean']:.3f} |")
 
 
+# ============================================================================ end to end (optional)
+
+E2E_NAME = "guide_study_e2e"
+
+
+class E2E:
+    """Per batch row, a guide option (None: exact); the attention function below reads it."""
+
+    rows: list = []
+    k: int = 512
+    mats: dict = {}
+    cos = sin = None
+    guides: dict = {}  # (layer, row) -> (qb, K_hat [H_kv, qb, D], V_hat [H_kv, qb, D])
+    stats: dict = {}
+
+
+def _guided_decode(q, keys, values, opt, layer, row, p, scaling):
+    """Current prefetch, mirroring engine/kvcache/guided.py: one new token at position p; q [H, 1, D];
+    keys/values [H_kv, p + 1, D] exact (post-RoPE). Guide over [S, qb); the token's guide attention
+    (sinks and residual exact) picks the top-k per KV head, then one softmax with exact scores at sinks,
+    the chosen set and the residual, guide scores elsewhere; values likewise."""
+    h_kv, n, d = keys.shape
+    qb = int(quant_boundary(torch.tensor(p), RESIDUAL, opt.group if opt.along == "tokens" else 64))
+    qg = q[:, 0].reshape(h_kv, -1, d)  # [H_kv, G, D]
+    exact = torch.einsum("hgd,hld->hgl", qg, keys) * scaling
+    if qb <= SINKS:
+        pr = torch.softmax(exact, -1)
+        return torch.einsum("hgl,hld->hgd", pr, values).reshape(-1, d)
+    cached = E2E.guides.get((layer, row))
+    if cached is None or cached[0] != qb:
+        kk = keys[:, :qb]
+        k_pre = unrope(kk, E2E.cos[:qb], E2E.sin[:qb])
+        k_hat = opt.guide_keys(kk, k_pre, E2E.cos[:qb], E2E.sin[:qb], E2E.mats)
+        vb = opt.bits if opt.vbits is None else opt.vbits
+        v_hat = fake_quant(values[:, :qb], vb, 64, "channels")
+        cached = (qb, k_hat, v_hat)
+        E2E.guides[(layer, row)] = cached
+    _, k_hat, v_hat = cached
+    col = torch.arange(n)
+    region = (col >= SINKS) & (col < qb)
+    gs = torch.einsum("hgd,hld->hgl", qg, k_hat) * scaling
+    gsc = torch.cat([gs, exact[..., qb:]], -1)
+    sel_scores = torch.where(region, gsc, exact)
+    sel = torch.softmax(sel_scores, -1).mean(1).masked_fill(~region, -1.0)  # [H_kv, n]
+    kk = min(E2E.k, qb - SINKS)
+    chosen = torch.zeros(h_kv, n, dtype=torch.bool)
+    if kk > 0:
+        chosen.scatter_(-1, sel.topk(kk, -1).indices, True)
+    use_guide = region[None, :] & ~chosen  # [H_kv, n]
+    scores = torch.where(use_guide[:, None, :], gsc, exact)
+    pr = torch.softmax(scores, -1)
+    v_mix = torch.where(use_guide[..., None], torch.cat([v_hat, values[:, qb:]], 1), values)
+    return torch.einsum("hgl,hld->hgd", pr, v_mix).reshape(-1, d)
+
+
+def _e2e_attention(module, query, key, value, attention_mask, scaling=None, kv_cache=None, **kwargs):
+    from engine.model.attention import specache_attention
+    step = kv_cache.step
+    if step.prefill or step.n_new != 1:
+        return specache_attention(module, query, key, value, attention_mask, scaling=scaling, kv_cache=kv_cache,
+                                  **kwargs)
+    layer = kv_cache.layers[module.layer_idx]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    b = query.shape[0]
+    outs = []
+    for i in range(b):
+        r = step.rows.start + i
+        p = step.starts[i]
+        keys, values = layer.k[r, :, : p + 1].float(), layer.v[r, :, : p + 1].float()
+        opt = E2E.rows[r]
+        q = query[i].float()
+        if opt is None:
+            h_kv, _, d = keys.shape
+            qg = q[:, 0].reshape(h_kv, -1, d)
+            pr = torch.softmax(torch.einsum("hgd,hld->hgl", qg, keys) * scale, -1)
+            o = torch.einsum("hgl,hld->hgd", pr, values).reshape(-1, d)
+        else:
+            o = _guided_decode(q, keys, values, opt, module.layer_idx, r, p, scale)
+        outs.append(o)
+    out = torch.stack(outs)[:, None].to(query.dtype)  # [b, T=1, H, D]
+    return out, None
+
+
+def e2e_study(args) -> None:
+    from transformers import AttentionInterface
+    from engine.bench import fidelity
+    from engine.config import CacheConfig
+    from engine.generate.engine import Engine
+    from engine.model.loading import load_model
+
+    opts = {o.name: o for o in options()}
+    names = args.options
+    lm = load_model(None, device="cpu")
+    model = lm.model
+    AttentionInterface.register(E2E_NAME, _e2e_attention)
+    model.set_attn_implementation(E2E_NAME)
+    E2E.mats = {"hadamard": hadamard(64), "random": random_orthogonal(64, 0)}
+    E2E.k = args.k
+    results = {"k": args.k, "options": names, "docs": {}}
+    for path in sorted(CAPTURES.glob("*.pt")):
+        if args.docs and path.stem not in args.docs:
+            continue
+        cap = load_capture(path)
+        prompt, forced = cap["prompt"], cap["ref_tokens"][: args.tokens]
+        ref = cap["ref_logps"].float()[: len(forced)]
+        E2E.rows = [None] + [opts[n] for n in names]
+        E2E.guides = {}
+        B = len(E2E.rows)
+        t0 = time.perf_counter()
+        eng = Engine(model, CacheConfig(mode="full"))
+        logps = [[] for _ in range(B)]
+        with torch.inference_mode(), eng.new_cache(B, len(prompt) + len(forced) + 4) as cache:
+            *_, last = eng.prefill(cache, prompt, 0)
+            for r in range(1, B):
+                cache.copy_row(0, r)
+            n_pos = len(prompt) + len(forced) + 4
+            cos, sin = model.model.rotary_emb(torch.zeros(1, 1, 64), torch.arange(n_pos)[None])
+            E2E.cos, E2E.sin = cos[0].float(), sin[0].float()
+            it = iter(forced)
+            pick = lambda logits, _: torch.full((B,), next(it, 0), dtype=torch.long)  # noqa: E731
+            for i, (_, logits) in enumerate(eng.steps(cache, last[None].expand(B, -1).contiguous(), pick,
+                                                      history=[list(prompt) for _ in range(B)])):
+                for r in range(B):  # the logits before forced token i (the first: the prefill's)
+                    logps[r].append(torch.log_softmax(logits[r].float(), -1))
+                if i + 1 >= len(forced):
+                    break
+        doc = {}
+        for r, name in enumerate(["exact"] + names):
+            doc[name] = fidelity.compare_distributions(ref, torch.stack(logps[r]))
+        results["docs"][path.stem] = doc
+        log(f"{path.stem}: " + ", ".join(f"{n} {v['top1_agreement']:.3f}/{v['mean_kl']:.4f}" for n, v in doc.items())
+            + f" ({time.perf_counter() - t0:.0f} s)")
+    mean = {}
+    for name in ["exact"] + names:
+        xs = [d[name] for d in results["docs"].values()]
+        mean[name] = {"top1_agreement": sum(x["top1_agreement"] for x in xs) / len(xs),
+                      "mean_kl": sum(x["mean_kl"] for x in xs) / len(xs)}
+    results["mean"] = mean
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    for name, v in mean.items():
+        print(f"| {name} | {v['top1_agreement']:.3f} | {v['mean_kl']:.4f} |")
+
+
 # ============================================================================ main
 
 def main() -> None:
@@ -601,11 +745,18 @@ def main() -> None:
     sp.add_argument("--options", nargs="+", default=["base-2b", "base-1b"])
     sp.add_argument("--k", nargs="+", type=int, default=[256, 512])
     sp.add_argument("--out", default="/tmp/guide-study-spec.json")
+    e = sub.add_parser("e2e")
+    e.add_argument("--docs", nargs="*", default=None)
+    e.add_argument("--captures", default=None)
+    e.add_argument("--options", nargs="+", default=["base-2b", "base-1b"])
+    e.add_argument("--k", type=int, default=512)
+    e.add_argument("--tokens", type=int, default=128)
+    e.add_argument("--out", default="/tmp/guide-study-e2e.json")
     args = ap.parse_args()
     global CAPTURES
     if args.captures:
         CAPTURES = Path(args.captures)
-    {"capture": capture, "guide": guide_study, "spec": spec_study}[args.cmd](args)
+    {"capture": capture, "guide": guide_study, "spec": spec_study, "e2e": e2e_study}[args.cmd](args)
 
 
 if __name__ == "__main__":
