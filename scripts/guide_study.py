@@ -717,6 +717,81 @@ def e2e_study(args) -> None:
         print(f"| {name} | {v['top1_agreement']:.3f} | {v['mean_kl']:.4f} |")
 
 
+# ============================================================================ report
+
+def device_bytes(opt: Option, tokens: int, k: int, element_bytes: int, layers=30, kv_heads=3, d=64, chunk=512) -> int:
+    """One sequence's device bytes as engine/kvcache/sizes.py counts them for the planner (guide over the
+    guide capacity, the fetched set, the residual slots and the sinks), with this option's guide bytes."""
+    from engine.kvcache.sizes import guide_capacity, residual_slots, sink_slots
+    g = opt.group if opt.along == "tokens" else 64
+    per_layer_token = 2 * kv_heads * d * element_bytes
+    guide = guide_capacity(tokens, g) * kv_heads * opt.bytes_per_token(d)
+    exact = (k + residual_slots(RESIDUAL, g, chunk) + sink_slots(SINKS)) * per_layer_token
+    return int(layers * (guide + exact))
+
+
+def report(args) -> None:
+    guide = json.loads(Path(args.guide).read_text())
+    spec = json.loads(Path(args.spec).read_text()) if args.spec and Path(args.spec).exists() else None
+    e2e = json.loads(Path(args.e2e).read_text()) if args.e2e and Path(args.e2e).exists() else None
+    opts = {o.name: o for o in options()}
+    base1 = opts["base-1b"]
+    lines = ["# Guide options and speculative selection: an offline study (issue 26, phase 1)", "",
+             "`scripts/guide_study.py` (capture, guide, spec, e2e, report); numbers in guide-study.json.", ""]
+    docs = guide["docs"]
+    lines += ["Documents (the fidelity bench's three, full-cache greedy summary teacher-forced): " +
+              "; ".join(f"{k} ({v['prompt_tokens']} prompt tokens, {v['forced']} forced tokens)" for k, v in docs.items()),
+              f"Layers: all 30, KV heads: 3, forced positions: every {guide['settings']['stride']} from the second; "
+              f"sinks {SINKS}, residual {RESIDUAL}, guide region [S, qend) as in engine/kvcache/guided.py. "
+              "Recall = |chosen ∩ exact top-k| / k; coverage = the token's exact attention mass on the chosen set / "
+              "its mass on the guide region (the fidelity bench's guide_own). Means over (layer, KV head, position) "
+              "per document, then over documents.", ""]
+    ks = guide["settings"]["k"]
+    lines += ["## Guide options (the token's own query, `--prefetch current`)", "",
+              "| option | guide bytes / token / KV head | vs today's 1-bit | device vs 1b, fp16 exact (GPU) | fp32 exact (CPU bench) | " +
+              " | ".join(f"k{k} recall / coverage" for k in ks) + " |",
+              "|---|---|---|---|---|" + "---|" * len(ks)]
+    for name, r in guide["options"].items():
+        o = opts[name]
+        dev = device_bytes(o, 6549, 512, 2) / device_bytes(base1, 6549, 512, 2)
+        dev32 = device_bytes(o, 6549, 512, 4) / device_bytes(base1, 6549, 512, 4)
+        cells = [f"{r['k'][str(k)]['recall']['mean']:.3f} / {r['k'][str(k)]['coverage']['mean']:.3f}" for k in ks]
+        lines.append(f"| {name} | {o.bytes_per_token(64):.1f} | {o.bytes_per_token(64) / base1.bytes_per_token(64):.3f} | "
+                     f"{dev:.3f} | {dev32:.3f} | " + " | ".join(cells) + " |")
+    first = next(iter(guide["options"].values()))
+    lines += ["", "Oracle (exact top-k) coverage: " + ", ".join(f"k{k} {first['k'][str(k)]['oracle']['mean']:.3f}" for k in ks), ""]
+    lines += ["Per document (k512 coverage):", "", "| option | " + " | ".join(docs) + " |", "|---|" + "---|" * len(docs)]
+    for name, r in guide["options"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{x:.3f}" for x in r["k"]["512"]["coverage"]["per_doc"]) + " |")
+    if spec:
+        lines += ["", "## Speculative selection (`--prefetch speculative`)", "",
+                  "Queries of the engine's own speculative run (2-bit, k 512, re-sync on, teacher-forced): the output "
+                  "token T_t (position p-1) and the speculative token T'_{t+1} (p); target: the next output token's "
+                  "own exact attention at p. Speculation hit rate per document: " +
+                  ", ".join(f"{k} {v['speculation_hit_rate']:.3f} ({v['passes']} passes)" for k, v in spec["docs"].items()), ""]
+        for name in spec["options"]:
+            for k in spec["k"]:
+                r = spec["rules"][name][str(k)]
+                orc = r["oracle"]["coverage"]["all"]["mean"]
+                lines += [f"{name}, k{k} (oracle coverage {orc:.3f}):", "",
+                          "| rule | recall | coverage | coverage / oracle | coverage, guess right / wrong |",
+                          "|---|---|---|---|---|"]
+                for rule in RULES:
+                    c, rc = r[rule]["coverage"], r[rule]["recall"]["all"]["mean"]
+                    lines.append(f"| {rule} | {rc:.3f} | {c['all']['mean']:.3f} | {c['all']['mean'] / orc:.3f} | "
+                                 f"{c['hit']['mean']:.3f} / {c['miss']['mean']:.3f} |")
+                lines.append("")
+    if e2e:
+        lines += ["## End to end (torch reimplementation, `--prefetch current`, k %d)" % e2e["k"], "",
+                  "| option | top-1 | mean KL | " + " | ".join(e2e["docs"]) + " |", "|---|---|---|" + "---|" * len(e2e["docs"])]
+        for name, v in e2e["mean"].items():
+            per = [f"{d[name]['top1_agreement']:.3f} / {d[name]['mean_kl']:.4f}" for d in e2e["docs"].values()]
+            lines.append(f"| {name} | {v['top1_agreement']:.3f} | {v['mean_kl']:.4f} | " + " | ".join(per) + " |")
+    Path(args.md).write_text("\n".join(lines) + "\n")
+    Path(args.json).write_text(json.dumps({"guide": guide, "spec": spec, "e2e": e2e}, indent=1))
+    log(f"wrote {args.md}, {args.json}")
+
+
 # ============================================================================ main
 
 def main() -> None:
@@ -752,11 +827,18 @@ def main() -> None:
     e.add_argument("--k", type=int, default=512)
     e.add_argument("--tokens", type=int, default=128)
     e.add_argument("--out", default="/tmp/guide-study-e2e.json")
+    rp = sub.add_parser("report")
+    rp.add_argument("--guide", default="/tmp/guide-all.json")
+    rp.add_argument("--spec", default="/tmp/spec-all.json")
+    rp.add_argument("--e2e", default="/tmp/guide-study-e2e.json")
+    rp.add_argument("--md", default="bench-results/guide-study.md")
+    rp.add_argument("--json", default="bench-results/guide-study.json")
+    rp.add_argument("--captures", default=None)
     args = ap.parse_args()
     global CAPTURES
     if args.captures:
         CAPTURES = Path(args.captures)
-    {"capture": capture, "guide": guide_study, "spec": spec_study, "e2e": e2e_study}[args.cmd](args)
+    {"capture": capture, "guide": guide_study, "spec": spec_study, "e2e": e2e_study, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":
