@@ -574,6 +574,104 @@ def spec_study(args) -> None:
                       f"{c['hit']['mean']:.3f} / {c['miss']['mean']:.3f} |")
 
 
+# ---- speculative selection with the engine's feedback: the queries see exact scores at the set in use
+
+SEQ_RULES = ("spec", "both", "both_w75", "adaptive", "out")
+
+
+def seq_select(ex_spec, gs_spec, ex_out, gs_out, region, k, rule, hits_prev, sinks=SINKS):
+    """Step by step as the engine does it: at pass j the output and speculative tokens attend with exact
+    scores at the set chosen at pass j - 1 (and sinks, residual), guide scores elsewhere in the region;
+    the rule picks pass j's set from their probabilities. ex_*/gs_* [H_kv, G, N, L] (scaled scores,
+    causal -inf already applied); region [N, L]. -> chosen masks [H_kv, N, L]."""
+    h, g, n, l = ex_spec.shape
+    prev = torch.zeros(h, l, dtype=torch.bool)
+    out = torch.zeros(h, n, l, dtype=torch.bool)
+    for j in range(n):
+        use_guide = region[j][None, :] & ~prev  # [H_kv, L]
+        ps = torch.softmax(torch.where(use_guide[:, None], gs_spec[:, :, j], ex_spec[:, :, j]), -1).mean(1)
+        po = torch.softmax(torch.where(use_guide[:, None], gs_out[:, :, j], ex_out[:, :, j]), -1).mean(1)
+        if rule == "spec" or (rule == "adaptive" and bool(hits_prev[j])):
+            sc = ps
+        elif rule == "out":
+            sc = po
+        elif rule == "both_w75":
+            sc = 0.75 * ps + 0.25 * po
+        else:
+            sc = ps + po
+        idx = sc.masked_fill(~region[j][None, :], -1.0).topk(k, -1).indices
+        m = torch.zeros(h, l, dtype=torch.bool).scatter_(-1, idx, True)
+        out[:, j] = m
+        prev = m
+    return out
+
+
+def spec_seq_study(args) -> None:
+    opts = {o.name: o for o in options()}
+    mats = {"hadamard": hadamard(64), "random": random_orthogonal(64, 0)}
+    acc = defaultdict(list)
+    for path in sorted(CAPTURES.glob("*.pt")):
+        if args.docs and path.stem not in args.docs:
+            continue
+        cap = load_capture(path)
+        sp = cap["spec"]
+        p_len, ref = len(cap["prompt"]), cap["ref_tokens"]
+        js = [j for j in range(1, min(len(sp["start"]), len(ref))) if sp["start"][j] == p_len + j - 1
+              and sp["n_new"][j] == 2]
+        hits_prev = torch.tensor([j >= 2 and sp["ids"][j - 1][1] == ref[j - 1] for j in js])
+        local = defaultdict(list)
+        t0 = time.perf_counter()
+        for layer in (args.layers or range(cap["keys"].shape[0])):
+            keys = cap["keys"][layer]
+            k_pre = unrope(keys, cap["cos"], cap["sin"])
+            jt = torch.tensor(js)
+            pos = p_len + jt
+            h_kv, length, d = keys.shape
+            col = torch.arange(length)
+            region = (col[None, :] >= SINKS) & (col[None, :] < quant_boundary(pos, RESIDUAL, 64)[:, None])
+            target = probs_for(cap["q_own"][layer][jt], pos, region, keys, keys, cap["scaling"], h_kv)
+            mass = target.masked_fill(~region, 0.0)
+            total = mass.sum(-1).clamp(min=1e-30)
+
+            def scores(q, causal_pos, kk):
+                n, hq, _ = q.shape
+                qg = q.reshape(n, h_kv, hq // h_kv, d).permute(1, 2, 0, 3)
+                sc = torch.einsum("hgnd,hld->hgnl", qg, kk) * cap["scaling"]
+                return sc.masked_fill(~(col[None, :] <= causal_pos[:, None]), float("-inf"))
+
+            q_out = torch.stack([sp["q"][layer][j][:, 0] for j in js]).float()
+            q_spec = torch.stack([sp["q"][layer][j][:, 1] for j in js]).float()
+            ex_s, ex_o = scores(q_spec, pos, keys), scores(q_out, pos - 1, keys)
+            for name in args.options:
+                kg = opts[name].guide_keys(keys, k_pre, cap["cos"], cap["sin"], mats)
+                gs_s, gs_o = scores(q_spec, pos, kg), scores(q_out, pos - 1, kg)
+                p_own = probs_for(cap["q_own"][layer][jt], pos, region, keys, kg, cap["scaling"], h_kv)
+                for k in args.k:
+                    oracle = topk_mask(target, region, k)
+                    own = topk_mask(p_own, region, k)  # what prefetch current would fetch at that step
+                    local[(name, k, "oracle")].append((mass * oracle).sum(-1) / total)
+                    local[(name, k, "own")].append((mass * own).sum(-1) / total)
+                    for rule in SEQ_RULES:
+                        m = seq_select(ex_s, gs_s, ex_o, gs_o, region, k, rule, hits_prev)
+                        local[(name, k, rule)].append((mass * m).sum(-1) / total)
+                        local[(name, k, rule + ".recall")].append((m & oracle).sum(-1).double() / k)
+                        local[(name, k, rule + ".own_in_prefetch")].append((m & own).sum(-1).double() / k)
+            log(f"{path.stem} layer {layer} ({time.perf_counter() - t0:.0f} s)")
+        for key, xs in local.items():
+            acc[key].append(float(torch.stack(xs).double().mean()))
+    out = {"k": args.k, "options": args.options, "coverage": {}}
+    for (name, k, rule), v in acc.items():
+        out["coverage"].setdefault(name, {}).setdefault(str(k), {})[rule] = {"mean": sum(v) / len(v), "per_doc": v}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    for name in args.options:
+        for k in args.k:
+            r = out["coverage"][name][str(k)]
+            print(f"{name} k{k}: oracle {r['oracle']['mean']:.3f}, own (current) {r['own']['mean']:.3f}")
+            for rule in SEQ_RULES:
+                print(f"  {rule}: coverage {r[rule]['mean']:.3f}, recall {r[rule + '.recall']['mean']:.3f}, "
+                      f"own top-k already prefetched {r[rule + '.own_in_prefetch']['mean']:.3f}")
+
+
 # ============================================================================ end to end (optional)
 
 E2E_NAME = "guide_study_e2e"
@@ -834,11 +932,18 @@ def main() -> None:
     rp.add_argument("--md", default="bench-results/guide-study.md")
     rp.add_argument("--json", default="bench-results/guide-study.json")
     rp.add_argument("--captures", default=None)
+    sq = sub.add_parser("spec-seq")
+    sq.add_argument("--docs", nargs="*", default=None)
+    sq.add_argument("--captures", default=None)
+    sq.add_argument("--layers", nargs="*", type=int, default=None)
+    sq.add_argument("--options", nargs="+", default=["base-2b", "base-1b"])
+    sq.add_argument("--k", nargs="+", type=int, default=[512])
+    sq.add_argument("--out", default="/tmp/guide-study-spec-seq.json")
     args = ap.parse_args()
     global CAPTURES
     if args.captures:
         CAPTURES = Path(args.captures)
-    {"capture": capture, "guide": guide_study, "spec": spec_study, "e2e": e2e_study, "report": report}[args.cmd](args)
+    {"capture": capture, "guide": guide_study, "spec": spec_study, "spec-seq": spec_seq_study, "e2e": e2e_study, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":
