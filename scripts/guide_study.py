@@ -291,6 +291,13 @@ def options() -> list[Option]:
             Option(f"outlier16-int2-g128-{b}b", b, outliers=16, outlier_bits=2, group=128),
         ]
     out = [o for o in out if not o.outliers or o.outlier_bits > o.bits]
+    out += [  # combinations at <= today's 1-bit guide bytes (second pass)
+        Option("prerope-outlier4-int4-g128-lsq-1b", 1, pre_rope=True, outliers=4, outlier_bits=4, group=128, method="lsq"),
+        Option("prerope-outlier4-int4-g128-1b", 1, pre_rope=True, outliers=4, outlier_bits=4, group=128),
+        Option("prerope-hadamard-lsq-1b", 1, pre_rope=True, rotation="hadamard", method="lsq"),
+        Option("outlier16-int2-g128-lsq-1b", 1, outliers=16, outlier_bits=2, group=128, method="lsq"),
+        Option("prerope-outlier16-int2-g128-1b", 1, pre_rope=True, outliers=16, outlier_bits=2, group=128),
+    ]
     out.append(Option("k2v1", 2, vbits=1, note="2-bit keys (ranking = base-2b), 1-bit values"))
     return out
 
