@@ -223,6 +223,9 @@ class Option:
     outlier_bits: int = 16  # 16: exact fp16; 8 / 4: those channels quantized per channel at that width
     method: str = "minmax"
     vbits: int | None = None  # value bits (None: = bits)
+    vrotation: str | None = None  # values rotated per token before quantizing (output rotated back)
+    vmethod: str = "minmax"
+    vgroup: int = 64  # value group (channels of one token)
     note: str = ""
 
     def key_bits_per_token(self, d: int) -> float:
@@ -235,7 +238,16 @@ class Option:
         """Guide bytes per token per KV head, K + V (values per token in groups of min(64, d) channels,
         engine.kvcache.sizes.guide_bytes with g = 64)."""
         vb = self.bits if self.vbits is None else self.vbits
-        return (self.key_bits_per_token(d) + d * (vb + 32 / min(64, d))) / 8
+        return (self.key_bits_per_token(d) + d * (vb + 32 / min(self.vgroup, d))) / 8
+
+    def guide_values(self, v, mats) -> torch.Tensor:
+        """Dequantized value guide [H, L, D] in the model's coordinates (a rotation R: quantize v R per
+        token, use v_hat R^T; the engine would apply R^T once to the guide part of the output)."""
+        vb = self.bits if self.vbits is None else self.vbits
+        r = mats[self.vrotation] if self.vrotation else None
+        x = v @ r if r is not None else v
+        xq = fake_quant(x, vb, self.vgroup, "channels", self.vmethod)
+        return xq @ r.T if r is not None else xq
 
     def guide_keys(self, k_post, k_pre, cos, sin, mats) -> torch.Tensor:
         """The keys the guide scores against, in post-RoPE coordinates [H, L, D] (q @ k_hat^T is what the
@@ -454,6 +466,57 @@ def guide_study(args) -> None:
         print(f"| {name} | {r['bytes_vs_1bit']:.3f} | " + " | ".join(cells) + " |")
     print("oracle coverage: " + ", ".join(
         f"k{k} {next(iter(results['options'].values()))['k'][str(k)]['oracle']['mean']:.3f}" for k in kshow))
+
+
+# ============================================================================ value guide
+
+def value_options() -> list[Option]:
+    out = []
+    for b in (1, 2):
+        out += [Option(f"v-base-{b}b", 1, vbits=b), Option(f"v-lsq-{b}b", 1, vbits=b, vmethod="lsq"),
+                Option(f"v-hadamard-{b}b", 1, vbits=b, vrotation="hadamard"),
+                Option(f"v-randorth-{b}b", 1, vbits=b, vrotation="random"),
+                Option(f"v-hadamard-lsq-{b}b", 1, vbits=b, vrotation="hadamard", vmethod="lsq"),
+                Option(f"v-g32-{b}b", 1, vbits=b, vgroup=32),
+                Option(f"v-hadamard-g32-{b}b", 1, vbits=b, vgroup=32, vrotation="hadamard")]
+    return out
+
+
+def value_study(args) -> None:
+    """Error of the attention output from the guide's values: with the exact top-k fetched (oracle set),
+    sinks and residual exact, the rest of the region read from the value guide:
+    || sum_{i in region, not chosen} p_i (v_hat_i - v_i) || / || sum_i p_i v_i ||, per query head."""
+    opts = value_options()
+    mats = {"hadamard": hadamard(64), "random": random_orthogonal(64, 0)}
+    acc = defaultdict(list)
+    for path in sorted(CAPTURES.glob("*.pt")):
+        if args.docs and path.stem not in args.docs:
+            continue
+        cap = load_capture(path)
+        local = defaultdict(list)
+        for layer in (args.layers or range(cap["keys"].shape[0])):
+            k_post, k_pre, cos, sin, q, pos = layer_inputs(cap, layer, stride=args.stride)
+            v = cap["values"][layer]
+            ev = LayerEval(k_post, q, pos, cap["scaling"])
+            p = torch.softmax(ev.exact.masked_fill(~ev.causal, float("-inf")), -1)  # [H_kv, G, N, L]
+            out = torch.einsum("hgnl,hld->hgnd", p, v)
+            norm = out.norm(dim=-1).clamp(min=1e-30)
+            t = ev.target.masked_fill(~ev.region, -1.0)
+            chosen = torch.zeros_like(ev.region[None].expand(ev.h_kv, -1, -1)).scatter_(-1, t.topk(args.k, -1).indices, True)
+            guide_part = (ev.region[None] & ~chosen)[:, None]  # [H_kv, 1, N, L]
+            pg = p * guide_part
+            for opt in opts:
+                err = torch.einsum("hgnl,hld->hgnd", pg, opt.guide_values(v, mats) - v).norm(dim=-1) / norm
+                local[opt.name].append(err.flatten())
+        for name, xs in local.items():
+            acc[name].append(float(torch.cat(xs).mean()))
+        log(f"{path.stem} done")
+    res = {o.name: {"relative_output_error": sum(acc[o.name]) / len(acc[o.name]), "per_doc": acc[o.name],
+                    "value_bits_per_element": (o.vbits + 32 / o.vgroup)} for o in opts}
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print("| value option | bits / element | relative output error |")
+    for name, r in res.items():
+        print(f"| {name} | {r['value_bits_per_element']:.2f} | {r['relative_output_error']:.4f} |")
 
 
 # ============================================================================ speculative selection
@@ -712,8 +775,7 @@ def _guided_decode(q, keys, values, opt, layer, row, p, scaling):
         kk = keys[:, :qb]
         k_pre = unrope(kk, E2E.cos[:qb], E2E.sin[:qb])
         k_hat = opt.guide_keys(kk, k_pre, E2E.cos[:qb], E2E.sin[:qb], E2E.mats)
-        vb = opt.bits if opt.vbits is None else opt.vbits
-        v_hat = fake_quant(values[:, :qb], vb, 64, "channels")
+        v_hat = opt.guide_values(values[:, :qb], E2E.mats)
         cached = (qb, k_hat, v_hat)
         E2E.guides[(layer, row)] = cached
     _, k_hat, v_hat = cached
@@ -836,7 +898,10 @@ def device_bytes(opt: Option, tokens: int, k: int, element_bytes: int, layers=30
 
 
 def report(args) -> None:
-    guide = json.loads(Path(args.guide).read_text())
+    guide = json.loads(Path(args.guide[0]).read_text())
+    for extra in args.guide[1:]:  # further passes over the same documents (more options)
+        guide["options"].update(json.loads(Path(extra).read_text())["options"])
+    seq = json.loads(Path(args.spec_seq).read_text()) if args.spec_seq and Path(args.spec_seq).exists() else None
     spec = json.loads(Path(args.spec).read_text()) if args.spec and Path(args.spec).exists() else None
     e2e = json.loads(Path(args.e2e).read_text()) if args.e2e and Path(args.e2e).exists() else None
     opts = {o.name: o for o in options()}
@@ -886,6 +951,22 @@ def report(args) -> None:
                     lines.append(f"| {rule} | {rc:.3f} | {c['all']['mean']:.3f} | {c['all']['mean'] / orc:.3f} | "
                                  f"{c['hit']['mean']:.3f} / {c['miss']['mean']:.3f} |")
                 lines.append("")
+    if seq:
+        lines += ["## Speculative selection, step by step as the engine runs it", "",
+                  "As above, but each pass's two queries see exact scores at the set chosen by the previous pass "
+                  "(the engine's feedback), so each rule is simulated over the whole run. `own top-k prefetched`: "
+                  "share of the set that `--prefetch current` would pick at that step (the token's own query through "
+                  "the guide) that the rule had already fetched.", "",
+                  "| guide | k | rule | coverage | recall | own top-k prefetched |", "|---|---|---|---|---|---|"]
+        for name in seq["options"]:
+            for k in seq["k"]:
+                r = seq["coverage"][name][str(k)]
+                lines.append(f"| {name} | {k} | oracle | {r['oracle']['mean']:.3f} | 1.000 | - |")
+                lines.append(f"| {name} | {k} | own (current) | {r['own']['mean']:.3f} | - | 1.000 |")
+                for rule in SEQ_RULES:
+                    lines.append(f"| {name} | {k} | {rule} | {r[rule]['mean']:.3f} | {r[rule + '.recall']['mean']:.3f} | "
+                                 f"{r[rule + '.own_in_prefetch']['mean']:.3f} |")
+        lines.append("")
     if e2e:
         lines += ["## End to end (torch reimplementation, `--prefetch current`, k %d)" % e2e["k"], "",
                   "| option | top-1 | mean KL | " + " | ".join(e2e["docs"]) + " |", "|---|---|---|" + "---|" * len(e2e["docs"])]
@@ -893,7 +974,7 @@ def report(args) -> None:
             per = [f"{d[name]['top1_agreement']:.3f} / {d[name]['mean_kl']:.4f}" for d in e2e["docs"].values()]
             lines.append(f"| {name} | {v['top1_agreement']:.3f} | {v['mean_kl']:.4f} | " + " | ".join(per) + " |")
     Path(args.md).write_text("\n".join(lines) + "\n")
-    Path(args.json).write_text(json.dumps({"guide": guide, "spec": spec, "e2e": e2e}, indent=1))
+    Path(args.json).write_text(json.dumps({"guide": guide, "spec": spec, "spec_seq": seq, "e2e": e2e}, indent=1))
     log(f"wrote {args.md}, {args.json}")
 
 
@@ -933,7 +1014,8 @@ def main() -> None:
     e.add_argument("--tokens", type=int, default=128)
     e.add_argument("--out", default="/tmp/guide-study-e2e.json")
     rp = sub.add_parser("report")
-    rp.add_argument("--guide", default="/tmp/guide-all.json")
+    rp.add_argument("--guide", nargs="+", default=["/tmp/guide-all.json", "/tmp/guide-combo.json"])
+    rp.add_argument("--spec-seq", default="/tmp/spec-seq.json")
     rp.add_argument("--spec", default="/tmp/spec-all.json")
     rp.add_argument("--e2e", default="/tmp/guide-study-e2e.json")
     rp.add_argument("--md", default="bench-results/guide-study.md")
@@ -946,11 +1028,18 @@ def main() -> None:
     sq.add_argument("--options", nargs="+", default=["base-2b", "base-1b"])
     sq.add_argument("--k", nargs="+", type=int, default=[512])
     sq.add_argument("--out", default="/tmp/guide-study-spec-seq.json")
+    vs = sub.add_parser("values")
+    vs.add_argument("--docs", nargs="*", default=None)
+    vs.add_argument("--captures", default=None)
+    vs.add_argument("--layers", nargs="*", type=int, default=None)
+    vs.add_argument("--k", type=int, default=512)
+    vs.add_argument("--stride", type=int, default=2)
+    vs.add_argument("--out", default="/tmp/guide-study-values.json")
     args = ap.parse_args()
     global CAPTURES
     if args.captures:
         CAPTURES = Path(args.captures)
-    {"capture": capture, "guide": guide_study, "spec": spec_study, "spec-seq": spec_seq_study, "e2e": e2e_study, "report": report}[args.cmd](args)
+    {"capture": capture, "guide": guide_study, "spec": spec_study, "values": value_study, "spec-seq": spec_seq_study, "e2e": e2e_study, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":
