@@ -272,6 +272,19 @@ class Option:
         return xq
 
 
+def e2e_options() -> list[Option]:
+    """Key and value options together, for the end-to-end runs."""
+    return [
+        Option("k1-vhad", 1, vrotation="hadamard", note="today's 1-bit keys, Hadamard-rotated 1-bit values"),
+        Option("k1-v2", 1, vbits=2, note="today's 1-bit keys, 2-bit values"),
+        Option("klsq1-vhad", 1, method="lsq", vrotation="hadamard", note="encoder-only key change + rotated values"),
+        Option("kout4-vhad", 1, outliers=4, outlier_bits=4, group=128, method="lsq", vrotation="hadamard",
+               note="outlier4-int4-g128-lsq-1b keys, Hadamard 1-bit values"),
+        Option("k2-vhad", 2, vrotation="hadamard", note="2-bit keys, Hadamard-rotated 2-bit values"),
+        Option("klsq2-vhad", 2, method="lsq", vrotation="hadamard", note="2-bit lsq keys, Hadamard 2-bit values"),
+    ]
+
+
 def options() -> list[Option]:
     out = []
     for b in (1, 2):
@@ -831,7 +844,7 @@ def e2e_study(args) -> None:
     from engine.generate.engine import Engine
     from engine.model.loading import load_model
 
-    opts = {o.name: o for o in options()}
+    opts = {o.name: o for o in options() + e2e_options()}
     names = args.options
     lm = load_model(None, device="cpu")
     model = lm.model
@@ -904,7 +917,7 @@ def report(args) -> None:
     seq = json.loads(Path(args.spec_seq).read_text()) if args.spec_seq and Path(args.spec_seq).exists() else None
     spec = json.loads(Path(args.spec).read_text()) if args.spec and Path(args.spec).exists() else None
     e2e = json.loads(Path(args.e2e).read_text()) if args.e2e and Path(args.e2e).exists() else None
-    opts = {o.name: o for o in options()}
+    opts = {o.name: o for o in options() + e2e_options()}
     base1 = opts["base-1b"]
     lines = ["# Guide options and speculative selection: an offline study (issue 26, phase 1)", "",
              "`scripts/guide_study.py` (capture, guide, spec, e2e, report); numbers in guide-study.json.", ""]
