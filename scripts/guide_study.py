@@ -280,6 +280,15 @@ def e2e_options() -> list[Option]:
         Option("klsq1-vhad", 1, method="lsq", vrotation="hadamard", note="encoder-only key change + rotated values"),
         Option("kout4-vhad", 1, outliers=4, outlier_bits=4, group=128, method="lsq", vrotation="hadamard",
                note="outlier4-int4-g128-lsq-1b keys, Hadamard 1-bit values"),
+        Option("kpre-out4-vhad", 1, pre_rope=True, outliers=4, outlier_bits=4, group=128, method="lsq",
+               vrotation="hadamard", note="prerope-outlier4-int4-g128-lsq-1b keys, Hadamard 1-bit values"),
+        Option("kout4n-vhad", 1, outliers=4, outlier_bits=4, group=128, vrotation="hadamard",
+               note="outlier4-int4-g128-1b keys (min-max), Hadamard 1-bit values"),
+        Option("kpre-vhad", 1, pre_rope=True, vrotation="hadamard", note="prerope-1b keys, Hadamard 1-bit values"),
+        Option("kpre-out4n-vhad", 1, pre_rope=True, outliers=4, outlier_bits=4, group=128, vrotation="hadamard",
+               note="prerope-outlier4-int4-g128-1b keys (min-max), Hadamard 1-bit values"),
+        Option("khad-vhad", 1, rotation="hadamard", vrotation="hadamard",
+               note="Hadamard-rotated 1-bit keys and values (a transform of q, k, v: kernels unchanged)"),
         Option("k2-vhad", 2, vrotation="hadamard", note="2-bit keys, Hadamard-rotated 2-bit values"),
         Option("klsq2-vhad", 2, method="lsq", vrotation="hadamard", note="2-bit lsq keys, Hadamard 2-bit values"),
     ]
@@ -916,11 +925,25 @@ def report(args) -> None:
         guide["options"].update(json.loads(Path(extra).read_text())["options"])
     seq = json.loads(Path(args.spec_seq).read_text()) if args.spec_seq and Path(args.spec_seq).exists() else None
     spec = json.loads(Path(args.spec).read_text()) if args.spec and Path(args.spec).exists() else None
-    e2e = json.loads(Path(args.e2e).read_text()) if args.e2e and Path(args.e2e).exists() else None
+    e2e = None
+    for f in args.e2e:  # rounds of `e2e` over the same documents: one table
+        if not Path(f).exists():
+            continue
+        r = json.loads(Path(f).read_text())
+        if e2e is None:
+            e2e = r
+            continue
+        for doc, rows in r["docs"].items():
+            e2e["docs"].setdefault(doc, {}).update({n: v for n, v in rows.items() if n != "exact"})
+        e2e["mean"].update({n: v for n, v in r["mean"].items() if n != "exact"})
+    values = json.loads(Path(args.values).read_text()) if args.values and Path(args.values).exists() else None
     opts = {o.name: o for o in options() + e2e_options()}
     base1 = opts["base-1b"]
     lines = ["# Guide options and speculative selection: an offline study (issue 26, phase 1)", "",
-             "`scripts/guide_study.py` (capture, guide, spec, e2e, report); numbers in guide-study.json.", ""]
+             "`scripts/guide_study.py` (capture, guide, values, spec, spec-seq, e2e, report); numbers in "
+             "guide-study.json.", ""]
+    if args.preface:
+        lines += [Path(args.preface).read_text().rstrip(), ""]
     docs = guide["docs"]
     lines += ["Documents (the fidelity bench's three, full-cache greedy summary teacher-forced): " +
               "; ".join(f"{k} ({v['prompt_tokens']} prompt tokens, {v['forced']} forced tokens)" for k, v in docs.items()),
@@ -946,6 +969,17 @@ def report(args) -> None:
     lines += ["Per document (k512 coverage):", "", "| option | " + " | ".join(docs) + " |", "|---|" + "---|" * len(docs)]
     for name, r in guide["options"].items():
         lines.append(f"| {name} | " + " | ".join(f"{x:.3f}" for x in r["k"]["512"]["coverage"]["per_doc"]) + " |")
+    if values:
+        lines += ["", "## Value guide options", "",
+                  "Relative error of the attention output from the values read from the guide: the exact top-512 "
+                  "fetched (oracle set), sinks and residual exact, the rest of the guide region from the value guide; "
+                  "|| sum p_i (v_hat_i - v_i) || / || sum p_i v_i || per query head and position (keys exact, so "
+                  "this isolates the values). Rotations are applied per token before quantizing and undone on the "
+                  "output (free: fold R^T into the guide part's output, or into o_proj for the whole output).", "",
+                  "| value option | bits / element | relative output error | per document |", "|---|---|---|---|"]
+        for name, r in values.items():
+            lines.append(f"| {name} | {r['value_bits_per_element']:.2f} | {r['relative_output_error']:.4f} | "
+                         + " / ".join(f"{x:.4f}" for x in r["per_doc"]) + " |")
     if spec:
         lines += ["", "## Speculative selection (`--prefetch speculative`)", "",
                   "Queries of the engine's own speculative run (2-bit, k 512, re-sync on, teacher-forced): the output "
@@ -981,7 +1015,13 @@ def report(args) -> None:
                                  f"{r[rule + '.own_in_prefetch']['mean']:.3f} |")
         lines.append("")
     if e2e:
+        notes = {o.name: o.note for o in options() + e2e_options() if o.note}
         lines += ["## End to end (torch reimplementation, `--prefetch current`, k %d)" % e2e["k"], "",
+                  "Teacher-forced over the full cache's greedy summary; rows of one batch share one prefill "
+                  "(engine `full` cache, exact prefill), each row's decode attention reimplements "
+                  "engine/kvcache/guided.py's current prefetch with its own guide (`exact`: the same code with "
+                  "no guide, a check: KL 0). Top-1 agreement / mean KL(full || row) per document.", ""] + \
+                 [f"- `{n}`: {notes[n]}" for n in e2e["mean"] if n in notes] + ["",
                   "| option | top-1 | mean KL | " + " | ".join(e2e["docs"]) + " |", "|---|---|---|" + "---|" * len(e2e["docs"])]
         for name, v in e2e["mean"].items():
             per = [f"{d[name]['top1_agreement']:.3f} / {d[name]['mean_kl']:.4f}" for d in e2e["docs"].values()]
@@ -1030,7 +1070,9 @@ def main() -> None:
     rp.add_argument("--guide", nargs="+", default=["/tmp/guide-all.json", "/tmp/guide-combo.json"])
     rp.add_argument("--spec-seq", default="/tmp/spec-seq.json")
     rp.add_argument("--spec", default="/tmp/spec-all.json")
-    rp.add_argument("--e2e", default="/tmp/guide-study-e2e.json")
+    rp.add_argument("--e2e", nargs="*", default=["/tmp/e2e-round1.json", "/tmp/e2e-round2.json"])
+    rp.add_argument("--values", default="/tmp/guide-study-values.json")
+    rp.add_argument("--preface", default=None, help="markdown put after the title (findings)")
     rp.add_argument("--md", default="bench-results/guide-study.md")
     rp.add_argument("--json", default="bench-results/guide-study.json")
     rp.add_argument("--captures", default=None)
