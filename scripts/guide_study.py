@@ -290,6 +290,8 @@ def e2e_options() -> list[Option]:
         Option("khad-vhad", 1, rotation="hadamard", vrotation="hadamard",
                note="Hadamard-rotated 1-bit keys and values (a transform of q, k, v: kernels unchanged)"),
         Option("k2-vhad", 2, vrotation="hadamard", note="2-bit keys, Hadamard-rotated 2-bit values"),
+        Option("khad2-vhad", 2, rotation="hadamard", vrotation="hadamard",
+               note="Hadamard-rotated 2-bit keys and values (kernels unchanged)"),
         Option("klsq2-vhad", 2, method="lsq", vrotation="hadamard", note="2-bit lsq keys, Hadamard 2-bit values"),
     ]
 
