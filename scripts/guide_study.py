@@ -927,13 +927,14 @@ def report(args) -> None:
         guide["options"].update(json.loads(Path(extra).read_text())["options"])
     seq = json.loads(Path(args.spec_seq).read_text()) if args.spec_seq and Path(args.spec_seq).exists() else None
     spec = json.loads(Path(args.spec).read_text()) if args.spec and Path(args.spec).exists() else None
-    e2e = None
-    for f in args.e2e:  # rounds of `e2e` over the same documents: one table
+    e2e_by_k = {}
+    for f in args.e2e:  # rounds of `e2e` over the same documents: one table per k
         if not Path(f).exists():
             continue
         r = json.loads(Path(f).read_text())
+        e2e = e2e_by_k.get(r["k"])
         if e2e is None:
-            e2e = r
+            e2e_by_k[r["k"]] = r
             continue
         for doc, rows in r["docs"].items():
             e2e["docs"].setdefault(doc, {}).update({n: v for n, v in rows.items() if n != "exact"})
@@ -1016,7 +1017,7 @@ def report(args) -> None:
                     lines.append(f"| {name} | {k} | {rule} | {r[rule]['mean']:.3f} | {r[rule + '.recall']['mean']:.3f} | "
                                  f"{r[rule + '.own_in_prefetch']['mean']:.3f} |")
         lines.append("")
-    if e2e:
+    for _, e2e in sorted(e2e_by_k.items(), reverse=True):
         notes = {o.name: o.note for o in options() + e2e_options() if o.note}
         lines += ["## End to end (torch reimplementation, `--prefetch current`, k %d)" % e2e["k"], "",
                   "Teacher-forced over the full cache's greedy summary; rows of one batch share one prefill "
@@ -1024,12 +1025,18 @@ def report(args) -> None:
                   "engine/kvcache/guided.py's current prefetch with its own guide (`exact`: the same code with "
                   "no guide, a check: KL 0). Top-1 agreement / mean KL(full || row) per document.", ""] + \
                  [f"- `{n}`: {notes[n]}" for n in e2e["mean"] if n in notes] + ["",
-                  "| option | top-1 | mean KL | " + " | ".join(e2e["docs"]) + " |", "|---|---|---|" + "---|" * len(e2e["docs"])]
+                  "| option | guide bytes vs 1b | device vs 1b k512 (fp16, 6.5k) | top-1 | mean KL | " +
+                  " | ".join(e2e["docs"]) + " |", "|---|---|---|---|---|" + "---|" * len(e2e["docs"])]
         for name, v in e2e["mean"].items():
             per = [f"{d[name]['top1_agreement']:.3f} / {d[name]['mean_kl']:.4f}" for d in e2e["docs"].values()]
-            lines.append(f"| {name} | {v['top1_agreement']:.3f} | {v['mean_kl']:.4f} | " + " | ".join(per) + " |")
+            o = opts.get(name)
+            gb = f"{o.bytes_per_token(64) / base1.bytes_per_token(64):.3f}" if o else "-"
+            dv = f"{device_bytes(o, 6549, e2e['k'], 2) / device_bytes(base1, 6549, 512, 2):.3f}" if o else "-"
+            lines.append(f"| {name} | {gb} | {dv} | {v['top1_agreement']:.3f} | {v['mean_kl']:.4f} | " + " | ".join(per) + " |")
+        lines.append("")
     Path(args.md).write_text("\n".join(lines) + "\n")
-    Path(args.json).write_text(json.dumps({"guide": guide, "spec": spec, "spec_seq": seq, "e2e": e2e}, indent=1))
+    Path(args.json).write_text(json.dumps({"guide": guide, "values": values, "spec": spec, "spec_seq": seq,
+                                           "e2e": {str(k): v for k, v in e2e_by_k.items()}}, indent=1))
     log(f"wrote {args.md}, {args.json}")
 
 
@@ -1072,7 +1079,8 @@ def main() -> None:
     rp.add_argument("--guide", nargs="+", default=["/tmp/guide-all.json", "/tmp/guide-combo.json"])
     rp.add_argument("--spec-seq", default="/tmp/spec-seq.json")
     rp.add_argument("--spec", default="/tmp/spec-all.json")
-    rp.add_argument("--e2e", nargs="*", default=["/tmp/e2e-round1.json", "/tmp/e2e-round2.json"])
+    rp.add_argument("--e2e", nargs="*", default=["/tmp/e2e-round1.json", "/tmp/e2e-round2.json",
+                                                 "/tmp/e2e-round3.json", "/tmp/e2e-round4.json", "/tmp/e2e-k128.json"])
     rp.add_argument("--values", default="/tmp/guide-study-values.json")
     rp.add_argument("--preface", default=None, help="markdown put after the title (findings)")
     rp.add_argument("--md", default="bench-results/guide-study.md")
