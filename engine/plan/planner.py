@@ -529,7 +529,7 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     if hardware.unified_memory:
         host_ram_bytes = None  # the exact store lives in the same RAM: counted on the device side
     modes = []
-    for name, policy in plan_columns().items():
+    for policy in plan_columns().values():
         mode_k = k if policy.fetches else 0
         s = _sizing(policy, hardware, model, context, bits, group, residual, sinks, mode_k, reference,
                     prefill_chunk, eb)
