@@ -426,6 +426,7 @@ def test_fallback_when_native_unavailable(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_error", None)
+    monkeypatch.delenv("SPECACHE_NATIVE", raising=False)  # a build is tried even in a torch-only run
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.DEBUG, logger=native.__name__):
