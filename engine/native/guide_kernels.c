@@ -298,6 +298,35 @@ static inline void gather_bit_planes(const uint8_t *src, uint64_t out[8]) {
 /* The byte (channel within 64) whose bit lands in bit e of a gathered word. */
 static inline int chan_of_bit(int e) { return BIT_REVERSED ? (e & ~7) | (7 - (e & 7)) : e; }
 
+/* The few-query key kernels' words of one group in token order: word w of token i*R + r, plane k, at
+ * wb[k * wplane + w * g + i*R + r] (g = 8R tokens, wplane = g * words). */
+INLINE void gather_group_tokens(const uint8_t *cj, uint64_t *wb, int bits, int R, int D, int words, size_t wplane) {
+    const size_t plane = (size_t)R * D, g = (size_t)R * 8;
+    uint64_t bitw[8];
+    for (int k = 0; k < bits; k++)
+        for (int r = 0; r < R; r++)
+            for (int w = 0; w < words; w++) {
+                gather_bit_planes(cj + (size_t)k * plane + (size_t)r * D + 64 * w, bitw);
+                uint64_t *dst = wb + k * wplane + (size_t)w * g + r;
+                for (int i = 0; i < 8; i++) dst[i * R] = bitw[i]; /* token i*R + r */
+            }
+}
+
+/* qs[l] = q[l] * s (per channel), zq[l] = q[l] . z for the nl queries of a key group (D % VW == 0). */
+INLINE void scale_queries(const float *q, int64_t q_sq, int nl, const float *s, const float *z, int D, float *qs,
+                          float *zq) {
+    for (int l = 0; l < nl; l++) {
+        const float *ql = q + l * q_sq;
+        vf acc = vf_zero();
+        for (int d = 0; d < D; d += VW) {
+            const vf x = vf_load(ql + d);
+            vf_store(qs + l * D + d, vf_mul(x, vf_load(s + d)));
+            acc = vf_fma(x, vf_load(z + d), acc);
+        }
+        zq[l] = vf_hsum(acc);
+    }
+}
+
 /* ------------------------------------------- few-query kernels (AVX-512 permutes) */
 
 /* With at most PERM_MAX queries (decode with one new token: a GQA group of 3) the 8-lane
@@ -378,36 +407,18 @@ INLINE void keys_perm_body(const float *q, int64_t q_sq, const int nl, const uin
     float *T = scratch;                                /* nchunk * PERM_MAX * 16 */
     float *sz = T + (size_t)nchunk * PERM_MAX * 16;    /* 2 * D: the group's scale and zero */
     float *qs = sz + 2 * (size_t)D;                    /* [PERM_MAX][D] */
-    const size_t plane = (size_t)R * D, gbytes = plane * (size_t)bits, wplane = (size_t)g * words;
-    uint64_t bitw[8];
+    const size_t gbytes = (size_t)R * D * (size_t)bits, wplane = (size_t)g * words;
     for (int64_t j = j0; j <= j1; j++) {
-        if (j < j1) { /* gather group j (one ahead of the lookups) */
-            const uint8_t *cj = codes + (size_t)j * gbytes;
-            uint64_t *wb = wbuf + (size_t)(j & 1) * bits * wplane;
-            for (int k = 0; k < bits; k++)
-                for (int r = 0; r < R; r++)
-                    for (int w = 0; w < words; w++) {
-                        gather_bit_planes(cj + (size_t)k * plane + (size_t)r * D + 64 * w, bitw);
-                        uint64_t *dst = wb + k * wplane + (size_t)w * g + r;
-                        for (int i = 0; i < 8; i++) dst[i * R] = bitw[i]; /* token i*R + r */
-                    }
-        }
+        if (j < j1) /* gather group j (one ahead of the lookups) */
+            gather_group_tokens(codes + (size_t)j * gbytes, wbuf + (size_t)(j & 1) * bits * wplane, bits, R, D,
+                                words, wplane);
         if (j == j0) continue;
         const int64_t jj = j - 1; /* the previous group, whose words are ready */
         const uint64_t *wb = wbuf + (size_t)(jj & 1) * bits * wplane;
         halves_to_floats(sc + jj * D, sz, D);
         halves_to_floats(zr + jj * D, sz + D, D);
         float zq[PERM_MAX];
-        for (int l = 0; l < nl; l++) { /* qs[l] = q[l] * s[j]; zq[l] = q[l] . z[j] */
-            const float *ql = q + l * q_sq;
-            __m512 z = _mm512_setzero_ps();
-            for (int d = 0; d < D; d += 16) {
-                const __m512 x = _mm512_loadu_ps(ql + d);
-                _mm512_store_ps(qs + l * D + d, _mm512_mul_ps(x, _mm512_load_ps(sz + d)));
-                z = _mm512_fmadd_ps(x, _mm512_load_ps(sz + D + d), z);
-            }
-            zq[l] = _mm512_reduce_add_ps(z);
-        }
+        scale_queries(q, q_sq, nl, sz, sz + D, D, qs, zq);
         for (int c = 0; c < nchunk; c++) {
             const int e = 4 * c, base = 64 * (e / 64);
             const int d0 = base + chan_of_bit(e % 64), d1 = base + chan_of_bit(e % 64 + 1);
@@ -457,7 +468,7 @@ static void keys_item_perm(const float *q, int64_t q_sq, int nl, const uint8_t *
  * code word holds 32 channels = 10 runs of 3 + 1 of 2 (its table's upper entries are never
  * picked: the shifted lane has zeros above bit 1). Head dim 64 (one word per token and plane). */
 #if !HAVE_PERM && defined(__AVX2__) && defined(__FMA__)
-#define HAVE_KEYS_PERM8 1
+#define HAVE_PERM8 1
 #define PERM8_MAX 3
 #define PERM8_RUNS 22 /* runs per 64 channels */
 
@@ -490,38 +501,20 @@ INLINE void keys_perm8_body(const float *q, int64_t q_sq, const int nl, const ui
     float *T = scratch;                              /* PERM8_RUNS * PERM8_MAX * 8 */
     float *sz = T + (size_t)PERM8_RUNS * PERM8_MAX * 8; /* 2 * D: the group's scale and zero */
     float *qs = sz + 2 * (size_t)D;                  /* [PERM8_MAX][D] */
-    const size_t plane = (size_t)R * D, gbytes = plane * (size_t)bits, wplane = (size_t)g;
+    const size_t gbytes = (size_t)R * D * (size_t)bits, wplane = (size_t)g;
     const __m256 m0 = _mm256_setr_ps(0, 1, 0, 1, 0, 1, 0, 1), m1 = _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
     const __m256 m2 = _mm256_setr_ps(0, 0, 0, 0, 1, 1, 1, 1);
-    uint64_t bitw[8];
     for (int64_t j = j0; j <= j1; j++) {
-        if (j < j1) { /* gather group j in token order (one ahead of the lookups) */
-            const uint8_t *cj = codes + (size_t)j * gbytes;
-            uint64_t *wb = wbuf + (size_t)(j & 1) * bits * wplane;
-            for (int k = 0; k < bits; k++)
-                for (int r = 0; r < R; r++) {
-                    gather_bit_planes(cj + (size_t)k * plane + (size_t)r * D, bitw);
-                    for (int i = 0; i < 8; i++) wb[k * wplane + (size_t)i * R + r] = bitw[i];
-                }
-        }
+        if (j < j1) /* gather group j in token order (one ahead of the lookups) */
+            gather_group_tokens(codes + (size_t)j * gbytes, wbuf + (size_t)(j & 1) * bits * wplane, bits, R, D, 1,
+                                wplane);
         if (j == j0) continue;
         const int64_t jj = j - 1; /* the previous group, whose words are ready */
         const uint64_t *wb = wbuf + (size_t)(jj & 1) * bits * wplane;
         halves_to_floats(sc + jj * D, sz, D);
         halves_to_floats(zr + jj * D, sz + D, D);
         float zq[PERM8_MAX];
-        for (int l = 0; l < nl; l++) { /* qs[l] = q[l] * s[j]; zq[l] = q[l] . z[j] */
-            const float *ql = q + l * q_sq;
-            __m256 z = _mm256_setzero_ps();
-            for (int d = 0; d < D; d += 8) {
-                const __m256 x = _mm256_loadu_ps(ql + d);
-                _mm256_storeu_ps(qs + l * D + d, _mm256_mul_ps(x, _mm256_loadu_ps(sz + d)));
-                z = _mm256_fmadd_ps(x, _mm256_loadu_ps(sz + D + d), z);
-            }
-            __m128 h = _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
-            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            zq[l] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-        }
+        scale_queries(q, q_sq, nl, sz, sz + D, D, qs, zq);
         for (int run = 0; run < PERM8_RUNS; run++) { /* channels e, e+1, e+2 of the run (2 in the last of a half) */
             const int e = 32 * (run / 11) + 3 * (run % 11), two = run % 11 == 10;
             for (int l = 0; l < nl; l++) {
@@ -561,7 +554,7 @@ static void keys_item_perm8(const float *q, int64_t q_sq, int nl, const uint8_t 
     }
 }
 #else
-#define HAVE_KEYS_PERM8 0
+#define HAVE_PERM8 0
 #endif
 
 /* --------------------------------------------------------------------------- keys */
@@ -576,7 +569,7 @@ static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes
         return;
     }
 #endif
-#if HAVE_KEYS_PERM8
+#if HAVE_PERM8
     if (nl <= PERM8_MAX && D == 64 && g % 8 == 0) {
         keys_item_perm8(q, q_sq, nl, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf);
         return;
@@ -771,6 +764,28 @@ static void transpose_rows(const uint8_t *rows, int D, uint64_t *out) {
     }
 }
 
+/* Value block k of the few-query kernels: the nl queries' probabilities pw [nl][VB], scales s and zeros
+ * z [VB][ng] (tokens past n weigh 0, no 0 * inf garbage), the planes' code words (transpose_rows). */
+INLINE void load_value_block(const float *p, int64_t p_sq, int nl, int64_t n, int64_t k, const uint8_t *codes,
+                             const uint16_t *sc, const uint16_t *zr, int D, int ng, int bits, float *pw, float *s,
+                             float *z, uint64_t *words) {
+    const int64_t t0 = k * VB;
+    const int cnt = (int)(n - t0 < VB ? n - t0 : VB);
+    const size_t plane = (size_t)8 * D;
+    for (int l = 0; l < nl; l++) {
+        memcpy(pw + l * VB, p + l * p_sq + t0, (size_t)cnt * sizeof(float));
+        if (cnt < VB) memset(pw + l * VB + cnt, 0, (size_t)(VB - cnt) * sizeof(float));
+    }
+    halves_to_floats(sc + t0 * ng, s, (int64_t)cnt * ng);
+    halves_to_floats(zr + t0 * ng, z, (int64_t)cnt * ng);
+    if (cnt < VB) {
+        memset(s + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
+        memset(z + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
+    }
+    const uint8_t *ck = codes + (size_t)k * plane * (size_t)bits;
+    for (int pl = 0; pl < bits; pl++) transpose_rows(ck + (size_t)pl * plane, D, words + (size_t)pl * D);
+}
+
 #if HAVE_PERM
 /* values_item for nl <= PERM_MAX queries and gv % 16 == 0 (same arguments and outputs). Tables
  * [16 runs][PERM_MAX][16] per channel group; the channels' code words come from transpose_rows
@@ -786,25 +801,10 @@ INLINE void values_perm_body(const float *p, int64_t p_sq, const int nl, int64_t
     float *z = s + (size_t)VB * ng;           /* 64 * ng */
     float *sum = z + (size_t)VB * ng;         /* [PERM_MAX][D] */
     float zs[PERM_MAX * MAX_WORDS * 4];       /* [PERM_MAX][ng], ng <= D / 16 */
-    const size_t plane = (size_t)8 * D, bbytes = plane * (size_t)bits;
     memset(sum, 0, (size_t)PERM_MAX * D * sizeof(float));
     memset(zs, 0, sizeof zs);
     for (int64_t k = k0; k < k1; k++) {
-        const int64_t t0 = k * VB;
-        const int cnt = (int)(n - t0 < VB ? n - t0 : VB);
-        for (int l = 0; l < nl; l++) { /* tokens past n weigh 0 */
-            memcpy(pw + l * VB, p + l * p_sq + t0, (size_t)cnt * sizeof(float));
-            if (cnt < VB) memset(pw + l * VB + cnt, 0, (size_t)(VB - cnt) * sizeof(float));
-        }
-        halves_to_floats(sc + t0 * ng, s, (int64_t)cnt * ng);
-        halves_to_floats(zr + t0 * ng, z, (int64_t)cnt * ng);
-        if (cnt < VB) {
-            memset(s + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
-            memset(z + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
-        }
-        const uint8_t *ck = codes + (size_t)k * bbytes;
-        for (int pl = 0; pl < bits; pl++)
-            transpose_rows(ck + (size_t)pl * plane, D, words + (size_t)pl * D);
+        load_value_block(p, p_sq, nl, n, k, codes, sc, zr, D, ng, bits, pw, s, z, words);
         for (int jv = 0; jv < ng; jv++) {
             for (int l = 0; l < nl; l++) {
                 const float *pl_ = pw + l * VB;
@@ -857,7 +857,7 @@ static void values_item_perm(const float *p, int64_t p_sq, int nl, int64_t n, co
 }
 #endif
 
-#if HAVE_KEYS_PERM8
+#if HAVE_PERM8
 /* values_item for nl <= PERM8_MAX queries and gv % 8 == 0 on AVX2 (same arguments and outputs): 8
  * channels in the lanes; a run of 3 bits of a channel's code word (bit b is token (b % 8) * 8 + b / 8,
  * transpose_rows) has an 8-entry table of the subset sums of its 3 tokens' p * s, one vpermps per 8
@@ -874,27 +874,12 @@ INLINE void values_perm8_body(const float *p, int64_t p_sq, const int nl, int64_
     float *z = s + (size_t)VB * ng;                  /* 64 * ng */
     float *sum = z + (size_t)VB * ng;                /* [PERM8_MAX][D] */
     float zs[PERM8_MAX * MAX_WORDS * 8];             /* [PERM8_MAX][ng], ng <= D / 8 */
-    const size_t plane = (size_t)8 * D, bbytes = plane * (size_t)bits;
     const __m256 m0 = _mm256_setr_ps(0, 1, 0, 1, 0, 1, 0, 1), m1 = _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
     const __m256 m2 = _mm256_setr_ps(0, 0, 0, 0, 1, 1, 1, 1);
     memset(sum, 0, (size_t)PERM8_MAX * D * sizeof(float));
     memset(zs, 0, sizeof zs);
     for (int64_t k = k0; k < k1; k++) {
-        const int64_t t0 = k * VB;
-        const int cnt = (int)(n - t0 < VB ? n - t0 : VB);
-        for (int l = 0; l < nl; l++) { /* tokens past n weigh 0 */
-            memcpy(pw + l * VB, p + l * p_sq + t0, (size_t)cnt * sizeof(float));
-            if (cnt < VB) memset(pw + l * VB + cnt, 0, (size_t)(VB - cnt) * sizeof(float));
-        }
-        halves_to_floats(sc + t0 * ng, s, (int64_t)cnt * ng);
-        halves_to_floats(zr + t0 * ng, z, (int64_t)cnt * ng);
-        if (cnt < VB) {
-            memset(s + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
-            memset(z + (size_t)cnt * ng, 0, (size_t)(VB - cnt) * ng * sizeof(float));
-        }
-        const uint8_t *ck = codes + (size_t)k * bbytes;
-        for (int pl = 0; pl < bits; pl++)
-            transpose_rows(ck + (size_t)pl * plane, D, words + (size_t)pl * D);
+        load_value_block(p, p_sq, nl, n, k, codes, sc, zr, D, ng, bits, pw, s, z, words);
         for (int jv = 0; jv < ng; jv++) {
             for (int l = 0; l < nl; l++) {
                 const float *pl_ = pw + l * VB;
@@ -969,7 +954,7 @@ static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const u
         return;
     }
 #endif
-#if HAVE_KEYS_PERM8
+#if HAVE_PERM8
     if (nl <= PERM8_MAX && gv % 8 == 0 && D <= 256) {
         values_item_perm8(p, p_sq, nl, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words);
         return;
