@@ -401,6 +401,18 @@ class LayerEval:
         return out
 
 
+def captures(args):
+    """(path, capture) of every stored capture, or of the documents named by --docs."""
+    for path in sorted(CAPTURES.glob("*.pt")):
+        if not args.docs or path.stem in args.docs:
+            yield path, load_capture(path)
+
+
+def rotations(d: int) -> dict[str, torch.Tensor]:
+    """The orthogonal transforms the options name: a Hadamard and a fixed random one of size d."""
+    return {"hadamard": hadamard(d), "random": random_orthogonal(d, 0)}
+
+
 def load_capture(path: Path) -> dict:
     return torch.load(path, weights_only=False)
 
@@ -437,15 +449,12 @@ def guide_study(args) -> None:
             any(o.name.startswith(p) for p in args.options)]
     ks = sorted(args.k)
     d = 64
-    mats = {"hadamard": hadamard(d), "random": random_orthogonal(d, 0)}
+    mats = rotations(d)
     results = {"settings": {"k": ks, "sinks": SINKS, "residual": RESIDUAL, "stride": args.stride,
                             "layers": args.layers}, "options": {}, "docs": {}}
     per = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # opt -> k -> metric -> [doc means]
     per_layer = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # opt -> k -> layer -> [cov]
-    for path in sorted(CAPTURES.glob("*.pt")):
-        if args.docs and path.stem not in args.docs:
-            continue
-        cap = load_capture(path)
+    for path, cap in captures(args):
         check_quantizer(cap)
         n_layers = cap["keys"].shape[0]
         layers = args.layers or list(range(n_layers))
@@ -511,12 +520,9 @@ def value_study(args) -> None:
     sinks and residual exact, the rest of the region read from the value guide:
     || sum_{i in region, not chosen} p_i (v_hat_i - v_i) || / || sum_i p_i v_i ||, per query head."""
     opts = value_options()
-    mats = {"hadamard": hadamard(64), "random": random_orthogonal(64, 0)}
+    mats = rotations(64)
     acc = defaultdict(list)
-    for path in sorted(CAPTURES.glob("*.pt")):
-        if args.docs and path.stem not in args.docs:
-            continue
-        cap = load_capture(path)
+    for path, cap in captures(args):
         local = defaultdict(list)
         for layer in (args.layers or range(cap["keys"].shape[0])):
             k_post, k_pre, cos, sin, q, pos = layer_inputs(cap, layer, stride=args.stride)
@@ -595,14 +601,11 @@ def rule_masks(p_spec, p_out, p_own, p_exact_spec, region, k, hits_prev):
 def spec_study(args) -> None:
     names = args.options
     opts = {o.name: o for o in options()}
-    mats = {"hadamard": hadamard(64), "random": random_orthogonal(64, 0)}
+    mats = rotations(64)
     ks = sorted(args.k)
     acc = defaultdict(lambda: defaultdict(list))  # (opt, k, rule, metric) -> [doc means]
     docs = {}
-    for path in sorted(CAPTURES.glob("*.pt")):
-        if args.docs and path.stem not in args.docs:
-            continue
-        cap = load_capture(path)
+    for path, cap in captures(args):
         sp = cap["spec"]
         p_len, ref = len(cap["prompt"]), cap["ref_tokens"]
         n_pass = len(sp["start"])
@@ -702,12 +705,9 @@ def seq_select(ex_spec, gs_spec, ex_out, gs_out, region, k, rule, hits_prev, sin
 
 def spec_seq_study(args) -> None:
     opts = {o.name: o for o in options()}
-    mats = {"hadamard": hadamard(64), "random": random_orthogonal(64, 0)}
+    mats = rotations(64)
     acc = defaultdict(list)
-    for path in sorted(CAPTURES.glob("*.pt")):
-        if args.docs and path.stem not in args.docs:
-            continue
-        cap = load_capture(path)
+    for path, cap in captures(args):
         sp = cap["spec"]
         p_len, ref = len(cap["prompt"]), cap["ref_tokens"]
         js = [j for j in range(1, min(len(sp["start"]), len(ref))) if sp["start"][j] == p_len + j - 1
@@ -861,13 +861,10 @@ def e2e_study(args) -> None:
     model = lm.model
     AttentionInterface.register(E2E_NAME, _e2e_attention)
     model.set_attn_implementation(E2E_NAME)
-    E2E.mats = {"hadamard": hadamard(64), "random": random_orthogonal(64, 0)}
+    E2E.mats = rotations(64)
     E2E.k = args.k
     results = {"k": args.k, "options": names, "docs": {}}
-    for path in sorted(CAPTURES.glob("*.pt")):
-        if args.docs and path.stem not in args.docs:
-            continue
-        cap = load_capture(path)
+    for path, cap in captures(args):
         prompt, forced = cap["prompt"], cap["ref_tokens"][: args.tokens]
         ref = cap["ref_logps"].float()[: len(forced)]
         E2E.rows = [None] + [opts[n] for n in names]
