@@ -9,6 +9,8 @@ from engine.errors import BadArgument
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (a negative seed wraps around)
 GAMMA_MAX = 16  # exact: most draft tokens per verification
 PREFETCH = ("speculative", "current")
+ROTATIONS = ("none", "hadamard")  # engine/kvcache/rotation.py (which checks it is the same list)
+DEFAULT_ROTATION = {1: "none", 2: "none"}  # per guide bits
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class CacheConfig:
     # attention, then attends (the paper's non-speculative baseline: no transfer to hide on a CPU)
     prefetch: str = "speculative"
     gamma: int | None = None  # exact: draft tokens per verification (None: adapted to the measured acceptance)
+    # the guide's orthogonal transform (engine/kvcache/rotation.py): none or hadamard; None: the
+    # default for the bits (DEFAULT_ROTATION, chosen from `bench fidelity`; guide_rotation reads it)
+    rotation: str | None = None
 
     def __post_init__(self) -> None:
         if self.prefetch not in PREFETCH:
@@ -55,8 +60,15 @@ class CacheConfig:
             raise BadArgument(f"--window must be >= 1, not {self.window}")
         if self.gamma is not None and not 1 <= self.gamma <= GAMMA_MAX:
             raise BadArgument(f"--gamma must be in 1..{GAMMA_MAX}, not {self.gamma}")
+        if self.rotation is not None and self.rotation not in ROTATIONS:
+            raise BadArgument(f"--rotation must be one of {', '.join(ROTATIONS)}, not {self.rotation!r}")
         if self.chunk_size < 16:
             raise BadArgument(f"--chunk-size must be >= 16, not {self.chunk_size}")
+
+    @property
+    def guide_rotation(self) -> str:
+        """The guide's rotation: the one set, else the default for the bits."""
+        return self.rotation if self.rotation is not None else DEFAULT_ROTATION[self.bits]
 
     def with_overrides(self, **overrides) -> "CacheConfig":
         """A copy with the given fields replaced (None values are ignored)."""

@@ -51,6 +51,9 @@ class CacheOptions:
         "--prefetch", help="specache: speculative (two tokens per step, the next step's exact K/V fetched while "
         "this one computes; default on a GPU) or current (one token per step fetches its own; default on a CPU, "
         "where there is no transfer to hide).")] = None
+    rotation: Annotated[Optional[str], typer.Option(
+        "--rotation", help="Guide transform: none or hadamard (K, V and the queries rotated before the guide "
+        "quantizes them; exact parts untouched). Default: the one `bench fidelity` chose for the bits.")] = None
     gamma: Annotated[Optional[int], typer.Option(
         "--gamma", help="exact: draft tokens per verification, 1..16 (default: adapted to the measured acceptance).")] = None
     hit_rate: Annotated[bool, typer.Option(

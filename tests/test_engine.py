@@ -14,6 +14,7 @@ from engine.generate.engine import Engine, Finished
 from engine.generate.steps import forward, prefill
 from engine.kvcache import make_cache, quant
 from engine.kvcache.sizes import quant_boundary
+from engine.kvcache.rotation import rotation_matrix
 
 NEW = 24
 
@@ -56,10 +57,12 @@ def test_full_cache_equals_dynamic_cache(tiny_model, reference):
     assert res.tokens == refs
 
 
-@pytest.mark.parametrize("bits,group,chunk", [(2, 32, 64), (1, 64, 512), (2, 64, 16)])
-def test_specache_with_k_at_least_context_equals_dynamic_cache(tiny_model, reference, bits, group, chunk):
+@pytest.mark.parametrize("bits,group,chunk,rotation", [(2, 32, 64, "none"), (1, 64, 512, "none"), (2, 64, 16, "none"),
+                                                     (1, 32, 64, "hadamard")])
+def test_specache_with_k_at_least_context_equals_dynamic_cache(tiny_model, reference, bits, group, chunk, rotation):
     ps, refs = reference
-    config = CacheConfig(mode="specache", k=4096, bits=bits, group=group, residual=16, sinks=4, chunk_size=chunk)
+    config = CacheConfig(mode="specache", k=4096, bits=bits, group=group, residual=16, sinks=4, chunk_size=chunk,
+                         rotation=rotation)
     assert run(tiny_model, ps[:1], config).tokens == refs[:1]
     assert run(tiny_model, ps, config).tokens == refs  # batch of different lengths
 
@@ -180,8 +183,9 @@ class KiviReference:
     """Plain KIVI: exact K/V kept per layer; at each decode step positions below the quantization
     boundary are replaced by dequantize(quantize(.)), sinks stay exact, then ordinary attention."""
 
-    def __init__(self, bits, group, residual, sinks):
+    def __init__(self, bits, group, residual, sinks, rotation=None):
         self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
+        self.rotation = rotation  # R [D, D]: KIVI of K R and V R, rotated back (engine/kvcache/rotation.py)
         self.k, self.v = {}, {}
         self.length = 0
 
@@ -196,8 +200,9 @@ class KiviReference:
         t = q.shape[2]
         qend = int(quant_boundary(torch.tensor(self.length), self.residual, self.group)) if t == 1 else 0
         if qend:
-            kq = quant.dequantize_keys(quant.quantize_keys(keys[:, :, :qend], self.bits, self.group))
-            vq = quant.dequantize_values(quant.quantize_values(values[:, :, :qend], self.bits, self.group))
+            r = self.rotation if self.rotation is not None else torch.eye(keys.shape[-1])
+            kq = quant.dequantize_keys(quant.quantize_keys(keys[:, :, :qend] @ r, self.bits, self.group)) @ r.T
+            vq = quant.dequantize_values(quant.quantize_values(values[:, :, :qend] @ r, self.bits, self.group)) @ r.T
             s = min(self.sinks, qend)
             kq[:, :, :s], vq[:, :, :s] = keys[:, :, :s], values[:, :, :s]
             keys = torch.cat([kq, keys[:, :, qend:]], dim=2)
@@ -208,16 +213,17 @@ class KiviReference:
         return out.transpose(1, 2), None
 
 
-@pytest.mark.parametrize("bits,sinks", [(2, 0), (1, 4)])
-def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks):
+@pytest.mark.parametrize("bits,sinks,rotation", [(2, 0, "none"), (1, 4, "none"), (1, 4, "hadamard"), (2, 0, "hadamard")])
+def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks, rotation):
     (p,) = prompts_of((230,))
     group, residual, steps = 32, 16, 40
-    config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64)
+    config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64,
+                         rotation=rotation)
     cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
     *_, logits = prefill(tiny_model, cache, p, 0, 64)
 
     dev = tiny_model.device
-    ref = KiviReference(bits, group, residual, sinks)
+    ref = KiviReference(bits, group, residual, sinks, rotation_matrix(rotation, tiny_model.config.head_dim))
     AttentionInterface.register("kivi_reference", ref.attention)
     impl = tiny_model.config._attn_implementation
     tiny_model.set_attn_implementation("kivi_reference")

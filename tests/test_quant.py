@@ -11,6 +11,7 @@ import torch
 
 from engine import native
 from engine.kvcache import quant
+from engine.kvcache.rotation import hadamard, rotation_matrix
 from engine.kvcache.quant import (
     VALUE_BLOCK,
     dequantize_keys,
@@ -512,3 +513,33 @@ def test_bad_arguments():
         quantize_keys(torch.zeros(1, 1, 40, 8), 1, 32)  # L % g
     with pytest.raises(ValueError):
         quantize_values(torch.zeros(1, 1, 4, 48), 1, 32)  # D % g
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 256])
+def test_hadamard_is_orthogonal(d):
+    r = hadamard(d)
+    torch.testing.assert_close(r @ r.T, torch.eye(d), rtol=0, atol=1e-6)
+    assert (r.abs() > 0).sum() == d * (d & -d)  # dense within each block
+
+
+def test_a_rotation_spreads_an_outlier_channel_before_quantizing():
+    """Values with one channel 20x the others (per-token groups: that channel sets every group's
+    range): the 1-bit guide of V R, rotated back, reconstructs V closer than the guide of V itself.
+    Keys, per channel, gain nothing from it; the rotated guide's scores with rotated queries are those
+    of its keys rotated back (q . k = (q R) . (k R))."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(1, 2, 128, 64, generator=g)
+    v[..., 5] *= 20
+    r = rotation_matrix("hadamard", 64)
+    plain = quant.dequantize_values(quant.quantize_values(v, 1, 64))
+    back = quant.dequantize_values(quant.quantize_values(v @ r, 1, 64)) @ r.T
+    assert (back - v).norm() < 0.8 * (plain - v).norm()
+    k = torch.randn(1, 2, 128, 64, generator=g)
+    rotated = quant.quantize_keys(k @ r, 1, 32)
+    q = torch.randn(1, 2, 3, 64, generator=g)
+    keys_back = quant.dequantize_keys(rotated) @ r.T
+    torch.testing.assert_close(quant.guide_scores(q @ r, rotated, 128), q @ keys_back.transpose(-1, -2),
+                               rtol=1e-4, atol=1e-3)
+    assert rotation_matrix("none", 64) is None
+    with pytest.raises(ValueError):
+        rotation_matrix("givens", 64)

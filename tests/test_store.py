@@ -605,3 +605,16 @@ def test_a_bf16_prefill_keys_its_own_entries(tiny_model):
     assert store_settings(cache, torch.float32, "tiny", torch.float32) == exact
     fast = store_settings(cache, torch.float32, "tiny", torch.bfloat16)
     assert fast["prefill"] == "bfloat16" and make_key(fast, [1, 2, 3]) != make_key(exact, [1, 2, 3])
+
+
+def test_a_rotated_guide_keys_its_own_entries(tiny_model):
+    """A guide of K R and V R is not interchangeable with a plain one: the rotation is in the key; a
+    guide without rotation keeps the key it had before rotations existed (entries stay valid)."""
+    def settings(**kw):
+        config = CacheConfig(mode="specache", k=16, group=32, residual=16, bits=1, **kw)
+        return store_settings(make_cache(tiny_model.config, config, 1, 64, torch.float32, torch.device("cpu")),
+                              torch.float32, "tiny")
+
+    plain, rotated = settings(rotation="none"), settings(rotation="hadamard")
+    assert "rotation" not in str(plain) and "hadamard" in str(rotated)
+    assert make_key(plain, [1, 2, 3]) != make_key(rotated, [1, 2, 3])

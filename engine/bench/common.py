@@ -9,7 +9,8 @@ window, ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``curren
 design's two-token speculative steps), ``both`` / ``spec`` (the fetch set is selected with the
 output token's attention as well as the speculative token's, or with the speculative token's
 alone), ``resync`` / ``noresync`` (re-sync a missed speculation by prompt lookup, or keep the
-paper's chain); these last four imply ``speculative``. Unset options keep the model's defaults
+paper's chain); these last four imply ``speculative``; ``had`` / ``norot`` (the guide's rotation:
+Hadamard or none; unset, the default for the bits). Unset options keep the model's defaults
 (bits, group, k, and the prefetch for the device: ``engine.plan.profiles.model_defaults``, what
 ``summarize``/``ask`` use) when the benches pass them, else engine.config.CacheConfig's, so
 ``specache`` is the setting users get. ``window`` without ``w<n>`` is sized to the device
@@ -47,6 +48,7 @@ EXAMPLES = Path(str(files("specache_examples")))  # examples/ of the checkout, o
 _OPTION = re.compile(r"^(?:(?P<bits>\d+)b|(?P<key>[kgrswc])(?P<val>\d+))$")
 _OPTION_FIELDS = {"k": "k", "g": "group", "r": "residual", "s": "sinks", "w": "window", "c": "chunk_size"}
 _OPTION_LETTERS = {field: letter for letter, field in _OPTION_FIELDS.items()}
+ROTATION_OPTIONS = {"had": "hadamard", "norot": "none"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
             continue
         if opt.lower() in ("resync", "noresync"):  # prompt-lookup re-sync after a missed speculation, or not
             fields["resync"] = opt.lower() == "resync"
+            continue
+        if opt.lower() in ROTATION_OPTIONS:  # the guide's transform (engine/kvcache/rotation.py)
+            fields["rotation"] = ROTATION_OPTIONS[opt.lower()]
             continue
         if opt.lower() in PREFETCH:
             fields["prefetch"] = opt.lower()

@@ -50,6 +50,7 @@ class FusedDecode:
         a.vc, a.vc_sb, a.vc_sh = values.codes.data_ptr(), values.codes.stride(0), values.codes.stride(1)
         a.vs, a.vz = values.scale.data_ptr(), values.zero.data_ptr()
         a.vs_sb, a.vs_sh = values.scale.stride(0), values.scale.stride(1)
+        a.rot = guide.rotation.data_ptr() if guide.rotation is not None else None  # the Guide keeps it alive
         for t in (layer.fidx, layer.fvalid, store.fk, store.fv, store.k, store.v, layer.sink_k, layer.res_k,
                   keys.codes, keys.scale, values.codes, values.scale):
             if not t.is_contiguous():

@@ -1,5 +1,6 @@
 """The guide of one layer: every quantized position's K and V in 1 or 2 bits (engine.kvcache.quant),
-preallocated for the planned length, filled a group of g tokens at a time."""
+preallocated for the planned length, filled a group of g tokens at a time, optionally of K R and V R
+for an orthogonal R (engine.kvcache.rotation: queries rotated in, the value output rotated back)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -8,6 +9,7 @@ import torch
 
 from engine.kvcache import quant
 from engine.kvcache.base import import_tensors
+from engine.kvcache.rotation import rotation_matrix
 from engine.kvcache.sizes import guide_bytes, guide_capacity
 
 
@@ -15,8 +17,9 @@ class Guide:
     """Quantized K [B, H_kv, L, D] (per-channel groups of g tokens) and V (per-token groups)."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, bits: int, group: int,
-                 device: torch.device):
+                 device: torch.device, rotation: str = "none"):
         cap = guide_capacity(max_len, group)
+        self.rotation = rotation_matrix(rotation, head_dim, device)  # R fp32 [D, D], or None
         self.keys = quant.empty_keys(batch, kv_heads, cap, head_dim, bits, group, device)
         self.values = quant.empty_values(batch, kv_heads, cap, head_dim, bits, min(group, head_dim), device)
         self.bits, self.group = bits, group
@@ -28,8 +31,11 @@ class Guide:
                        zero=self.keys.zero[row : row + 1])
         values = replace(self.values, codes=self.values.codes[row : row + 1],
                          scale=self.values.scale[row : row + 1], zero=self.values.zero[row : row + 1])
-        quant.quantize_keys_into(keys, k.to(keys.codes.device), start)
-        quant.quantize_values_into(values, v.to(values.codes.device), start)
+        k, v = k.to(keys.codes.device), v.to(values.codes.device)
+        if self.rotation is not None:  # [1, H_kv, n, D] @ R
+            k, v = k.float() @ self.rotation, v.float() @ self.rotation
+        quant.quantize_keys_into(keys, k, start)
+        quant.quantize_values_into(values, v, start)
 
     def copy_row(self, src: int, dst: int) -> None:
         """Row dst's guide becomes a copy of row src's."""
@@ -50,11 +56,14 @@ class Guide:
 
     def scores(self, q: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
         """q [b, H_kv, Q, D] against the first n quantized keys of rows -> [b, H_kv, Q, n] (unscaled)."""
+        if self.rotation is not None:
+            q = q.float() @ self.rotation  # (q R) . (k R) = q . k
         return quant.guide_scores(q, _rows(self.keys, rows), n)
 
     def weighted_values(self, p: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
         """p [b, H_kv, Q, n] times the first n quantized values of rows -> [b, H_kv, Q, D]."""
-        return quant.guide_weighted_values(p, _rows(self.values, rows), n)
+        out = quant.guide_weighted_values(p, _rows(self.values, rows), n)
+        return out if self.rotation is None else out @ self.rotation.T  # (p @ V R) R^T
 
     def bytes(self, tokens: int) -> int:
         """Storage of `tokens` quantized tokens (K and V, codes + fp16 scale and zero) of this layer."""

@@ -67,7 +67,7 @@ class GuidedLayer(CacheLayer):
         self.res_k = torch.zeros(batch, h, slots, d, dtype=dtype, device=device)  # [B, H_kv, W, D]
         self.res_v = torch.zeros_like(self.res_k)
         self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
-        self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device) if self.use_guide else None
+        self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device, config.guide_rotation) if self.use_guide else None
         self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
         self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
@@ -311,11 +311,15 @@ class GuidedLayer(CacheLayer):
         return sum(t.numel() * t.element_size() for t in tensors) // self.res_k.shape[0]
 
     def store_key(self) -> dict:
-        """A stored row depends on the window, the group, the sinks and the guide's width (None: no guide)."""
-        return {"residual": self.residual, "group": self.group, "sinks": self.sinks,
-                "bits": self.config.bits if self.guide is not None else None}
+        """A stored row depends on the window, the group, the sinks and the guide's width and rotation
+        (None: no guide; a guide without one keeps the key it had before rotations existed)."""
+        key = {"residual": self.residual, "group": self.group, "sinks": self.sinks,
+               "bits": self.config.bits if self.guide is not None else None}
+        if self.guide is not None and self.guide.rotation is not None:
+            key["rotation"] = self.config.guide_rotation
+        return key
 
     def run_stats(self, layers: list["GuidedLayer"]) -> dict:
         """Settings for --json."""
         return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,
-                "sinks": self.sinks}
+                "sinks": self.sinks, "rotation": self.config.guide_rotation if self.use_guide else None}

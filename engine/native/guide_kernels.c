@@ -1131,6 +1131,8 @@ typedef struct {
     const uint16_t *vs, *vz;
     int64_t vs_sb, vs_sh;
     float *out; /* [B, H, G*T, D] contiguous */
+    const float *rot; /* NULL, or the guide's rotation R [D, D] (engine/kvcache/rotation.py): the guide
+                       * holds K R and V R, so its scores take q R and its value output is rotated back */
 } DecodeArgs;
 
 /* The target's own vector width (VW floats, simd.h) as GCC vectors with int32 lanes beside them:
@@ -1333,6 +1335,18 @@ static void top_k(const float *val, int64_t m, int64_t k, int32_t *idx, int32_t 
         }
 }
 
+/* dst[i][e] = sum_d src[i][d] R[d][e] for m rows of D (R [D][D] row-major): the rows rotated. */
+static void rotate_rows(float *restrict dst, const float *restrict src, int64_t m, const float *restrict R, int64_t D) {
+    for (int64_t i = 0; i < m; i++) {
+        float *y = dst + i * D;
+        memset(y, 0, (size_t)D * sizeof(float));
+        for (int64_t d = 0; d < D; d++) {
+            const float x = src[i * D + d], *r = R + d * D;
+            for (int64_t e = 0; e < D; e++) y[e] += x * r[e];
+        }
+    }
+}
+
 /* Scratch floats one (b, h) item needs for up to L columns. */
 static size_t decode_scratch_floats(const DecodeArgs *a, int64_t L) {
     const int64_t Q = a->G * a->T, D = a->D, ng = D / a->gv;
@@ -1340,7 +1354,7 @@ static size_t decode_scratch_floats(const DecodeArgs *a, int64_t L) {
     const size_t vals = values_scratch_floats(ng) + 4 * (size_t)D + (size_t)(D + ng) * LANES; /* + acc, zacc */
     size_t big = keys > vals ? keys : vals;
     big = big > 2048 ? big : 2048; /* top_k's histogram */
-    return (size_t)Q * L + 4 * (size_t)L + (size_t)Q * D + 3 * (size_t)a->K + 2 * (size_t)Q + (size_t)Q * a->K
+    return (size_t)Q * L + 4 * (size_t)L + 2 * (size_t)Q * D + D + 3 * (size_t)a->K + 2 * (size_t)Q + (size_t)Q * a->K
            + (size_t)a->K / 4 + 1 + big + 64;
 }
 
@@ -1419,7 +1433,9 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     uint32_t *spill_u = (uint32_t *)(cidx + Lmax); /* [Lmax] top_k's spill */
     int32_t *spill_i = (int32_t *)(spill_u + Lmax);
     float *q = (float *)(spill_i + Lmax);       /* [Q][D] queries times the score scaling */
-    int64_t *fpos = (int64_t *)(q + Q * D);     /* [K] position of each fetched slot, -1 if unused */
+    float *qr = q + Q * D;                      /* [Q][D] q R: the guide's queries (rot), else unused */
+    float *gout = qr + Q * D;                   /* [D] one query's guide output before R^T (rot) */
+    int64_t *fpos = (int64_t *)(gout + D);      /* [K] position of each fetched slot, -1 if unused */
     float *fw = (float *)(fpos + a->K);         /* [K] a query's weights of the fetched slots */
     float *mx = fw + a->K, *zs = mx + Q;        /* [Q] each query's row maximum and sum of exponentials */
     float *exq = zs + Q;                        /* [Q][K] exact scores, then weights, of the chosen rows */
@@ -1428,6 +1444,11 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     work = (float *)(((uintptr_t)work + ALIGN - 1) / ALIGN * ALIGN);
     const float *q_in = a->q + b * a->q_sb + h * a->q_sh;
     for (int64_t i = 0; i < Q * D; i++) q[i] = q_in[i] * a->scaling;
+    const float *qg = q; /* the queries the guide's keys take */
+    if (a->rot && n > 0) {
+        rotate_rows(qr, q, Q, a->rot, D);
+        qg = qr;
+    }
     const float *sk = a->sink_k + r * a->sk_sb + h * a->sk_sh, *sv = a->sink_v + r * a->sk_sb + h * a->sk_sh;
     const float *rk = a->res_k + r * a->rk_sb + h * a->rk_sh, *rv = a->res_v + r * a->rk_sb + h * a->rk_sh;
     float *fk = a->fk + r * a->fk_sb + h * a->fk_sh, *fv = a->fv + r * a->fk_sb + h * a->fk_sh;
@@ -1448,7 +1469,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         const int64_t g = a->g;
         for (int64_t q0 = 0; q0 < Q; q0 += LANES) {
             const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
-            keys_item(q + q0 * D, D, nl, a->kc + r * a->kc_sb + h * a->kc_sh, a->ks + r * a->ks_sb + h * a->ks_sh,
+            keys_item(qg + q0 * D, D, nl, a->kc + r * a->kc_sb + h * a->kc_sh, a->ks + r * a->ks_sb + h * a->ks_sh,
                       a->kz + r * a->ks_sb + h * a->ks_sh, scores + q0 * Lmax, Lmax, 0, n / g, (int)D, (int)g,
                       (int)a->bits, work, keys_words(work, D, g));
         }
@@ -1548,7 +1569,12 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
                         values_words(vscr, ng));
             for (int l = 0; l < nl; l++) {
                 float *o = out + (q0 + l) * D;
-                for (int64_t d = 0; d < D; d++) o[d] += acc[d * LANES + l] + zacc[(d / a->gv) * LANES + l];
+                if (a->rot) { /* o += gout R^T: o[e] += sum_d gout[d] R[e][d] */
+                    for (int64_t d = 0; d < D; d++) gout[d] = acc[d * LANES + l] + zacc[(d / a->gv) * LANES + l];
+                    for (int64_t e = 0; e < D; e++) o[e] += dot(gout, a->rot + e * D, D);
+                } else {
+                    for (int64_t d = 0; d < D; d++) o[d] += acc[d * LANES + l] + zacc[(d / a->gv) * LANES + l];
+                }
             }
         }
     }
