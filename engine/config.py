@@ -38,6 +38,10 @@ class CacheConfig:
     # speculative token; current = one token per step that picks its own set from its guide
     # attention, then attends (the paper's non-speculative baseline: no transfer to hide on a CPU)
     prefetch: str = "speculative"
+    # specache, speculative: the output token ranks the guide with its own queries before it attends (as
+    # "current" does); the prefetched set keeps the positions it holds, the rest are fetched then (a
+    # synchronous fetch of what the speculation missed). False: the paper's set, chosen by the guess alone
+    correct: bool = True
     gamma: int | None = None  # exact: draft tokens per verification (None: adapted to the measured acceptance)
     # the guide's orthogonal transform (engine/kvcache/rotation.py): none or hadamard; None: the
     # default for the bits (DEFAULT_ROTATION, chosen from `bench fidelity`; guide_rotation reads it)

@@ -17,7 +17,8 @@ reference implementations give for them: the native library is disabled here
               tests/conftest.py: 6 query heads on 2 KV heads, head_dim 32): every buffer its
               DecodeArgs points to, its scalar fields, and the torch decode path's output
               (GuidedLayer.attend_decode) and selection weights, for prefetch speculative
-              (2 and 1 bit, select_both) and current (on cache row 1 of 2).
+              (2 and 1 bit, select_both, corrected -- the default -- and not, a hadamard-rotated guide)
+              and current (on cache row 1 of 2; rotated).
 
 The layer's state is written through its own API (update, commit: sinks, residual window,
 host store, quantization) from seeded random K/V, and the fetched set from seeded random
@@ -343,6 +344,8 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
                "fvalid": layer.fvalid, "store_k": store.k, "store_v": store.v, "kc": guide.keys.codes,
                "ks": guide.keys.scale, "kz": guide.keys.zero, "vc": guide.values.codes, "vs": guide.values.scale,
                "vz": guide.values.zero}
+    if guide.rotation is not None:  # R [D, D] (DecodeArgs.rot; absent: no rotation)
+        buffers["rot"] = guide.rotation
     for field, tensor in buffers.items():
         assert tensor.is_contiguous()
         c[field] = tensor.clone()
@@ -364,6 +367,8 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
     c["ref_out"] = out.transpose(1, 2).reshape(b, hkv, heads // hkv * t, d)
     c["ref_sel_w"] = captured[0]
     c["ref_fidx"], c["ref_fvalid"] = layer.fidx[rows], layer.fvalid[rows]
+    if config.correct and config.prefetch == "speculative" and t > 1:  # DecodeArgs.reuse summed: [2]
+        c["ref_reuse"] = torch.tensor([layer.reused, layer.reuse_total], dtype=torch.long)
     cache.close()
     return c
 
@@ -377,7 +382,14 @@ def fused_cases() -> list[Case]:
             _fused_case("fused:spec_1bit_k8_nosinks", base, dataclasses.replace(spec, bits=1, k=8, sinks=0),
                         slice(0, 2), 2, 1, seed=602),
             _fused_case("fused:current_row1", base, dataclasses.replace(spec, prefetch="current"), slice(1, 2), 1,
-                        None, seed=603)]
+                        None, seed=603),
+            _fused_case("fused:spec_uncorrected", base, dataclasses.replace(spec, correct=False), slice(0, 2), 2, 1,
+                        seed=604),
+            _fused_case("fused:spec_1bit_hadamard", base, dataclasses.replace(spec, bits=1, rotation="hadamard"),
+                        slice(0, 2), 2, 1, seed=605),
+            _fused_case("fused:current_hadamard", base,
+                        dataclasses.replace(spec, prefetch="current", rotation="hadamard"), slice(0, 2), 1, None,
+                        seed=606)]
 
 
 # -------------------------------------------------------------------------------- main

@@ -308,11 +308,56 @@ def test_resync_after_a_missed_speculation_uses_prompt_lookup():
 
 def test_resync_keeps_the_exactness_limit(tiny_model, reference):
     """Re-syncing changes which positions are fetched, never correctness: with k >= context the
-    output still equals DynamicCache's, with and without it."""
+    output still equals DynamicCache's, with and without it (and with and without the correction)."""
     ps, refs = reference
-    for resync in (True, False):
-        config = CacheConfig(mode="specache", k=4096, group=32, residual=16, resync=resync)
+    for resync, correct in ((True, True), (False, True), (True, False)):
+        config = CacheConfig(mode="specache", k=4096, group=32, residual=16, resync=resync, correct=correct)
         assert run(tiny_model, ps, config).tokens == refs
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_corrected_speculation_attends_with_the_output_tokens_own_set(tiny_model, monkeypatch, fused):
+    """The speculative decoder with the correction: the output token ranks the guide itself before it
+    attends, so its logits are those of prefetch current (the speculative token in the same pass
+    is after it, which it never sees), while the set the guess prefetched is what the step reuses
+    (the share reported as prefetch_reuse). Without the correction the logits differ."""
+    import engine.kvcache.guided
+
+    if not fused:
+        monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+    (prompt,) = prompts_of((300,))
+    forced = prompts_of((40,), seed=9)[0]
+    base = dict(mode="specache", k=8, bits=1, group=32, residual=16, sinks=2, chunk_size=64)
+
+    def forced_logits(**kw):
+        return torch.stack(list(Engine(tiny_model, CacheConfig(**base, **kw)).teacher_forced(prompt, forced)))
+
+    current = forced_logits(prefetch="current")
+    torch.testing.assert_close(forced_logits(prefetch="speculative", correct=True), current, rtol=1e-4, atol=1e-4)
+    assert (forced_logits(prefetch="speculative", correct=False) - current).abs().max() > 1e-2
+    stats = run(tiny_model, [prompt], CacheConfig(**base, correct=True)).cache_stats
+    assert stats["correct"] is True and 0 < stats["prefetch_reuse"] < 1
+    assert "prefetch_reuse" not in run(tiny_model, [prompt], CacheConfig(**base, correct=False)).cache_stats
+
+
+def test_corrected_rows_reuse_the_prefetched_rows_and_fetch_the_rest():
+    """HostStore.correct's merge: rows at the new positions, those the prefetch held taken from the
+    fetched rows (not the host: poisoned there), the others from the host store."""
+    from engine.kvcache.transfer import corrected_rows
+
+    g = torch.Generator().manual_seed(1)
+    host_k, host_v = torch.randn(1, 1, 50, 4, generator=g), torch.randn(1, 1, 50, 4, generator=g)
+    old_idx = torch.tensor([[[7, 3, 20, 0, 9]]])
+    old_valid = torch.tensor([[[True, True, True, False, True]]])
+    fk, fv = host_k[:, :, old_idx[0, 0]].clone(), host_v[:, :, old_idx[0, 0]].clone()
+    idx = torch.tensor([[[20, 11, 7, 40, 9]]])
+    poisoned_k, poisoned_v = host_k.clone(), host_v.clone()
+    poisoned_k[:, :, [20, 7, 9]] = float("nan")  # held by the prefetch: must not be read from the host
+    poisoned_v[:, :, [20, 7, 9]] = float("nan")
+    k, v, reused = corrected_rows(fk, fv, poisoned_k, poisoned_v, idx, old_idx, old_valid)
+    assert reused.tolist() == [[[True, False, True, False, True]]]
+    torch.testing.assert_close(k, host_k[:, :, idx[0, 0]], rtol=0, atol=0)
+    torch.testing.assert_close(v, host_v[:, :, idx[0, 0]], rtol=0, atol=0)
 
 
 def test_current_prefetch_keeps_the_limits_and_steps_one_token_at_a_time(tiny_model, reference, monkeypatch):

@@ -9,7 +9,9 @@ window, ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``curren
 design's two-token speculative steps), ``both`` / ``spec`` (the fetch set is selected with the
 output token's attention as well as the speculative token's, or with the speculative token's
 alone), ``resync`` / ``noresync`` (re-sync a missed speculation by prompt lookup, or keep the
-paper's chain); these last four imply ``speculative``; ``had`` / ``norot`` (the guide's rotation:
+paper's chain), ``correct`` / ``nocorrect`` (the output token's own ranking corrects the prefetched
+set before it attends, the missing positions fetched then; or the paper's set, the guess's alone);
+these last six imply ``speculative``; ``had`` / ``norot`` (the guide's rotation:
 Hadamard or none; unset, the default for the bits). Unset options keep the model's defaults
 (bits, group, k, and the prefetch for the device: ``engine.plan.profiles.model_defaults``, what
 ``summarize``/``ask`` use) when the benches pass them, else engine.config.CacheConfig's, so
@@ -95,6 +97,9 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
         if opt.lower() in ("resync", "noresync"):  # prompt-lookup re-sync after a missed speculation, or not
             fields["resync"] = opt.lower() == "resync"
             continue
+        if opt.lower() in ("correct", "nocorrect"):  # the output token corrects the prefetched set, or not
+            fields["correct"] = opt.lower() == "correct"
+            continue
         if opt.lower() in ROTATION_OPTIONS:  # the guide's transform (engine/kvcache/rotation.py)
             fields["rotation"] = ROTATION_OPTIONS[opt.lower()]
             continue
@@ -108,7 +113,7 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
             fields["bits"] = int(m.group("bits"))
         else:
             fields[_OPTION_FIELDS[m.group("key")]] = int(m.group("val"))
-    if ("select_both" in fields or "resync" in fields) and "prefetch" not in fields:
+    if ("select_both" in fields or "resync" in fields or "correct" in fields) and "prefetch" not in fields:
         fields["prefetch"] = "speculative"  # options of the speculative decoder imply it
     policy_fields(label, POLICIES[mode], fields)
     base = CacheConfig(mode=mode).with_overrides(**defaults)

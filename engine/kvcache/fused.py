@@ -37,6 +37,7 @@ class FusedDecode:
         a.residual, a.nthreads = layer.residual, native.threads()
         a.select_both = int(layer.config.select_both)
         a.current = int(layer.config.prefetch == "current")
+        a.correct = int(layer.config.prefetch == "speculative" and layer.config.correct and layer.topk > 0)
         a.qend = layer.qend.data_ptr()
         self._pair(a, ("sink_k", "sink_v", "sk"), layer.sink_k, layer.sink_v)
         self._pair(a, ("res_k", "res_v", "rk"), layer.res_k, layer.res_v)
@@ -83,7 +84,12 @@ class FusedDecode:
         a.scaling = scaling
         a.q, a.q_sb, a.q_sh = qg.data_ptr(), qg.stride(0), qg.stride(1)
         a.start, a.out = start.data_ptr(), out.data_ptr()
+        reuse = torch.zeros(b, a.H, 2, dtype=torch.long) if a.correct and step.n_new > 1 else None
+        a.reuse = reuse.data_ptr() if reuse is not None else None
         rc = native.lib().specache_decode_attention(ctypes.byref(a))
         if rc != 0:
             raise RuntimeError(f"native decode attention failed (rc {rc})")
+        if reuse is not None:
+            hit, total = reuse.sum(dim=(0, 1)).tolist()
+            self.layer.count_reuse(hit, total)
         return out

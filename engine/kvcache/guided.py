@@ -164,6 +164,9 @@ class GuidedLayer(CacheLayer):
     def select_current(self, scores, rscores, step: Step, nq: int, qend) -> None:
         """prefetch "current": pick this pass's own fetched set before it attends (nothing to pick here)."""
 
+    def correct_fetched(self, scores, rscores, step: Step, nq: int, qend) -> None:
+        """speculative with correct: the output token's own ranking corrects the prefetched set (nothing here)."""
+
     def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
         """Pick the next step's fetched set from this pass's attention and start fetching it (nothing here)."""
 
@@ -259,6 +262,8 @@ class GuidedLayer(CacheLayer):
         kf = self.topk if nq else 0
         if kf and self.config.prefetch == "current":  # this pass picks its own set first
             self.select_current(scores.masked_fill(out_of_rows, NEG_INF), rscores, step, nq, qend)
+        elif kf and self.config.correct:  # speculative: the output token corrects the prefetched set
+            self.correct_fetched(scores.masked_fill(out_of_rows, NEG_INF), rscores, step, nq, qend)
         if kf:
             fk, fv = self.store.fetched(rows)
             idx = torch.where(self.fvalid[rows], self.fidx[rows], nq)  # [b, H_kv, k]; invalid -> trash

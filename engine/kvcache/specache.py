@@ -29,6 +29,7 @@ class SpecacheLayer(GuidedLayer):
         super().__init__(shape, config, batch, max_len, dtype, device, transfer, topk=config.k, use_guide=True,
                          residual=config.residual, group=config.group)
         self.hits = self.hit_total = 0  # prefetch hit counts (config.measure_hits)
+        self.reused = self.reuse_total = 0  # corrected sets: slots the prefetch had brought, slots in all
 
     def count_hits(self, qg, rscores, idx, step: Step, nq: int, scaling: float) -> None:
         """Prefetch hit rate: the share of the output token's exact top-k guide positions (by exact
@@ -60,6 +61,30 @@ class SpecacheLayer(GuidedLayer):
         probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)
         self.fetch_top(probs[..., :nq].sum(dim=2), qend, step.rows)  # [b, H_kv, nq]
 
+    def correct_fetched(self, scores, rscores, step: Step, nq: int, qend) -> None:
+        """speculative with config.correct: the output token (new token 0) ranks the guide region by its
+        own attention with guide scores (sinks and residual exact), summed over its KV head's query
+        heads, as prefetch "current" does; that top-k becomes the fetched set before the pass attends.
+        The prefetch (chosen by the previous step's speculative token) supplies the positions it
+        holds; the others are fetched now (HostStore.correct). Counts the reuse."""
+        rows = step.rows
+        if nq <= self.sinks:
+            self.fvalid[rows] = False
+            return
+        b, h, g, t = scores.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
+        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)  # [b, H_kv, G*T, cols]
+        own = probs.view(b, h, g, t, -1)[:, :, :, 0, :nq].sum(dim=2)  # [b, H_kv, nq]
+        idx, valid = self.top_positions(own, qend)
+        reused = self.store.correct(rows, idx, self.fidx[rows], self.fvalid[rows])
+        if t > 1:  # a two-token step (the pre-decoding pass has no prefetched set yet)
+            self.count_reuse(int((reused & valid).sum()), int(valid.sum()))
+        self.fidx[rows], self.fvalid[rows] = idx, valid
+
+    def count_reuse(self, reused: int, total: int) -> None:
+        """Add one corrected pass's counts: slots the prefetch had brought, valid slots in all."""
+        self.reused += reused
+        self.reuse_total += total
+
     def select_and_prefetch(self, probs, step: Step, nq: int, n_res: int, qend, rpos) -> None:
         """Top-k positions of the selecting token (summed over its KV head's query heads), among those
         that will be in the guide at the next step; start fetching their exact K/V."""
@@ -84,6 +109,14 @@ class SpecacheLayer(GuidedLayer):
     def fetch_top(self, cand: torch.Tensor, bound: torch.Tensor, rows: slice) -> None:
         """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0) become the rows'
         fetched set; start fetching their exact K/V."""
+        idx, valid = self.top_positions(cand, bound)
+        self.fidx[rows] = idx
+        self.fvalid[rows] = valid
+        self.store.prefetch(rows, idx)
+
+    def top_positions(self, cand: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0), padded to the buffer's
+        k. -> (idx [b, H_kv, k] long, unused slots 0; valid [b, H_kv, k] bool)."""
         b, h = cand.shape[:2]
         pos = torch.arange(cand.shape[-1], device=cand.device)
         out_of_guide = (pos[None, :] >= bound[:, None]) | (pos[None, :] < self.sinks)  # [b, L]
@@ -96,16 +129,19 @@ class SpecacheLayer(GuidedLayer):
             pad = self.topk - n
             idx = torch.cat([idx, idx.new_zeros(b, h, pad)], dim=-1)
             valid = torch.cat([valid, valid.new_zeros(b, h, pad)], dim=-1)
-        self.fidx[rows] = idx
-        self.fvalid[rows] = valid
-        self.store.prefetch(rows, idx)
+        return idx, valid
 
     def run_stats(self, layers: list["SpecacheLayer"]) -> dict:
         """Settings, the prefetch mode and (with config.measure_hits) the measured hit rate."""
         stats = super().run_stats(layers)
         if self.topk:
             stats["prefetch"] = self.config.prefetch
+            if self.config.prefetch == "speculative":
+                stats["correct"] = self.config.correct
         if self.config.measure_hits:
             hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
             stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
+        reused, total = sum(x.reused for x in layers), sum(x.reuse_total for x in layers)
+        if total:  # corrected speculative sets: the share the prefetch had brought in time
+            stats["prefetch_reuse"] = round(reused / total, 4)
         return stats

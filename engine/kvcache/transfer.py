@@ -154,6 +154,16 @@ class HostStore:
             self.pending = False
         return self.fk[rows], self.fv[rows]
 
+    def correct(self, rows: slice, idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor) -> torch.Tensor:
+        """Make the fetched set hold the exact K/V at idx [b, H_kv, k] now (a synchronous fetch), reusing the
+        rows that the prefetch of old_idx (valid where old_valid) brought: only the missing positions cross
+        from the host. -> reused [b, H_kv, k] bool: the slots the prefetch had already brought."""
+        n = idx.shape[-1]
+        fk, fv = self.fetched(rows)
+        k, v, reused = corrected_rows(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx, old_valid)
+        fk[:, :, :n], fv[:, :, :n] = k, v
+        return reused
+
     def host_bytes(self, tokens: int) -> int:
         """Bytes of exact K and V held for `tokens` tokens of this layer."""
         return 2 * tokens * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
@@ -306,6 +316,36 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None
         torch.index_select(src.view(-1, d), 0, flat, out=out.view(-1, d))
     else:
         out.copy_(src.reshape(-1, d).index_select(0, flat).view(out.shape))
+
+
+def corrected_rows(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor, idx: torch.Tensor,
+                   old_idx: torch.Tensor, old_valid: torch.Tensor):
+    """The exact K/V rows at positions idx [b, H_kv, k]: from the fetched rows fk/fv [b, H_kv, k, D] (of
+    positions old_idx where old_valid) where they hold the position, else from the host store host_k/v
+    [b, H_kv, L, D], only those crossing to the fetched rows' device (compacted: missing slots first,
+    as many as the most of any head). -> (k rows, v rows [b, H_kv, k, D], reused [b, H_kv, k] bool)."""
+    b, h, n = idx.shape
+    d, dev = fk.shape[-1], fk.device
+    top = int(max(int(idx.max()), int(old_idx.max()))) + 1  # one trash column at `top` for unused slots
+    slot = torch.full((b, h, top + 1), -1, dtype=torch.long, device=dev)  # position -> slot holding it
+    slot.scatter_(-1, torch.where(old_valid, old_idx, top), torch.arange(old_idx.shape[-1], device=dev).expand(b, h, -1))
+    where = slot.gather(-1, idx)  # [b, H_kv, k]
+    reused = where >= 0
+    rows = where.clamp(min=0)[..., None].expand(-1, -1, -1, d)
+    k, v = fk.gather(2, rows), fv.gather(2, rows)
+    missing = ~reused
+    m = int(missing.sum(-1).max())
+    if m:
+        order = torch.argsort(missing.to(torch.int8), dim=-1, descending=True, stable=True)[..., :m]  # [b, H_kv, m]
+        pos = idx.gather(-1, order).to(host_k.device)
+        got_k = torch.empty(b, h, m, d, dtype=host_k.dtype, device=host_k.device)
+        got_v = torch.empty_like(got_k)
+        gather_rows(host_k, pos, got_k)
+        gather_rows(host_v, pos, got_v)
+        at = order[..., None].expand(-1, -1, -1, d)
+        k.scatter_(2, at, got_k.to(dev, non_blocking=True))
+        v.scatter_(2, at, got_v.to(dev, non_blocking=True))
+    return k, v, reused
 
 
 class PrefetchWorker:

@@ -74,7 +74,7 @@ class DecodeArgs(ctypes.Structure):
                    ("store_k", _P), ("store_v", _P), ("st_sb", _I64), ("st_sh", _I64),
                    ("kc", _P), ("kc_sb", _I64), ("kc_sh", _I64), ("ks", _P), ("kz", _P), ("ks_sb", _I64), ("ks_sh", _I64),
                    ("vc", _P), ("vc_sb", _I64), ("vc_sh", _I64), ("vs", _P), ("vz", _P), ("vs_sb", _I64), ("vs_sh", _I64),
-                   ("out", _P), ("rot", _P)])
+                   ("out", _P), ("rot", _P), ("correct", _I64), ("reuse", _P)])
 
 
 class PrefillArgs(ctypes.Structure):

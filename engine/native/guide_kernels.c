@@ -1133,6 +1133,10 @@ typedef struct {
     float *out; /* [B, H, G*T, D] contiguous */
     const float *rot; /* NULL, or the guide's rotation R [D, D] (engine/kvcache/rotation.py): the guide
                        * holds K R and V R, so its scores take q R and its value output is rotated back */
+    int64_t correct;  /* speculative, corrected: new token 0 picks the pass's set from its own guide attention
+                       * and reads it from the host store (as current does); fidx / fvalid (the prefetched
+                       * set, what fk / fv hold) are left for step 5 */
+    int64_t *reuse;   /* NULL, or [B, H, 2]: of the set token 0 picked, the positions the prefetch held, and all */
 } DecodeArgs;
 
 /* The target's own vector width (VW floats, simd.h) as GCC vectors with int32 lanes beside them:
@@ -1459,7 +1463,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
      * attention and reads those rows straight from the store, without copying them into the
      * fetched buffers; the exponentials of the selection pass are reused for the softmax.
      * Otherwise the fetched slots hold the positions fpos (-1: unused). */
-    const int direct = a->current && a->K > 0 && n > 0;
+    const int direct = (a->current || a->correct) && a->K > 0 && n > 0;
     const int use_fetched = n > 0 && a->K > 0 && !direct;
     if (use_fetched)
         for (int64_t j = 0; j < a->K; j++) fpos[j] = fvalid[j] && fidx[j] >= S && fidx[j] < n ? fidx[j] : -1;
@@ -1491,13 +1495,25 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
             exp_shifted(row, L, mx[i]);
             zs[i] = reduce16(row, L, 0);
             const float inv = 1.0f / zs[i];
-            for (int64_t l = 0; l < n; l++) agg[l] += row[l] * inv;
+            if (i % T == 0) /* token 0's queries choose (current: T = 1, all of them) */
+                for (int64_t l = 0; l < n; l++) agg[l] += row[l] * inv;
         }
         chosen = select_top(a, agg, n, cidx, spill_u, spill_i, work);
-        for (int64_t j = 0; j < a->K; j++) {
-            fidx[j] = j < chosen ? cidx[j] : 0;
-            fvalid[j] = j < chosen;
+        if (a->reuse) { /* how many of the chosen positions the prefetched set holds */
+            uint8_t *held = (uint8_t *)spill_u; /* [n] (the spill is free until fetch_top) */
+            memset(held, 0, (size_t)n);
+            for (int64_t j = 0; j < a->K; j++)
+                if (fvalid[j] && fidx[j] >= 0 && fidx[j] < n) held[fidx[j]] = 1;
+            int64_t hit = 0;
+            for (int64_t j = 0; j < chosen; j++) hit += held[cidx[j]];
+            a->reuse[(b * a->H + h) * 2] = hit;
+            a->reuse[(b * a->H + h) * 2 + 1] = chosen;
         }
+        if (!a->correct)
+            for (int64_t j = 0; j < a->K; j++) {
+                fidx[j] = j < chosen ? cidx[j] : 0;
+                fvalid[j] = j < chosen;
+            }
         dots_gather(q, Q, a->store_k + r * a->st_sb + h * a->st_sh, cidx, chosen, D, exq, a->K);
         for (int64_t i = 0; i < Q; i++) {
             float *row = scores + i * Lmax, *ex = exq + i * a->K;

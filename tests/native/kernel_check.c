@@ -77,6 +77,12 @@ typedef struct {
     const uint16_t *vs, *vz;
     int64_t vs_sb, vs_sh;
     float *out; /* [B, H, G*T, D] contiguous */
+    const float *rot; /* NULL, or the guide's rotation R [D, D] (engine/kvcache/rotation.py): the guide
+                       * holds K R and V R, so its scores take q R and its value output is rotated back */
+    int64_t correct;  /* speculative, corrected: new token 0 picks the pass's set from its own guide attention
+                       * and reads it from the host store (as current does); fidx / fvalid (the prefetched
+                       * set, what fk / fv hold) are left for step 5 */
+    int64_t *reuse;   /* NULL, or [B, H, 2]: of the set token 0 picked, the positions the prefetch held, and all */
 } DecodeArgs;
 int specache_decode_attention(const DecodeArgs *a);
 
@@ -414,7 +420,7 @@ static void check_guide(const char *cas, int values) {
 #define DECODE_I64(X)                                                                                                  \
     X(B) X(H) X(G) X(T) X(D) X(S) X(K) X(bits) X(g) X(gv) X(row0) X(select) X(keep) X(residual) X(select_both)        \
     X(current) X(q_sb) X(q_sh) X(sk_sb) X(sk_sh) X(rk_sb) X(rk_sh) X(fk_sb) X(fk_sh) X(fi_sb) X(fi_sh) X(st_sb)       \
-    X(st_sh) X(kc_sb) X(kc_sh) X(ks_sb) X(ks_sh) X(vc_sb) X(vc_sh) X(vs_sb) X(vs_sh)
+    X(st_sh) X(kc_sb) X(kc_sh) X(ks_sb) X(ks_sh) X(vc_sb) X(vc_sh) X(vs_sb) X(vs_sh) X(correct)
 
 typedef struct { float *fk, *fv, *out; int64_t *fidx; uint8_t *fvalid; } DecodeRun;
 
@@ -517,7 +523,8 @@ static void check_fused(const char *cas) {
                *ref = get(cas, "ref_out", 'f', 4);
     if (missing) return;
     const Blob *sel = find(cas, "ref_sel_w"), *ref_fidx = find(cas, "ref_fidx"),
-               *ref_fvalid = find(cas, "ref_fvalid");
+               *ref_fvalid = find(cas, "ref_fvalid"), *rot = find(cas, "rot"), *ref_reuse = find(cas, "ref_reuse");
+    if (rot) a.rot = F32(rot);
     a.scaling = *F32(scaling);
     a.q = F32(q), a.start = start->data, a.qend = qend->data, a.sink_k = F32(sink_k), a.sink_v = F32(sink_v);
     a.res_k = F32(res_k), a.res_v = F32(res_v), a.store_k = F32(store_k), a.store_v = F32(store_v);
@@ -529,8 +536,9 @@ static void check_fused(const char *cas) {
         return;
     }
     char msg[512], what[512];
-    snprintf(what, sizeof what, "%s decode_attention %s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
-             a.current ? "prefetch current" : "speculative", a.select_both ? " select_both" : "", (long long)a.bits,
+    snprintf(what, sizeof what, "%s decode_attention %s%s%s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
+             a.current ? "prefetch current" : "speculative", a.select_both ? " select_both" : "",
+             a.correct ? " corrected" : "", a.rot ? " rotated" : "", (long long)a.bits,
              (long long)a.row0, (long long)(a.row0 + a.B - 1), (long long)a.T);
     DecodeRun run[2];
     for (int t = 0; t < 2; t++) {
@@ -541,7 +549,19 @@ static void check_fused(const char *cas) {
         memcpy(r->fidx, fidx->data, fidx->nbytes), memcpy(r->fvalid, fvalid->data, fvalid->nbytes);
         a.fk = r->fk, a.fv = r->fv, a.fidx = r->fidx, a.fvalid = r->fvalid, a.out = r->out;
         a.nthreads = THREADS[t];
+        int64_t *reuse = a.correct && a.T > 1 ? calloc((size_t)(a.B * a.H * 2), sizeof(int64_t)) : NULL;
+        a.reuse = reuse;
         const int rc = specache_decode_attention(&a);
+        if (reuse && ref_reuse) { /* the counts of prefetch_reuse: the torch path's sums */
+            int64_t hit = 0, all = 0;
+            for (int64_t i = 0; i < a.B * a.H; i++) hit += reuse[2 * i], all += reuse[2 * i + 1];
+            const int64_t *want = ref_reuse->data;
+            check(hit == want[0] && all == want[1],
+                  "%s, threads %d: reuse counts %lld of %lld (torch path: %lld of %lld)", what, THREADS[t],
+                  (long long)hit, (long long)all, (long long)want[0], (long long)want[1]);
+        }
+        free(reuse);
+        a.reuse = NULL;
         int ok = rc == 0 && close_to(r->out, F32(ref), nout, 1e-4, 1e-4, msg, sizeof msg);
         if (rc) snprintf(msg, sizeof msg, "returned %d", rc);
         const int guard = guard_ok(r->out, nout);
