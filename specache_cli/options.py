@@ -51,6 +51,10 @@ class CacheOptions:
         "--prefetch", help="specache: speculative (two tokens per step, the next step's exact K/V fetched while "
         "this one computes; default on a GPU) or current (one token per step fetches its own; default on a CPU, "
         "where there is no transfer to hide).")] = None
+    correct: Annotated[Optional[bool], typer.Option(
+        "--correct/--no-correct", help="specache, speculative prefetch: the output token ranks the guide with its "
+        "own queries before it attends and fetches what the prefetch missed (default); --no-correct: the paper's "
+        "set, chosen by the speculative guess alone (no fetch on the critical path).")] = None
     rotation: Annotated[Optional[str], typer.Option(
         "--rotation", help="Guide transform: none or hadamard (K, V and the queries rotated before the guide "
         "quantizes them; exact parts untouched). Default: the one `bench fidelity` chose for the bits.")] = None

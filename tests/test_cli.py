@@ -62,7 +62,13 @@ def test_prefetch_defaults_to_current_on_the_cpu_and_can_be_speculative(cli):
     assert json.loads(r.stdout)["cache"]["prefetch"] == "current"  # the host store is this device's own RAM
     r = cli(*args, "--prefetch", "speculative")
     assert r.exit_code == 0, r.stderr
-    assert json.loads(r.stdout)["cache"]["prefetch"] == "speculative"
+    cache = json.loads(r.stdout)["cache"]
+    assert cache["prefetch"] == "speculative" and cache["correct"] is True  # corrected by default
+    assert 0 < cache["prefetch_reuse"] <= 1  # the share of the corrected sets the prefetch had brought
+    r = cli(*args, "--prefetch", "speculative", "--no-correct", "--rotation", "hadamard")
+    assert r.exit_code == 0, r.stderr
+    cache = json.loads(r.stdout)["cache"]
+    assert cache["correct"] is False and cache["rotation"] == "hadamard" and "prefetch_reuse" not in cache
 
 
 def test_jsonl_one_line_per_document_and_stdin(cli):
@@ -109,6 +115,7 @@ def test_ask_several_questions(cli):
     (["summarize", str(DATA / "sample.txt"), "--cache", "nope"], 2, "--cache"),
     (["summarize", str(DATA / "sample.txt"), "--strategy", "nope"], 2, "--strategy"),
     (["summarize", str(DATA / "sample.txt"), "--prefetch", "later"], 2, "--prefetch"),
+    (["summarize", str(DATA / "sample.txt"), "--rotation", "fourier"], 2, "--rotation"),
     (["summarize", str(DATA / "sample.txt"), "--max-tokens", "0"], 2, "--max-tokens"),
     (["ask", "--doc", str(DATA / "sample.txt")], 2, "question"),
 ])
