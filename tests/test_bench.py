@@ -138,6 +138,9 @@ def test_fidelity_quick(bench):
     raw = rows["specache-speculative"]["selection"]
     assert raw["samples"] > 0 and 0.0 <= raw["speculation_hit_rate"] <= 1.0 and 0 < raw["region_mass"] <= 1.0
     assert len(raw["per_layer"]) == 2
+    # corrected speculation (the default): the share of the used sets the prefetch had brought; current has none
+    assert 0 < per["specache-speculative"]["prefetch_reuse"] <= 1 and per["specache"]["prefetch_reuse"] is None
+    assert "Prefetch reuse" in md
     assert per["kivi-1b"].get("selection") is None and rows["window"]["selection"] is None
     # on a CPU the default prefetch is current: each pass fetched its own set (no speculative token)
     assert result["modes"][-1]["config"]["prefetch"] == "current"

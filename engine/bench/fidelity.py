@@ -343,6 +343,8 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
                    "teacher_forced": forced, "free_running": compare_tokens(ref_tokens, tokens_m),
                    "selection": selection, "device_bytes": stats.get("device_bytes"),
                    "host_bytes": stats.get("host_bytes"), "full_fp16_bytes": stats.get("full_fp16_bytes"),
+                   # corrected speculative prefetch (free run): the share of each step's set the prefetch had brought
+                   "prefetch_reuse": stats.get("prefetch_reuse"),
                    "reference_text": tok.decode(ref_tokens, skip_special_tokens=True),
                    "text": tok.decode(tokens_m, skip_special_tokens=True),
                    "seconds": round(time.perf_counter() - t0, 2)}
@@ -352,6 +354,8 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
             if selection:
                 f = selection["selectors"]["fetched"]
                 sel = f", coverage {f['coverage']:.3f} ({f['coverage_vs_oracle']:.3f} of oracle)"
+            if row["prefetch_reuse"] is not None:
+                sel += f", prefetch reuse {row['prefetch_reuse']:.3f}"
             yield BenchProgress(f"fidelity {src} {spec.label}: top-1 {forced['top1_agreement']:.3f}, "
                                 f"KL {forced['mean_kl']:.4f}{sel} ({row['seconds']:.1f} s)", done, total)
     result["rows"] = rows
@@ -374,6 +378,7 @@ def summarize(rows: list[dict], modes: Sequence[ModeSpec]) -> dict:
             "device_bytes": mean([r["device_bytes"] for r in mine]),
             "device_fraction_of_fp16": mean([r["device_bytes"] / r["full_fp16_bytes"] for r in mine
                                              if r["full_fp16_bytes"]]),
+            "prefetch_reuse": mean([r["prefetch_reuse"] for r in mine if r.get("prefetch_reuse") is not None]),
         }
         sels = [r["selection"] for r in mine if r["selection"]]
         if sels:

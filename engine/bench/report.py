@@ -51,9 +51,14 @@ def fidelity_markdown(r: dict) -> str:
     for m in r["modes"]:
         e = r["per_mode"][m["label"]]
         rows.append([m["label"], fmt(e["top1_agreement"]), fmt(e["mean_kl"], 4), fmt(e["identical_prefix"], 1),
-                     fmt(e["equal_share"]), _mib(e["device_bytes"]), fmt(e["device_fraction_of_fp16"])])
+                     fmt(e["equal_share"]), _mib(e["device_bytes"]), fmt(e["device_fraction_of_fp16"]),
+                     fmt(e.get("prefetch_reuse"))])
     out.append(md_table(["mode", "teacher-forced top-1", "mean KL", "free-run identical prefix (tokens)",
-                         "free-run equal tokens", "device MiB", "device / fp16 full"], rows) + "\n")
+                         "free-run equal tokens", "device MiB", "device / fp16 full", "prefetch reuse"], rows) + "\n")
+    if any(r["per_mode"][m["label"]].get("prefetch_reuse") is not None for m in r["modes"]):
+        out.append("Prefetch reuse (speculative with correction, the default): the share of each step's exact set, "
+                   "chosen by the output token's own guide ranking, that the previous step's speculative prefetch had "
+                   "already fetched; the rest is fetched when the step needs it.\n")
     sel_modes = [m for m in r["modes"] if r["per_mode"][m["label"]].get("selection")]
     if sel_modes:
         out.append("## Selection quality (recall / attention-mass coverage of the guide region)\n")

@@ -2,7 +2,10 @@
 ``specache_decode_attention`` does what ``GuidedLayer.attend_decode`` and ``select_and_prefetch``
 do with ~30 torch ops (guide scores, exact scores at sinks / fetched / residual positions, one
 softmax, exact + guide values, top-k selection and the gather of the next fetched set), without
-the intermediate tensors. Same semantics; results agree to float rounding (the top-k may order
+the intermediate tensors; with a guide rotation it rotates the queries in and the guide's value
+output back (DecodeArgs.rot), and in the corrected speculative mode (DecodeArgs.correct) the output
+token picks its own set first, as prefetch "current" does, counting how much of it the prefetch held
+(DecodeArgs.reuse -> SpecacheLayer.count_reuse). Same semantics; results agree to float rounding (the top-k may order
 ties differently). The torch path stays the reference, and runs on CUDA, without the native
 library, for window mode, when the prefetch hit rate is measured, and for a softcapped layer
 (Gemma 2: the native call has no softcap; GuidedLayer.attend_decode decides).
