@@ -74,6 +74,24 @@ def counting_fused(monkeypatch) -> list[int]:
     return calls
 
 
+def forced_and_guides(engine_, prompt, forced) -> tuple[torch.Tensor, list[int]]:
+    """Teacher-forced logits [steps, vocab] and, per step, a fingerprint of every layer's guide codes
+    as that step's pass read them."""
+    caches, prints, out = [], [], []
+    new_cache = engine_.new_cache
+
+    def keep(*args, **kwargs):
+        caches.append(new_cache(*args, **kwargs))
+        return caches[-1]
+
+    engine_.new_cache = keep
+    for logits in engine_.teacher_forced(prompt, forced):
+        out.append(logits)
+        guides = [layer.guide for layer in caches[0].layers if getattr(layer, "guide", None) is not None]
+        prints.append(hash(b"".join(t.numpy().tobytes() for g in guides for t in (g.keys.codes, g.values.codes))))
+    return torch.stack(out), prints
+
+
 CONFIGS = [CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64),
            CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=0, chunk_size=64),
            CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64),
@@ -95,17 +113,23 @@ def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     (prompt,) = prompts_of((300,))
     forced = prompts_of((40,), seed=9)[0]  # forced tokens cross quantization boundaries as they go
     calls = counting_fused(monkeypatch)
-    fused = torch.stack(list(Engine(tiny_model, config).teacher_forced(prompt, forced)))
+    fused, fused_guides = forced_and_guides(Engine(tiny_model, config), prompt, forced)
     assert calls[0] > 0, "the fused path did not run"
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
-    plain = torch.stack(list(Engine(tiny_model, config).teacher_forced(prompt, forced)))
+    plain, plain_guides = forced_and_guides(Engine(tiny_model, config), prompt, forced)
     assert fused.shape == (len(forced), tiny_model.config.vocab_size)
-    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    # The two paths' outputs differ by float rounding, and so do the K/V of the tokens after them: a
+    # value that sits on a quantization step can then take the next code in one run (seen with the
+    # x86-64-v4 build at step 37), and from there the runs read different guides. Compare the steps
+    # whose passes read the same guide codes; the first quantization boundary comes at step 4.
+    same = next((i for i, (a, b) in enumerate(zip(fused_guides, plain_guides)) if a != b), len(forced))
+    assert same >= 30, f"the guides parted at step {same}"
+    torch.testing.assert_close(fused[:same], plain[:same], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.kernels
 @needs_native
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[4]], ids=["speculative", "current"])
 def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypatch, config):
     prompts = prompts_of((150, 97, 260))
     gen = GenerationConfig(max_tokens=24)
@@ -116,7 +140,7 @@ def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypa
 
 
 @needs_native
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[4]], ids=["speculative", "current"])
 def test_fused_results_do_not_depend_on_the_thread_count(tiny_model, monkeypatch, config):
     """Each (row, head) item of a pass runs whole in one thread: the logits are the same floats for
     1, 2 and 3 threads (2 KV heads: 3 threads leave one idle, 2 give one item each)."""
@@ -131,7 +155,7 @@ def test_fused_results_do_not_depend_on_the_thread_count(tiny_model, monkeypatch
 
 @pytest.mark.kernels
 @needs_native
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[-1]], ids=["speculative", "current"])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[4]], ids=["speculative", "current"])
 def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, config):
     """The fused path copies only newly selected rows into freed slots: every valid slot must still
     hold the host store's exact K/V at its position, and the positions must be distinct. With
