@@ -144,21 +144,58 @@ static inline float fp16_to_float(uint16_t h) {
     return f;
 }
 
-/* The superblock at p: codes[256] = q - 32 (int8, -32..31, in weight order) and scale[16] = d * sc. */
+/* codes[256] = q - 32 (int8, -32..31, in weight order) of a superblock's ql[128] and qh[64]. Per half h, the
+ * 32 bytes L0 = ql[64 h ..], L1 = ql[64 h + 32 ..] and H = qh[32 h ..] give its four quarters as
+ *   c 0: L0 & 15 | (H << 4) & 0x30    c 1: L1 & 15 | (H << 2) & 0x30
+ *   c 2: L0 >> 4 | H & 0x30           c 3: L1 >> 4 | (H >> 2) & 0x30
+ * (x86 shifts 16-bit lanes: the masks drop the bits a shift moves across bytes). */
+INLINE void q6k_codes(const uint8_t *ql, const uint8_t *qh, int8_t codes[Q6K_WEIGHTS]) {
+#if defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        const __m256i c[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2)),
+            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2))};
+        for (int q = 0; q < 4; q++)
+            _mm256_storeu_si256((__m256i *)(codes + 128 * h + 32 * q), _mm256_sub_epi8(c[q], off));
+    }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    const uint8x16_t m4 = vdupq_n_u8(15), m2 = vdupq_n_u8(0x30), off = vdupq_n_u8(32);
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 32; t += 16) { /* bytes t .. t + 15 of each quarter */
+            const uint8x16_t l0 = vld1q_u8(ql + 64 * h + t), l1 = vld1q_u8(ql + 64 * h + 32 + t);
+            const uint8x16_t hb = vld1q_u8(qh + 32 * h + t);
+            const uint8x16_t c[4] = {vorrq_u8(vandq_u8(l0, m4), vandq_u8(vshlq_n_u8(hb, 4), m2)),
+                                     vorrq_u8(vandq_u8(l1, m4), vandq_u8(vshlq_n_u8(hb, 2), m2)),
+                                     vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(hb, m2)),
+                                     vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(vshrq_n_u8(hb, 2), m2))};
+            for (int q = 0; q < 4; q++) vst1q_s8(codes + 128 * h + 32 * q + t, vreinterpretq_s8_u8(vsubq_u8(c[q], off)));
+        }
+#else
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *lo = ql + 64 * h + 32 * (c & 1), *hi = qh + 32 * h;
+            int8_t *out = codes + 128 * h + 32 * c;
+            for (int t = 0; t < 32; t++)
+                out[t] = (int8_t)((((lo[t] >> (4 * (c >> 1))) & 15) | (((hi[t] >> (2 * c)) & 3) << 4)) - 32);
+        }
+#endif
+}
+
+/* The superblock at p: codes[256] = q - 32 (q6k_codes) and scale[16] = d * sc (exact). */
 INLINE void q6k_superblock(const uint8_t *p, int8_t codes[Q6K_WEIGHTS], float scale[16]) {
-    const uint8_t *ql = p, *qh = p + 128;
     const int8_t *sc = (const int8_t *)(p + 192);
     uint16_t dh;
     memcpy(&dh, p + 208, 2);
     const float d = fp16_to_float(dh);
     for (int s = 0; s < 16; s++) scale[s] = d * (float)sc[s];
-    for (int h = 0; h < 2; h++)
-        for (int c = 0; c < 4; c++) {
-            const uint8_t *lo = ql + 64 * h + 32 * (c & 1), *hi = qh + 32 * h;
-            int8_t *out = codes + 128 * h + 32 * c;
-            for (int t = 0; t < 32; t++) /* (a byte-wide loop the compiler vectorizes) */
-                out[t] = (int8_t)((((lo[t] >> (4 * (c >> 1))) & 15) | (((hi[t] >> (2 * c)) & 3) << 4)) - 32);
-        }
+    q6k_codes(p, p + 128, codes);
 }
 
 /* The 32 weights of one chunk (codes and its two scales from q6k_superblock) as NV vectors:
