@@ -182,6 +182,9 @@ def test_header_reader_agrees_with_the_gguf_package_and_chunks_rebuild_whole(tmp
         assert np.array_equal(tf.raw(name), raw)
         whole = gguf_files.held_from_file(tf, name)
         assert torch.equal(whole.unpack(), torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32)))
+        if native.native_available() and kind in NATIVE:  # the decode kernel reads the whole, joined buffers
+            x = torch.randn(2, 512)
+            assert torch.equal(whole.decode(x, None), native_linear(x, whole.unpack(), None))
         order = np.arange(40)[::-1].copy()
         assert torch.equal(gguf_files.held_from_file(tf, name, order).unpack(), whole.unpack()[order])
 
