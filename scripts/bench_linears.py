@@ -9,7 +9,13 @@ were built for ($SPECACHE_NATIVE_ARCH) and the path each row class takes in the 
 calibration, engine/native/calibrate.py), and the read bound: the time to read the packed weights
 once at this machine's read bandwidth, measured as torch.sum over 512 MiB on the same thread count.
 
-    python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7] [--threads 1]
+With --q6k N it times instead one decode call of a random GGUF Q6_K weight [N, 4096] (an output
+layer: N 128256 for a Llama 3 vocabulary) held in its blocks (engine.model.linears.Q6KWeight),
+three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
+tiles rebuilt by the native specache_unpack and multiplied, and the native decode kernel on the
+blocks; medians in ms and GB/s of Q6_K bytes, and whether the kernel gives the fp32 kernel's floats.
+
+    python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7] [--threads 1] [--q6k 128256]
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.model.linears import (  # noqa: E402
+    Q6KWeight,
     SkinnyLinear,
     native_linear,
     packed_linear,
@@ -44,15 +51,66 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
+def random_q6k(n: int, k: int, seed: int = 0) -> Q6KWeight:
+    """A Q6_K weight [n, k] of random codes and int8 scales under an fp16 d of either sign, about 1e-3."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * k // 256, 210), generator=g, dtype=torch.uint8)
+    raw[:, 208:210] = (torch.randn(len(raw), generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
+    return Q6KWeight(raw.view(n, -1), (n, k))
+
+
+class _TorchTiles:
+    """A Q6_K weight whose tiles torch rebuilds (Q6KWeight.torch_rows: what runs without the native library)."""
+
+    def __init__(self, held: Q6KWeight):
+        self.shape, self.rows = held.shape, held.torch_rows
+
+
+def bench_q6k(n: int, rows_list: list[int], repeats: int) -> None:
+    """One decode call of a random Q6_K weight [n, 4096], three ways (module docstring)."""
+    held = random_q6k(n, 4096)
+    print(f"Q6_K weight [{n}, 4096]: {held.nbytes / 1e6:.0f} MB of blocks ({held.nbytes * 8 / (n * 4096):.2f} bits "
+          f"a weight; fp32 {n * 4096 * 4 / 1e6:.0f} MB)")
+    lins = {}
+    for name, h in (("torch tiles", _TorchTiles(held)), ("native tiles", held), ("native kernel", held)):
+        lin = SkinnyLinear(4096, n, bias=False)
+        lin.weight, lin.held = None, h
+        lins[name] = lin
+    ways = {"torch tiles": lambda x: lins["torch tiles"].tiled_forward(x, None),
+            "native tiles": lambda x: lins["native tiles"].tiled_forward(x, None),
+            "native kernel": lambda x: held.decode(x, None)}
+    print(f"{'rows':>4} " + " ".join(f"{w:>22}" for w in ways) + "   kernel == fp32 kernel")
+    for rows in rows_list:
+        x = torch.randn(rows, 4096)
+        times = {w: [] for w in ways}
+        for i in range(repeats):
+            for name, fn in ways.items():
+                if name != "native kernel" and i >= max(3, repeats // 2):
+                    continue  # the slow ways: fewer runs
+                t = time.perf_counter()
+                fn(x)
+                times[name].append(time.perf_counter() - t)
+        med = {w: statistics.median(v) for w, v in times.items()}
+        part = held.rows(0, 512)  # the first 512 output rows, checked bit for bit
+        same = torch.equal(held.decode(x, None)[:, :512], native_linear(x, part, None))
+        print(f"{rows:>4} " + " ".join(f"{med[w] * 1000:>9.1f} ms {held.nbytes / med[w] / 1e9:>6.2f} GB/s" for w in ways)
+              + f"   {same}")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--q6k", type=int, metavar="N", help="time a random Q6_K weight [N, 4096] instead (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     print(f"CPU: {calibrate.describe_line()}")
+    if args.q6k:
+        bench_q6k(args.q6k, args.rows, args.repeats)
+        return
     gbs = read_bandwidth()
     lm = load_model(device="cpu", dtype="float32")  # fp32 weights and their packed copy, side by side
     mods = [m for m in lm.model.modules() if isinstance(m, SkinnyLinear)]

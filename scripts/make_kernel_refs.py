@@ -9,7 +9,9 @@ reference implementations give for them: the native library is disabled here
   linear.bin  fp32 skinny linear (rows 1, 3, 8; K 96 and 100; with and without bias) against
               F.linear; exact affine4 / scaled8 block weights (as tests/test_linears.py makes
               them), the bytes the packers must write (a numpy re-implementation of the
-              packing rule in linear_kernels.c's comment) and F.linear of them;
+              packing rule in linear_kernels.c's comment) and F.linear of them; GGUF Q6_K blocks
+              (random bytes, fp16 d of either sign, one subnormal, one zero), the weight torch
+              rebuilds from them (Q6KWeight.torch_rows, gguf.quants' floats) and F.linear of it;
   guide.bin   guide scores and weighted values (engine/kvcache/quant.py, torch path) for 1 and
               2 bits, key groups 32 and 64, value groups 16, 32 and 64, head_dim 64, with 1, 2,
               3 and 9 queries (the few-query kernels, one 8-lane block and a partial one);
@@ -54,6 +56,7 @@ from engine.kvcache import make_cache
 from engine.kvcache.base import Step, grouped_query
 from engine.kvcache.fused import FusedDecode
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
+from engine.model.linears import Q6KWeight
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "kernels"
@@ -202,6 +205,17 @@ def pack_scaled8(w: np.ndarray) -> np.ndarray:
     return rec.reshape(n, k // 32 * 36)
 
 
+def q6k_blocks(n: int, k: int, seed: int) -> torch.Tensor:
+    """GGUF Q6_K bytes [n, k / 256 * 210] (linear_kernels.c's layout): random codes and int8 scales, a
+    random fp16 d of either sign per superblock, the first one subnormal and the second zero."""
+    g = gen(seed)
+    raw = torch.randint(0, 256, (n * k // 256, 210), generator=g, dtype=torch.uint8)
+    d = (torch.randn(len(raw), generator=g) * 1e-3).half()
+    d.view(torch.int16)[:2] = torch.tensor([0x8005 - 0x10000, 0], dtype=torch.int16)  # 0x8005: -5 * 2^-24 (subnormal); +0
+    raw[:, 208:210] = d.view(torch.uint8).view(-1, 2)
+    return raw.reshape(n, -1)
+
+
 def _linear_refs(case: Case, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> None:
     for rows in (1, 3, 8):
         case[f"ref_y_r{rows}"] = torch.nn.functional.linear(x[:rows], w)
@@ -228,6 +242,16 @@ def linear_cases() -> list[Case]:
         c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = fmt, w, pack(w.numpy()), x, bias
         _linear_refs(c, x, w, bias)
         cases.append(c)
+    # Q6_K (fmt 6): K 512 (two superblocks a row), the blocks as the GGUF has them and the weight torch rebuilds
+    n, k = 16, 512
+    g = gen(1006)
+    raw = q6k_blocks(n, k, seed=6)
+    w = Q6KWeight(raw, (n, k)).torch_rows(0, n)
+    c = Case("packed:q6k")
+    x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
+    c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = 6, w, raw, x, bias
+    _linear_refs(c, x, w, bias)
+    cases.append(c)
     return cases
 
 

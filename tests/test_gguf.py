@@ -48,16 +48,69 @@ def test_each_gguf_format_rebuilds_gguf_dequantize_bit_for_bit(kind):
     assert torch.equal(held.rows(5, 9), ref[5:9])
 
 
+NATIVE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # the formats with a native decode kernel
+
+
 @pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
-@pytest.mark.parametrize("kind", (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K), ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", (1, 3, 8))
+@pytest.mark.parametrize("kind", NATIVE, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", (1, 2, 3, 8))
 def test_native_formats_give_the_fp32_kernel_result_bit_for_bit(kind, rows):
     n, k = 96, 512
     held = held_from_raw(random_tensor(kind, n, k, seed=rows), kind, n, k)
-    assert held.kind in ("affine4", "scaled8")
-    x = torch.randn(rows, k)
-    ref = native_linear(x, held.unpack(), None)
-    assert torch.equal(held.decode(x, None), ref)
+    assert held.kind in ("affine4", "scaled8", "q6_k")
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    w = held.unpack()
+    for b in (None, bias):
+        got = held.decode(x, b)
+        assert got is not None and torch.equal(got, native_linear(x, w, b))
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def q6k_edge_tensor(n: int, k: int) -> np.ndarray:
+    """Q6_K blocks whose codes take every value 0..63 and whose scales take -128, -1, 0, 1 and 127, under
+    an fp16 d that is subnormal, negative, zero, tiny and large."""
+    raw = random_tensor(Q.Q6_K, n, k, seed=7).reshape(-1, 210)
+    q = np.arange(256) % 64  # every code, ql / qh set so that weight i of block 0 has code i % 64
+    half, quarter, t = q // 128, (q % 128) // 32, q % 32
+    ql, qh = np.zeros(128, np.uint8), np.zeros(64, np.uint8)
+    for i in range(256):
+        h, c, j = half[i], quarter[i], t[i]
+        ql[64 * h + 32 * (c & 1) + j] |= (q[i] & 15) << (4 * (c >> 1))
+        qh[32 * h + j] |= (q[i] >> 4) << (2 * c)
+    raw[0, :128], raw[0, 128:192] = ql, qh
+    raw[:, 192:197] = np.array([-128, -1, 0, 1, 127], np.int8).view(np.uint8)
+    for i, d in enumerate((0x0001, 0x83FF, 0x0000, 0x8000, 0x0400, 0x7BFF)):  # subnormals, +-0, smallest normal, max
+        raw[i + 1, 208:210] = np.array([d], np.uint16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+def test_q6k_edge_values_rebuild_and_multiply_bit_for_bit():
+    n, k = 4, 512  # 8 superblocks
+    raw = q6k_edge_tensor(n, k)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K).reshape(n, k).astype(np.float32))
+    held = held_from_raw(raw, Q.Q6_K, n, k)
+    assert torch.equal(held.unpack().view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(held.torch_rows(0, n).view(torch.int32), ref.view(torch.int32))
+    x = torch.randn(3, k)
+    assert torch.equal(held.decode(x, None), native_linear(x, ref, None))
+
+
+@pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+def test_q6k_decode_declines_what_it_cannot_do(monkeypatch):
+    n, k = 16, 512
+    held = held_from_raw(random_tensor(Q.Q6_K, n, k), Q.Q6_K, n, k)
+    x = torch.randn(2, k)
+    assert held.decode(torch.randn(9, k), None) is None  # more than 8 rows: the caller's chunks of 8
+    assert held.decode(x.double(), None) is None  # not fp32
+    assert held.decode(torch.randn(2, 768), None) is None  # wrong width
+    assert held.decode(torch.randn(k, 2).t(), None) is None  # rows not contiguous
+    with torch.enable_grad():
+        assert held.decode(x.clone().requires_grad_(), None) is None  # autograd wants torch
+    w = held.unpack()
+    monkeypatch.setattr(native, "_lib", None)  # no native library: no decode kernel, torch rebuilds the rows
+    bare = held_from_raw(random_tensor(Q.Q6_K, n, k), Q.Q6_K, n, k)
+    assert bare.decode(x, None) is None and torch.equal(bare.rows(0, n), w)
 
 
 def weightless_linear(held, bias=None) -> SkinnyLinear:
@@ -82,6 +135,23 @@ def test_weightless_linear_matches_the_dequantized_weight(kind, rows):
         ref = torch.nn.functional.linear(x, held.unpack(), bias)
         got = lin(x)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+@pytest.mark.parametrize("rows", (1, 5, 12))
+def test_weightless_q6k_linear_takes_the_native_kernel_in_chunks_of_8(rows):
+    """Decode rows of a Q6_K linear go through the native kernel on its blocks, 8 rows a call: bit for bit
+    the fp32 kernel's result on the rebuilt weight, call by call (torch's tiles would round otherwise)."""
+    n, k = 200, 512
+    held = held_from_raw(random_tensor(Q.Q6_K, n, k, seed=rows), Q.Q6_K, n, k)
+    bias = torch.randn(n)
+    lin = weightless_linear(held, bias)
+    x = torch.randn(rows, k)
+    with torch.no_grad():
+        got = lin(x[None])[0]
+    w = held.unpack()
+    want = torch.cat([native_linear(x[s : s + 8], w, bias) for s in range(0, rows, 8)])
+    assert torch.equal(got, want)
 
 
 def write_tensors(path, tensors: dict) -> None:
@@ -112,11 +182,14 @@ def test_header_reader_agrees_with_the_gguf_package_and_chunks_rebuild_whole(tmp
         assert np.array_equal(tf.raw(name), raw)
         whole = gguf_files.held_from_file(tf, name)
         assert torch.equal(whole.unpack(), torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32)))
+        if native.native_available() and kind in NATIVE:  # the decode kernel reads the whole, joined buffers
+            x = torch.randn(2, 512)
+            assert torch.equal(whole.decode(x, None), native_linear(x, whole.unpack(), None))
         order = np.arange(40)[::-1].copy()
         assert torch.equal(gguf_files.held_from_file(tf, name, order).unpack(), whole.unpack()[order])
 
 
-@pytest.mark.parametrize("kind", (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K), ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", NATIVE, ids=lambda k: k.name)
 def test_native_formats_rebuild_the_same_floats_in_torch(kind):
     """Without the native library (SPECACHE_NATIVE=0) the blocks are rebuilt by torch: same floats."""
     n, k = 24, 512

@@ -10,7 +10,8 @@ bit for bit, tests/test_gguf.py):
   Q5_0 (w = d * (q - 16))         -> scaled8, q - 16 in int8
   Q8_0 (w = d * q)                -> scaled8
   Q5_1, Q5_K (5-bit affine)       -> affine8 (torch, 10 bits a weight; no native kernel yet)
-  Q6_K (16 sub-blocks of 16: d * sc, q - 32) -> its own blocks, rebuilt by torch (6.6 bits; no native kernel yet)
+  Q6_K (16 sub-blocks of 16: d * sc, q - 32) -> its own blocks (6.6 bits), read by the native decode kernel
+                                     (linear_kernels.c fmt 6; rebuilt natively or by torch for tiles)
   F32, F16, BF16                  -> held as they are
   anything else (Q2_K, Q3_K, IQ*) -> fp32, gguf.quants.dequantize (exact, 32 bits a weight)
 Tensors are read with pread, not through the memory map, so the file's pages never count in the

@@ -5,7 +5,9 @@ by reading the weights. `SkinnyLinear` sends such calls to engine/native/linear_
 a weight matrix is exactly a block format (the embedded SmolLM2 ships as a GGUF with Q4_1
 linears and a Q8_0 embedding, and its fp32 weights are their exact dequantization), it is also
 kept packed (`PackedWeight`: 5 or 9 bits per weight) and the kernel rebuilds every weight bit
-for bit from the blocks: same result as the fp32 kernel, 3.6-6.4x fewer bytes read. Prefill
+for bit from the blocks: same result as the fp32 kernel, 3.6-6.4x fewer bytes read. A GGUF's Q6_K
+weights stay in their own superblocks (`Q6KWeight`, 6.6 bits per weight), which the same kernel
+reads the same way (4.9x fewer bytes than fp32). Prefill
 chunks (many rows) and weights without an exact packing use the fp32 weights, or, with a
 `prefill_dtype` (bf16, chosen by engine.model.loading.resolve_dtype where the CPU has native
 bf16), a bf16 copy of them through torch's oneDNN GEMM (4-5x the fp32 rate on such a CPU).
@@ -67,24 +69,10 @@ class PackedWeight:
         return self(x, bias)
 
     def rows(self, n0: int, n1: int) -> torch.Tensor:
-        """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel (a
-        large tile split over the native threads: the kernel is single-threaded, ctypes frees the GIL)."""
-        k = self.shape[1]
+        """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel."""
         if self._kernel is None:
             return self.torch_rows(n0, n1)
-        out = torch.empty(n1 - n0, k, dtype=torch.float32)
-        unpack, threads = native.lib().specache_unpack, native.threads()
-
-        def part(a: int, b: int) -> int:
-            return unpack(self.data.data_ptr(), self.fmt, a, b, k, out[a - n0:].data_ptr())
-
-        if threads > 1 and (n1 - n0) * k >= PARALLEL_UNPACK and n1 - n0 >= threads:
-            cuts = [n0 + (n1 - n0) * t // threads for t in range(threads + 1)]
-            rcs = list(_pool(threads).map(part, cuts[:-1], cuts[1:]))
-        else:
-            rcs = [part(n0, n1)]
-        assert not any(rcs)
-        return out
+        return native_rows(self.data, self.fmt, n0, n1, self.shape[1])
 
     def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
         """rows() by torch (without the native library): the same floats, d * q being exact in both
@@ -104,8 +92,28 @@ class PackedWeight:
 
 
 FORMAT_NAMES = {4: "affine4", 8: "scaled8"}
+Q6K_FMT = 6  # the native kernels' format number of GGUF Q6_K superblocks (linear_kernels.c)
 PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
 _pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def native_rows(data: torch.Tensor, fmt: int, n0: int, n1: int, k: int) -> torch.Tensor:
+    """Rows [n0, n1) [n1 - n0, k] fp32 of the block weight data (uint8 [N, row bytes], format fmt)
+    rebuilt by the native specache_unpack (a large tile split over the native threads: the kernel is
+    single-threaded, ctypes frees the GIL). Needs the native library."""
+    out = torch.empty(n1 - n0, k, dtype=torch.float32)
+    unpack, threads = native.lib().specache_unpack, native.threads()
+
+    def part(a: int, b: int) -> int:
+        return unpack(data.data_ptr(), fmt, a, b, k, out[a - n0:].data_ptr())
+
+    if threads > 1 and (n1 - n0) * k >= PARALLEL_UNPACK and n1 - n0 >= threads:
+        cuts = [n0 + (n1 - n0) * t // threads for t in range(threads + 1)]
+        rcs = list(_pool(threads).map(part, cuts[:-1], cuts[1:]))
+    else:
+        rcs = [part(n0, n1)]
+    assert not any(rcs)
+    return out
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
@@ -117,7 +125,7 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 @dataclass(frozen=True)
 class BlockWeight:
     """A weight [N, K] held as integer codes with one fp32 scale (and min) per block, in a format the
-    native kernels do not have yet (5-bit and 6-bit GGUF blocks); rebuilt by torch, a tile of rows at
+    native kernels do not have yet (5-bit GGUF blocks); rebuilt by torch, a tile of rows at
     a time, bit for bit: w = d * q (+ m), where d * q is exact for every GGUF format held this way.
 
     affine8: q uint8 [N, K], d and m fp32 [N, K / 32] (Q5_1, Q5_K: 5-bit codes, w = d * q + m);
@@ -183,23 +191,46 @@ class DenseWeight:
 @dataclass(frozen=True)
 class Q6KWeight:
     """A weight [N, K] held in the GGUF's own Q6_K blocks (210 bytes per 256 weights: 16 sub-blocks of
-    16 with an int8 scale under one fp16 d, 6-bit codes split in 4 + 2 bits), rebuilt by torch a tile
-    of rows at a time as gguf.quants does: w = (d * sc) * (q - 32), the product rounded once.
-    No native kernel yet: every pass rebuilds its tiles (a native one would read these bytes)."""
+    16 with an int8 scale under one fp16 d, 6-bit codes split in 4 + 2 bits; K a multiple of 256), whose
+    weights are w = (d * sc) * (q - 32), the product rounded once, as gguf.quants dequantizes them.
+    Decode rows (1-8 fp32) take the native kernel on these bytes (linear_kernels.c, fmt 6: bit for bit
+    the fp32 kernel's result on unpack(), reading 6.6 bits a weight instead of 32); other passes rebuild
+    tiles of rows (native specache_unpack, else torch_rows: the same floats)."""
 
-    raw: torch.Tensor  # uint8 [N, K / 256 * 210]
+    raw: torch.Tensor  # uint8 [N, K / 256 * 210], contiguous
     shape: tuple[int, int]
 
     kind = "q6_k"
+
+    def __post_init__(self) -> None:
+        # bound once, like PackedWeight's (None without the native library: torch rebuilds, no decode kernel)
+        lib = native.lib()
+        object.__setattr__(self, "_kernel", lib.specache_packed_linear if lib is not None else None)
+        object.__setattr__(self, "_fixed", (self.raw.data_ptr(), Q6K_FMT, self.shape[0], self.shape[1]))
 
     @property
     def nbytes(self) -> int:
         return self.raw.numel()
 
     def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        return None
+        """x [R <= 8, K] fp32 @ W^T (+ bias) by the native kernel on the Q6_K bytes; None where it does not
+        apply (no native library, not 1-8 fp32 rows contiguous along K, another width, gradients wanted)."""
+        if self._kernel is None or x.dim() != 2 or x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
+            return None
+        rows, n = x.shape[0], self.shape[0]
+        y = torch.empty(rows, n, dtype=torch.float32)
+        rc = self._kernel(x.data_ptr(), x.stride(0), rows, *self._fixed, bias.data_ptr() if bias is not None else None,
+                          y.data_ptr(), n, native.threads())
+        return y if rc == 0 else None
 
     def rows(self, n0: int, n1: int) -> torch.Tensor:
+        """Rows [n0, n1) of the fp32 weight, bit for bit (native specache_unpack, else torch_rows)."""
+        if self._kernel is None:
+            return self.torch_rows(n0, n1)
+        return native_rows(self.raw, Q6K_FMT, n0, n1, self.shape[1])
+
+    def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
+        """rows() by torch, gguf.quants.dequantize's floats: q from ql / qh, (d * sc) exact, one rounding."""
         n, nb = n1 - n0, self.shape[1] // 256
         b = self.raw[n0:n1].view(n, nb, 210)
         ql = b[..., :128].reshape(n, nb, 2, 1, 64)

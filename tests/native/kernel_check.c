@@ -281,7 +281,8 @@ static void gather_rows(const float *y, int64_t R, int64_t N, float *dst) {
 static void linear_refs(const char *cas, const float *x, const float *w, const uint8_t *P, int64_t fmt,
                         const float *bias, int64_t N, int64_t K) {
     char msg[512];
-    const char *kname = P ? (fmt == 4 ? "packed_linear(affine4)" : "packed_linear(scaled8)") : "skinny_linear";
+    const char *kname = !P ? "skinny_linear" : fmt == 4 ? "packed_linear(affine4)" : fmt == 8 ? "packed_linear(scaled8)"
+                                                                                       : "packed_linear(q6k)";
     for (int i = 0; i < nblobs; i++) {
         const Blob *ref = &blobs[i];
         const size_t cl = strlen(cas);
@@ -336,12 +337,36 @@ static void check_skinny(const char *cas) {
     linear_refs(cas, F32(x), F32(w), NULL, 0, F32(bias), w->shape[0], w->shape[1]);
 }
 
+/* packed:*  fmt 4 / 8 (packed by the packers, checked against the packing rule's bytes) or 6 (GGUF Q6_K
+ * blocks: nothing packs them); w the fp32 weight torch rebuilds, packed its blocks [N, row bytes]. */
+/* specache_unpack rebuilds the weight w [N, K] from the blocks P bit for bit: all rows, and rows 3..6. */
+static void check_unpack(const char *cas, const Blob *w, const Blob *P, int64_t fmt) {
+    const int64_t N = w->shape[0], K = w->shape[1];
+    float *wb = alloc64(w->nbytes);
+    int rc = specache_unpack(P->data, fmt, 0, N, K, wb);
+    int64_t at = diff_at(wb, w->data, w->nbytes);
+    check(rc == 0 && at < 0, "%s unpack: rebuilds the weight bit for bit%s", cas, at < 0 ? "" : " -- it differs");
+    if (at >= 0)
+        printf("#   first difference: weight %lld: got %.9g expected %.9g\n", (long long)(at / 4), wb[at / 4],
+               F32(w)[at / 4]);
+    rc = specache_unpack(P->data, fmt, 3, 7, K, wb);
+    at = diff_at(wb, F32(w) + 3 * K, (size_t)(4 * K) * sizeof(float));
+    check(rc == 0 && at < 0, "%s unpack rows 3..6: bit for bit%s", cas, at < 0 ? "" : " -- they differ");
+    free(wb);
+}
+
 static void check_packed(const char *cas) {
     const Blob *w = get(cas, "w", 'f', 2), *P = get(cas, "packed", 'B', 2), *x = get(cas, "x", 'f', 2),
                *bias = get(cas, "bias", 'f', 1);
     const int64_t fmt = geti(cas, "fmt");
     if (missing) return;
     const int64_t N = w->shape[0], K = w->shape[1];
+    if (fmt == 6) {
+        check(P->shape[0] == N && P->shape[1] == K / 256 * 210, "%s: Q6_K blocks of 210 bytes per 256 weights", cas);
+        check_unpack(cas, w, P, fmt);
+        linear_refs(cas, F32(x), F32(w), P->data, fmt, F32(bias), N, K);
+        return;
+    }
     const char *pname = fmt == 4 ? "pack_affine4" : "pack_scaled8";
     int (*pack)(const float *, int64_t, int64_t, uint8_t *) = fmt == 4 ? specache_pack_affine4 : specache_pack_scaled8;
     uint8_t *got = alloc64(P->nbytes);
@@ -360,16 +385,8 @@ static void check_packed(const char *cas) {
     rc = pack(wb, N, K, got);
     check(rc == 1, "%s %s: a weight off its block's grid is refused (returned %d, expected 1)", cas, pname, rc);
     free(got);
-    rc = specache_unpack(P->data, fmt, 0, N, K, wb);
-    at = diff_at(wb, w->data, w->nbytes);
-    check(rc == 0 && at < 0, "%s unpack: rebuilds the weight bit for bit%s", cas, at < 0 ? "" : " -- it differs");
-    if (at >= 0)
-        printf("#   first difference: weight %lld: got %.9g expected %.9g\n", (long long)(at / 4), wb[at / 4],
-               F32(w)[at / 4]);
-    rc = specache_unpack(P->data, fmt, 3, 7, K, wb);
-    at = diff_at(wb, F32(w) + 3 * K, (size_t)(4 * K) * sizeof(float));
-    check(rc == 0 && at < 0, "%s unpack rows 3..6: bit for bit%s", cas, at < 0 ? "" : " -- they differ");
     free(wb);
+    check_unpack(cas, w, P, fmt);
     linear_refs(cas, F32(x), F32(w), P->data, fmt, F32(bias), N, K);
 }
 
