@@ -232,6 +232,21 @@ def _run_in_pty(args: list[str], cols: int = 160, rows: int = 60, timeout: float
     return "\n".join(line.rstrip() for line in screen.display).strip("\n"), raw.decode(errors="replace")
 
 
+def _wrap_columns(line: str, cols: int) -> list[str]:
+    """line as a terminal of `cols` columns wraps it: by display width (a wide character such as a CJK
+    one takes two columns and moves whole to the next line when one column is left)."""
+    from wcwidth import wcwidth
+
+    parts, cur, width = [], "", 0
+    for ch in line:
+        w = max(wcwidth(ch), 0)
+        if width + w > cols:
+            parts.append(cur)
+            cur, width = "", 0
+        cur, width = cur + ch, width + w
+    return parts + [cur]
+
+
 def test_streamed_text_in_a_terminal_reads_like_the_piped_text(tiny_model_dir):
     # the answer streams token by token into a terminal while rich shows the prefill bar on the same
     # terminal; the screen must show the same text as a pipe gets, on as many lines as it has, with
@@ -251,8 +266,7 @@ def test_streamed_text_in_a_terminal_reads_like_the_piped_text(tiny_model_dir):
     lines = screen.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("model ")) + 1
     end = max(i for i, line in enumerate(lines) if line.startswith("single: prefill"))  # timings after the text
-    wrapped = [part.rstrip() for line in text.splitlines() for part in
-               ([line[i: i + 160] for i in range(0, len(line), 160)] or [""])]
+    wrapped = [part.rstrip() for line in text.splitlines() for part in _wrap_columns(line, 160)]
     assert lines[start:end] == wrapped, screen
     assert "━" not in screen and "prefill" not in "\n".join(lines[:end])
 

@@ -15,6 +15,7 @@ from engine.generate.engine import Engine, Finished
 from engine.generate.prefixes import DocStoreUse
 from engine.generate.steps import forward, prefill
 from engine.kvcache import make_cache, quant, sliding_windows
+from engine.kvcache.rotation import rotation_matrix
 from engine.kvcache.sizes import quant_boundary
 from engine.model.loading import prepare_model
 from engine.model.support import CHECKED
@@ -114,10 +115,13 @@ def test_document_store_hit_gives_the_models_tokens(name, mode, tmp_path):
 class KiviWindowReference:
     """Plain KIVI over the model's own attention: exact K/V kept per layer; at a decode step of a global
     layer, positions below the quantization boundary are dequantize(quantize(.)) (sinks exact); a
-    sliding layer attends exactly within its window; the scores are softcapped as the model asks."""
+    sliding layer attends exactly within its window; the scores are softcapped as the model asks. With a
+    rotation R the guide part is dequantize(quantize(K R)) R^T (and V likewise): the same scores and
+    output as rotating the queries in and the output back."""
 
-    def __init__(self, bits, group, residual, sinks):
+    def __init__(self, bits, group, residual, sinks, rotation="none"):
         self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
+        self.rotation = rotation
         self.k, self.v, self.length = {}, {}, 0
 
     def attention(self, module, q, k, v, mask, scaling=None, sliding_window=None, softcap=None, **kwargs):
@@ -128,9 +132,14 @@ class KiviWindowReference:
         t, n = q.shape[2], keys.shape[2]
         qend = int(quant_boundary(torch.tensor(self.length), self.residual, self.group)) if t == 1 else 0
         if qend and sliding_window is None:
-            kq = quant.dequantize_keys(quant.quantize_keys(keys[:, :, :qend], self.bits, self.group))
-            vq = quant.dequantize_values(quant.quantize_values(values[:, :, :qend], self.bits,
-                                                              min(self.group, values.shape[-1])))
+            r = rotation_matrix(self.rotation, keys.shape[-1])
+            kr, vr = keys[:, :, :qend], values[:, :, :qend]
+            if r is not None:
+                kr, vr = kr @ r, vr @ r
+            kq = quant.dequantize_keys(quant.quantize_keys(kr, self.bits, self.group))
+            vq = quant.dequantize_values(quant.quantize_values(vr, self.bits, min(self.group, values.shape[-1])))
+            if r is not None:
+                kq, vq = kq @ r.T, vq @ r.T
             s = min(self.sinks, qend)
             kq[:, :, :s], vq[:, :, :s] = keys[:, :, :s], values[:, :, :s]
             keys, values = torch.cat([kq, keys[:, :, qend:]], dim=2), torch.cat([vq, values[:, :, qend:]], dim=2)
@@ -153,7 +162,7 @@ def test_kivi_equals_the_kivi_reference(name):
     config = CacheConfig(mode="kivi", bits=2, group=group, residual=residual, sinks=sinks, chunk_size=64)
     cache = make_cache(model.config, config, 1, 400, torch.float32, torch.device("cpu"))
     *_, logits = prefill(model, cache, p, 0, 64)
-    ref = KiviWindowReference(2, group, residual, sinks)
+    ref = KiviWindowReference(2, group, residual, sinks, config.guide_rotation)  # the default rotation
     AttentionInterface.register("kivi_window_reference", ref.attention)
     impl = model.config._attn_implementation
     crossed = 0
