@@ -63,7 +63,8 @@ def test_native_formats_give_the_fp32_kernel_result_bit_for_bit(kind, rows):
     for b in (None, bias):
         got = held.decode(x, b)
         assert got is not None and torch.equal(got, native_linear(x, w, b))
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        # torch's own sum order differs (AVX2 BLAS: 2e-5 on outputs ~0.3 for Q6_K's 512-term rows)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
 def q6k_edge_tensor(n: int, k: int) -> np.ndarray:
