@@ -48,6 +48,23 @@ def test_exact_block_weights_pack_and_rebuild_bit_for_bit(make, fmt, ratio):
     assert torch.equal(packed.unpack(), w)
 
 
+@pytest.mark.parametrize("make", [affine4_weight, scaled8_weight, None], ids=["affine4", "scaled8", "fp32"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(make):
+    """Each row of an R-row call equals the 1-row call bit for bit (R = 2..8; fp32 with K not a multiple of
+    32 too): exact mode's verification of gamma + 1 rows must reproduce the one-row steps of the full
+    cache, or greedy text can part at a near-tie."""
+    for n, k in ((130, 576), (70, 200)) if make is None else ((130, 576),):
+        w = make(n, k, seed=3) if make is not None else torch.randn(n, k)
+        packed = pack_weight(w) if make is not None else None
+        x, bias = torch.randn(8, k), torch.randn(n)
+        with torch.no_grad():
+            call = (lambda v: packed_linear(v, packed, bias)) if packed is not None else (
+                lambda v: native_linear(v, w, bias))
+            alone = torch.cat([call(x[i: i + 1]) for i in range(8)])
+            for r in range(2, 9):
+                assert torch.equal(call(x[:r]), alone[:r]), (n, k, r)
+
+
 @pytest.mark.parametrize("make", [affine4_weight, scaled8_weight])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
 def test_packed_kernel_equals_fp32_kernel_bit_for_bit(make, rows):
@@ -129,6 +146,31 @@ def test_up_to_native_rows_take_the_native_kernel_in_chunks(packed, monkeypatch)
         calls.clear()
         layer(torch.randn(SkinnyLinear.NATIVE_ROWS + 1, 576))
         assert calls == []  # many rows: torch
+
+
+def test_exact_mode_takes_the_one_row_kernel_for_every_row_count(monkeypatch):
+    """Where the calibration keeps the native kernel for one row only, a 12-row pass inside row_invariant()
+    (exact mode's drafts and verification) still takes it, in calls of 8: each row is the one-row step's
+    result bit for bit; outside, the 12 rows take torch's GEMM as calibrated."""
+    from engine.model.linears import row_invariant
+    from engine.native import calibrate
+
+    monkeypatch.setattr(calibrate, "use_native", lambda form, rows: rows == 1)
+    layer = torch.nn.Linear(576, 300)
+    with torch.no_grad():
+        layer.weight.copy_(affine4_weight(300, 576, seed=5))
+        use_skinny_linears(layer)
+        calls = []
+        real = SkinnyLinear.native
+        monkeypatch.setattr(SkinnyLinear, "native", lambda self, flat: calls.append(flat.shape[0]) or real(self, flat))
+        x = torch.randn(12, 576)
+        alone = torch.cat([layer(x[i: i + 1]) for i in range(12)])
+        calls.clear()
+        layer(x)
+        assert calls == []  # calibrated: torch for 12 rows
+        with row_invariant():
+            got = layer(x)
+        assert calls == [8, 4] and torch.equal(got, alone)
 
 
 def test_prefill_linears_in_bf16_only_for_many_rows_and_only_when_asked():

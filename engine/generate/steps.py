@@ -18,7 +18,7 @@ import torch
 from engine.config import GAMMA_MAX, CacheConfig
 from engine.generate.sampling import Sampler
 from engine.kvcache import KVCache, policy as policy_of
-from engine.model.linears import prefill_pass
+from engine.model.linears import prefill_pass, row_invariant
 
 
 @torch.inference_mode()
@@ -388,12 +388,13 @@ def exact_cycles(model, cache: KVCache, logits: torch.Tensor, pick: Picker, hist
         committed = cache.lengths[rows].clone()
         sync(dev)
         t_start = time.perf_counter()
-        drafts, q = _draft(model, cache, t0, gamma, hist, sampler)
-        cache.rollback(rows, committed)
-        sync(dev)
-        t_drafted = time.perf_counter()
-        out = forward(model, cache, torch.cat([t0[:, None], drafts], 1), rows, logits_to_keep=gamma + 1,
-                      exact=True, commit=False)  # [n, gamma + 1, V]; committed per row below
+        with row_invariant():  # drafts and the verification: each row's linears as a one-row step's
+            drafts, q = _draft(model, cache, t0, gamma, hist, sampler)
+            cache.rollback(rows, committed)
+            sync(dev)
+            t_drafted = time.perf_counter()
+            out = forward(model, cache, torch.cat([t0[:, None], drafts], 1), rows, logits_to_keep=gamma + 1,
+                          exact=True, commit=False)  # [n, gamma + 1, V]; committed per row below
         n_acc, new = _accept(pick, out, drafts, q, hist)
         cache.commit(kept=torch.tensor([a + 1 for a in n_acc], dtype=torch.long))
         sync(dev)

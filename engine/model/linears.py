@@ -310,7 +310,8 @@ class SkinnyLinear(torch.nn.Linear):
         if self.weight is None:  # held in its blocks only: the native kernel on them, or tiles rebuilt
             return self.held_forward(x.reshape(rows, -1)).reshape(*x.shape[:-1], -1)
         # the native kernel only where it measured faster than torch for this weight form and row count
-        fast = x.is_cpu and rows <= self.NATIVE_ROWS and calibrate.use_native(self.packed.fmt if self.packed else 0, rows)
+        by = 1 if _ROW_INVARIANT.get() else rows  # exact mode: the one-row step's kernel for every row count
+        fast = x.is_cpu and rows <= self.NATIVE_ROWS and calibrate.use_native(self.packed.fmt if self.packed else 0, by)
         if rows > self.SKINNY_ROWS or not x.is_cpu:
             if self.prefill_dtype is not None and x.is_cpu and x.dtype != self.prefill_dtype and _IN_PREFILL.get():
                 return self.prefill_forward(x)
@@ -383,6 +384,22 @@ class SkinnyLinear(torch.nn.Linear):
 # True inside prefill_pass(): a prompt chunk, whose many rows may take the prefill dtype. Context-local,
 # like torch.no_grad(); every other pass (decode steps of large batches, exact mode's verification) stays exact.
 _IN_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("specache_in_prefill", default=False)
+
+
+# True inside row_invariant(): a decode linear of up to NATIVE_ROWS rows takes the kernel that one row of
+# its weight form takes (the calibration's 1-row choice), so each row's result is the one-row step's (the
+# native kernel computes every row alone: tests/test_linears.py). Exact mode's drafts and verification.
+_ROW_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("specache_row_invariant", default=False)
+
+
+@contextmanager
+def row_invariant() -> Iterator[None]:
+    """Within: decode linears choose their kernel by the one-row class, whatever their row count."""
+    token = _ROW_INVARIANT.set(True)
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.reset(token)
 
 
 @contextmanager

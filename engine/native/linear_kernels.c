@@ -209,9 +209,12 @@ INLINE void q6k_chunk_weights(const int8_t *codes, const float *scale, vf w[NV])
  * memory order: a single sequential stream, which the hardware prefetcher follows at full
  * bandwidth (interleaving several weight rows measured ~40% slower), plus a software prefetch
  * a few KiB ahead, which the hardware prefetcher alone did not match when several activation
- * rows make the loop longer. One activation row uses two accumulator chains (even and odd
- * vectors), so it is not bound by the add latency. The fp32 kernel and the packed one run the
- * same multiply-adds in the same order: the same result bit for bit. */
+ * rows make the loop longer. Every activation row uses two accumulator chains (even and odd
+ * vectors), so one row is not bound by the add latency, and a row's sum is the same whatever the
+ * number of rows in the call (R): each row of an R-row call equals the 1-row call bit for bit, so
+ * exact mode's verification (gamma + 1 rows) reproduces the full cache's one-row steps. The fp32
+ * kernel and the packed one run the same multiply-adds in the same order: the same result bit
+ * for bit. */
 INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fmt, int64_t K, const float *bias,
                         float *y, int64_t y_s, int64_t n0, int64_t n1, const int R) {
     const int64_t nb = K / QB, rec = fmt == 0 ? QB * 4 : fmt == 4 ? A4_BYTES : S8_BYTES;
@@ -221,8 +224,8 @@ INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fm
     float scale[16];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = (const uint8_t *)W + n * row_bytes;
-        vf acc[MAX_ROWS], acc2 = vf_zero();
-        for (int r = 0; r < R; r++) acc[r] = vf_zero();
+        vf acc[MAX_ROWS], acc2[MAX_ROWS]; /* even and odd vectors of each row */
+        for (int r = 0; r < R; r++) acc[r] = acc2[r] = vf_zero();
         for (int64_t b = 0; b < nb; b++) {
             vf w[NV];
             if (fmt == 6) { /* chunk b % 8 of superblock b / 8 */
@@ -240,21 +243,17 @@ INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fm
                 block_weights(p, fmt, w);
             }
             const int64_t k = b * QB;
-            for (int v = 0; v < NV; v++) {
-                if (R == 1) {
-                    if (v & 1) acc2 = vf_fma(w[v], vf_load(x + k + v * VW), acc2);
-                    else acc[0] = vf_fma(w[v], vf_load(x + k + v * VW), acc[0]);
-                } else { /* (x + r * x_s + k) + v * VW: one address register per row, not per row and vector */
-                    for (int r = 0; r < R; r++) acc[r] = vf_fma(w[v], vf_load(x + r * x_s + k + v * VW), acc[r]);
+            for (int v = 0; v < NV; v += 2) /* (x + r * x_s + k) + v * VW: one address register per row */
+                for (int r = 0; r < R; r++) {
+                    acc[r] = vf_fma(w[v], vf_load(x + r * x_s + k + v * VW), acc[r]);
+                    acc2[r] = vf_fma(w[v + 1], vf_load(x + r * x_s + k + (v + 1) * VW), acc2[r]);
                 }
-            }
         }
         const float *wf = (const float *)row;
         for (int64_t k = nb * QB; k + VW <= kv; k += VW) /* fp32 only: K % 32 != 0 */
             for (int r = 0; r < R; r++) acc[r] = vf_fma(vf_load(wf + k), vf_load(x + r * x_s + k), acc[r]);
-        acc[0] = vf_add(acc[0], acc2);
         for (int r = 0; r < R; r++) {
-            float s = vf_hsum(acc[r]);
+            float s = vf_hsum(vf_add(acc[r], acc2[r]));
             for (int64_t j = kv / VW * VW; fmt == 0 && j < K; j++) s += wf[j] * x[r * x_s + j];
             y[r * y_s + n] = bias ? s + bias[n] : s;
         }
