@@ -81,29 +81,13 @@ INLINE uint64_t load_u64(const uint8_t *p) {
     return w;
 }
 
-static float half_to_float_sw(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
-    float f;
-    if (e == 0) {
-        f = (float)m * 5.9604644775390625e-08f; /* subnormal (or zero): m * 2^-24 */
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (e == 31) {
-        bits = sign | 0x7f800000u | (m << 13);
-    } else {
-        bits = sign | ((e + 112u) << 23) | (m << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 static void halves_to_floats(const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
 #ifdef __F16C__
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
 #endif
-    for (; i < n; i++) dst[i] = half_to_float_sw(src[i]);
+    for (; i < n; i++) dst[i] = half_to_float(src[i]);
 }
 
 /* Byte offset of the table entry selected by nibble c of w: ((w >> 4c) & 15) * 32, as a

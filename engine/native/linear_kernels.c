@@ -126,24 +126,6 @@ INLINE void block_weights(const void *src, const int fmt, vf w[NV]) {
 #define Q6K_BYTES 210
 #define Q6K_CHUNKS (Q6K_WEIGHTS / QB)
 
-/* An fp16 value (its bits) as a float: exact (subnormals too; inf and NaN kept). */
-static inline float fp16_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
-    uint32_t u;
-    if (e == 31) {
-        u = sign | 0x7F800000u | m << 13;
-    } else if (e) {
-        u = sign | (e + 112) << 23 | m << 13;
-    } else {
-        float f = (float)m * 0x1p-24f; /* subnormal (or zero): m 2^-24, exact */
-        memcpy(&u, &f, 4);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* codes[256] = q - 32 (int8, -32..31, in weight order) of a superblock's ql[128] and qh[64]. Per half h, the
  * 32 bytes L0 = ql[64 h ..], L1 = ql[64 h + 32 ..] and H = qh[32 h ..] give its four quarters as
  *   c 0: L0 & 15 | (H << 4) & 0x30    c 1: L1 & 15 | (H << 2) & 0x30
@@ -193,7 +175,7 @@ INLINE void q6k_superblock(const uint8_t *p, int8_t codes[Q6K_WEIGHTS], float sc
     const int8_t *sc = (const int8_t *)(p + 192);
     uint16_t dh;
     memcpy(&dh, p + 208, 2);
-    const float d = fp16_to_float(dh);
+    const float d = half_to_float(dh);
     for (int s = 0; s < 16; s++) scale[s] = d * (float)sc[s];
     q6k_codes(p, p + 128, codes);
 }

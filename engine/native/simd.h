@@ -106,6 +106,24 @@ SIMD_INLINE vf vf_from_i8(const void *p) {
 SIMD_INLINE void simd_prefetch(const void *p) { __builtin_prefetch(p); }
 #endif
 
+/* An fp16 value (its bits) as a float: exact (subnormals too; inf and NaN kept). */
+SIMD_INLINE float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t u;
+    if (e == 31) {
+        u = sign | 0x7F800000u | m << 13;
+    } else if (e) {
+        u = sign | (e + 112) << 23 | m << 13;
+    } else {
+        float f = (float)m * 0x1p-24f; /* subnormal (or zero): m 2^-24, exact */
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 SIMD_INLINE int vf_fused_fma(void) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || (defined(__aarch64__) && defined(__ARM_NEON)) || defined(__FP_FAST_FMAF)
     return 1;
