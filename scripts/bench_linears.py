@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.model.linears import (  # noqa: E402
+    Q6K_FMT,
     Q6KWeight,
     SkinnyLinear,
     native_linear,
@@ -56,7 +57,7 @@ def random_q6k(n: int, k: int, seed: int = 0) -> Q6KWeight:
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (n * k // 256, 210), generator=g, dtype=torch.uint8)
     raw[:, 208:210] = (torch.randn(len(raw), generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
-    return Q6KWeight(raw.view(n, -1), (n, k))
+    return Q6KWeight(Q6K_FMT, raw.view(n, -1), (n, k))
 
 
 class _TorchTiles:

@@ -56,7 +56,7 @@ from engine.kvcache import make_cache
 from engine.kvcache.base import Step, grouped_query
 from engine.kvcache.fused import FusedDecode
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
-from engine.model.linears import Q6KWeight
+from engine.model.linears import Q6K_FMT, Q6KWeight
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "kernels"
@@ -246,7 +246,7 @@ def linear_cases() -> list[Case]:
     n, k = 16, 512
     g = gen(1006)
     raw = q6k_blocks(n, k, seed=6)
-    w = Q6KWeight(raw, (n, k)).torch_rows(0, n)
+    w = Q6KWeight(Q6K_FMT, raw, (n, k)).torch_rows(0, n)
     c = Case("packed:q6k")
     x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
     c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = 6, w, raw, x, bias

@@ -41,7 +41,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
-from engine.model.linears import BlockWeight, DenseWeight, PackedWeight, Q6KWeight
+from engine.model.linears import Q6K_FMT, BlockWeight, DenseWeight, PackedWeight, Q6KWeight
 from engine.model.sources import GGUF_POINTER
 from engine.paths import cache_root
 
@@ -302,7 +302,7 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
         return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, -1)),
                            torch.from_numpy((-dm).reshape(n, -1)))
     if kind == Q.Q6_K:
-        return Q6KWeight(torch.from_numpy(raw.copy()), (n, k))
+        return Q6KWeight(Q6K_FMT, torch.from_numpy(raw.copy()), (n, k))
     return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
 
 

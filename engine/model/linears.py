@@ -53,7 +53,7 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x [R <= 8, K] fp32 @ W^T (+ bias) by the native kernel; None where it does not apply.
         (The per-call checks are few: a decode step makes ~200 of these calls.)"""
-        if self._kernel is None or x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
+        if self._kernel is None or x.dim() != 2 or x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
             return None
         rows, n = x.shape[0], self.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
@@ -91,8 +91,8 @@ class PackedWeight:
         return self.rows(0, self.shape[0])
 
 
-FORMAT_NAMES = {4: "affine4", 8: "scaled8"}
 Q6K_FMT = 6  # the native kernels' format number of GGUF Q6_K superblocks (linear_kernels.c)
+FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q6K_FMT: "q6_k"}
 PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
 _pools: dict[int, ThreadPoolExecutor] = {}
 
@@ -189,50 +189,23 @@ class DenseWeight:
 
 
 @dataclass(frozen=True)
-class Q6KWeight:
+class Q6KWeight(PackedWeight):
     """A weight [N, K] held in the GGUF's own Q6_K blocks (210 bytes per 256 weights: 16 sub-blocks of
     16 with an int8 scale under one fp16 d, 6-bit codes split in 4 + 2 bits; K a multiple of 256), whose
     weights are w = (d * sc) * (q - 32), the product rounded once, as gguf.quants dequantizes them.
-    Decode rows (1-8 fp32) take the native kernel on these bytes (linear_kernels.c, fmt 6: bit for bit
-    the fp32 kernel's result on unpack(), reading 6.6 bits a weight instead of 32); other passes rebuild
-    tiles of rows (native specache_unpack, else torch_rows: the same floats)."""
+    A PackedWeight of the native kernels' format Q6K_FMT: decode rows (1-8 fp32) take the same native
+    kernel on these bytes (linear_kernels.c, fmt 6: bit for bit the fp32 kernel's result on unpack(),
+    reading 6.6 bits a weight instead of 32); other passes rebuild tiles of rows (native
+    specache_unpack, else torch_rows below: the same floats)."""
 
-    raw: torch.Tensor  # uint8 [N, K / 256 * 210], contiguous
-    shape: tuple[int, int]
-
-    kind = "q6_k"
-
-    def __post_init__(self) -> None:
-        # bound once, like PackedWeight's (None without the native library: torch rebuilds, no decode kernel)
-        lib = native.lib()
-        object.__setattr__(self, "_kernel", lib.specache_packed_linear if lib is not None else None)
-        object.__setattr__(self, "_fixed", (self.raw.data_ptr(), Q6K_FMT, self.shape[0], self.shape[1]))
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.numel()
-
-    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """x [R <= 8, K] fp32 @ W^T (+ bias) by the native kernel on the Q6_K bytes; None where it does not
-        apply (no native library, not 1-8 fp32 rows contiguous along K, another width, gradients wanted)."""
-        if self._kernel is None or x.dim() != 2 or x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
-            return None
-        rows, n = x.shape[0], self.shape[0]
-        y = torch.empty(rows, n, dtype=torch.float32)
-        rc = self._kernel(x.data_ptr(), x.stride(0), rows, *self._fixed, bias.data_ptr() if bias is not None else None,
-                          y.data_ptr(), n, native.threads())
-        return y if rc == 0 else None
-
-    def rows(self, n0: int, n1: int) -> torch.Tensor:
-        """Rows [n0, n1) of the fp32 weight, bit for bit (native specache_unpack, else torch_rows)."""
-        if self._kernel is None:
-            return self.torch_rows(n0, n1)
-        return native_rows(self.raw, Q6K_FMT, n0, n1, self.shape[1])
+    def __post_init__(self) -> None:  # data: uint8 [N, K / 256 * 210], contiguous
+        assert self.fmt == Q6K_FMT, self.fmt
+        super().__post_init__()
 
     def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
         """rows() by torch, gguf.quants.dequantize's floats: q from ql / qh, (d * sc) exact, one rounding."""
         n, nb = n1 - n0, self.shape[1] // 256
-        b = self.raw[n0:n1].view(n, nb, 210)
+        b = self.data[n0:n1].view(n, nb, 210)
         ql = b[..., :128].reshape(n, nb, 2, 1, 64)
         ql = torch.cat((ql & 15, ql >> 4), dim=3).reshape(n, nb, 256)
         qh = b[..., 128:192].reshape(n, nb, 2, 1, 32)
@@ -242,11 +215,8 @@ class Q6KWeight:
         scale = d * b[..., 192:208].view(torch.int8).to(torch.float32)  # [n, nb, 16], exact
         return q.mul_(scale[..., None]).view(n, -1)
 
-    def unpack(self) -> torch.Tensor:
-        return self.rows(0, self.shape[0])
 
-
-HeldWeight = PackedWeight | BlockWeight | DenseWeight | Q6KWeight  # what a weightless SkinnyLinear computes with
+HeldWeight = PackedWeight | BlockWeight | DenseWeight  # what a weightless SkinnyLinear computes with (Q6KWeight: a PackedWeight)
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
@@ -393,23 +363,22 @@ _ROW_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("specache_
 
 
 @contextmanager
-def row_invariant() -> Iterator[None]:
+def _set_within(var: contextvars.ContextVar[bool]) -> Iterator[None]:
+    token = var.set(True)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def row_invariant():
     """Within: decode linears choose their kernel by the one-row class, whatever their row count."""
-    token = _ROW_INVARIANT.set(True)
-    try:
-        yield
-    finally:
-        _ROW_INVARIANT.reset(token)
+    return _set_within(_ROW_INVARIANT)
 
 
-@contextmanager
-def prefill_pass() -> Iterator[None]:
+def prefill_pass():
     """Within: linears of many rows compute in their prefill_dtype (engine.generate.steps.prefill)."""
-    token = _IN_PREFILL.set(True)
-    try:
-        yield
-    finally:
-        _IN_PREFILL.reset(token)
+    return _set_within(_IN_PREFILL)
 
 
 def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
