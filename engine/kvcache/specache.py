@@ -58,8 +58,15 @@ class SpecacheLayer(GuidedLayer):
         if nq <= self.sinks:
             self.fvalid[step.rows] = False
             return
-        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)
-        self.fetch_top(probs[..., :nq].sum(dim=2), qend, step.rows)  # [b, H_kv, nq]
+        self.fetch_top(self.own_attention(scores, rscores, step, nq), qend, step.rows)
+
+    def own_attention(self, scores, rscores, step: Step, nq: int) -> torch.Tensor:
+        """The output token's (new token 0's) attention with guide scores over the guide region, summed
+        over its KV head's query heads: scores [b, H_kv, G*T, nq], rscores [b, H_kv, G*T, residual]
+        -> [b, H_kv, nq]."""
+        b, h, g = scores.shape[0], self.shape.kv_heads, self.shape.group
+        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)  # [b, H_kv, G*T, cols]
+        return probs.view(b, h, g, step.n_new, -1)[:, :, :, 0, :nq].sum(dim=2)
 
     def correct_fetched(self, scores, rscores, step: Step, nq: int, qend) -> None:
         """speculative with config.correct: the output token (new token 0) ranks the guide region by its
@@ -71,12 +78,9 @@ class SpecacheLayer(GuidedLayer):
         if nq <= self.sinks:
             self.fvalid[rows] = False
             return
-        b, h, g, t = scores.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
-        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)  # [b, H_kv, G*T, cols]
-        own = probs.view(b, h, g, t, -1)[:, :, :, 0, :nq].sum(dim=2)  # [b, H_kv, nq]
-        idx, valid = self.top_positions(own, qend)
+        idx, valid = self.top_positions(self.own_attention(scores, rscores, step, nq), qend)
         reused = self.store.correct(rows, idx, self.fidx[rows], self.fvalid[rows])
-        if t > 1:  # a two-token step (the pre-decoding pass has no prefetched set yet)
+        if step.n_new > 1:  # a two-token step (the pre-decoding pass has no prefetched set yet)
             self.count_reuse(int((reused & valid).sum()), int(valid.sum()))
         self.fidx[rows], self.fvalid[rows] = idx, valid
 
