@@ -26,9 +26,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.make_random_gguf import random_blocks  # noqa: E402
 from engine.model.linears import (  # noqa: E402
     Q6K_FMT,
     Q6KWeight,
@@ -53,11 +56,9 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 
 def random_q6k(n: int, k: int, seed: int = 0) -> Q6KWeight:
-    """A Q6_K weight [n, k] of random codes and int8 scales under an fp16 d of either sign, about 1e-3."""
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n * k // 256, 210), generator=g, dtype=torch.uint8)
-    raw[:, 208:210] = (torch.randn(len(raw), generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
-    return Q6KWeight(Q6K_FMT, raw.view(n, -1), (n, k))
+    """A Q6_K weight [n, k] of random blocks, as scripts/make_random_gguf.py writes them."""
+    raw = random_blocks(GGMLQuantizationType.Q6_K, n, k, np.random.default_rng(seed))
+    return Q6KWeight(Q6K_FMT, torch.from_numpy(raw), (n, k))
 
 
 class _TorchTiles:
