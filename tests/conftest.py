@@ -18,6 +18,24 @@ TEST_DEVICE = os.environ.get("SPECACHE_TEST_DEVICE", "cpu")
 os.environ.setdefault("SPECACHE_NATIVE_CALIBRATE", "0")
 
 
+def kivi_guide_part(keys, values, qend: int, bits: int, group: int, value_group: int, sinks: int, r=None):
+    """The KIVI references' guide region: positions [0, qend) of keys / values [b, H_kv, L, D] as
+    dequantize(quantize(.)) of K R and V R rotated back by R^T (R [D, D] or None), the first sinks exact.
+    -> (keys, values) [b, H_kv, L, D] with the positions from qend on untouched."""
+    from engine.kvcache import quant
+
+    kr, vr = keys[:, :, :qend], values[:, :, :qend]
+    if r is not None:
+        kr, vr = kr @ r, vr @ r
+    kq = quant.dequantize_keys(quant.quantize_keys(kr, bits, group))
+    vq = quant.dequantize_values(quant.quantize_values(vr, bits, value_group))
+    if r is not None:
+        kq, vq = kq @ r.T, vq @ r.T
+    s = min(sinks, qend)
+    kq[:, :, :s], vq[:, :, :s] = keys[:, :, :s], values[:, :, :s]
+    return torch.cat([kq, keys[:, :, qend:]], dim=2), torch.cat([vq, values[:, :, qend:]], dim=2)
+
+
 def tiny_config(vocab: int = 320, max_pos: int = 2048, layers: int = 3) -> LlamaConfig:
     """3 layers, 6 query heads sharing 2 KV heads (GQA group 3), head dim 32."""
     return LlamaConfig(vocab_size=vocab, hidden_size=192, intermediate_size=256, num_hidden_layers=layers,

@@ -14,11 +14,12 @@ from engine.docstore.store import DocStore
 from engine.generate.engine import Engine, Finished
 from engine.generate.prefixes import DocStoreUse
 from engine.generate.steps import forward, prefill
-from engine.kvcache import make_cache, quant, sliding_windows
+from engine.kvcache import make_cache, sliding_windows
 from engine.kvcache.rotation import rotation_matrix
 from engine.kvcache.sizes import quant_boundary
 from engine.model.loading import prepare_model
 from engine.model.support import CHECKED
+from tests.conftest import kivi_guide_part
 from tests.tiny_archs import ARCHS, REFUSED, VOCAB, WINDOW, eager_greedy, save_model_dir, tiny_model
 
 NEW = 24
@@ -132,17 +133,8 @@ class KiviWindowReference:
         t, n = q.shape[2], keys.shape[2]
         qend = int(quant_boundary(torch.tensor(self.length), self.residual, self.group)) if t == 1 else 0
         if qend and sliding_window is None:
-            r = rotation_matrix(self.rotation, keys.shape[-1])
-            kr, vr = keys[:, :, :qend], values[:, :, :qend]
-            if r is not None:
-                kr, vr = kr @ r, vr @ r
-            kq = quant.dequantize_keys(quant.quantize_keys(kr, self.bits, self.group))
-            vq = quant.dequantize_values(quant.quantize_values(vr, self.bits, min(self.group, values.shape[-1])))
-            if r is not None:
-                kq, vq = kq @ r.T, vq @ r.T
-            s = min(self.sinks, qend)
-            kq[:, :, :s], vq[:, :, :s] = keys[:, :, :s], values[:, :, :s]
-            keys, values = torch.cat([kq, keys[:, :, qend:]], dim=2), torch.cat([vq, values[:, :, qend:]], dim=2)
+            keys, values = kivi_guide_part(keys, values, qend, self.bits, self.group, min(self.group, values.shape[-1]),
+                                           self.sinks, rotation_matrix(self.rotation, keys.shape[-1]))
         rep = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
         scores = (q @ keys.transpose(-1, -2)) * scaling

@@ -12,9 +12,10 @@ from transformers import AttentionInterface
 from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
 from engine.generate.steps import forward, prefill
-from engine.kvcache import make_cache, quant
+from engine.kvcache import make_cache
 from engine.kvcache.sizes import quant_boundary
 from engine.kvcache.rotation import rotation_matrix
+from tests.conftest import kivi_guide_part
 
 NEW = 24
 
@@ -200,13 +201,8 @@ class KiviReference:
         t = q.shape[2]
         qend = int(quant_boundary(torch.tensor(self.length), self.residual, self.group)) if t == 1 else 0
         if qend:
-            r = self.rotation if self.rotation is not None else torch.eye(keys.shape[-1])
-            kq = quant.dequantize_keys(quant.quantize_keys(keys[:, :, :qend] @ r, self.bits, self.group)) @ r.T
-            vq = quant.dequantize_values(quant.quantize_values(values[:, :, :qend] @ r, self.bits, self.group)) @ r.T
-            s = min(self.sinks, qend)
-            kq[:, :, :s], vq[:, :, :s] = keys[:, :, :s], values[:, :, :s]
-            keys = torch.cat([kq, keys[:, :, qend:]], dim=2)
-            values = torch.cat([vq, values[:, :, qend:]], dim=2)
+            keys, values = kivi_guide_part(keys, values, qend, self.bits, self.group, self.group, self.sinks,
+                                           self.rotation)
         rep = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, scale=scaling)
