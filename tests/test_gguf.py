@@ -48,7 +48,7 @@ def test_each_gguf_format_rebuilds_gguf_dequantize_bit_for_bit(kind):
     assert torch.equal(held.rows(5, 9), ref[5:9])
 
 
-NATIVE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # the formats with a native decode kernel
+NATIVE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # the formats with a native decode kernel
 
 
 @pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
@@ -57,7 +57,9 @@ NATIVE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # the formats with a 
 def test_native_formats_give_the_fp32_kernel_result_bit_for_bit(kind, rows):
     n, k = 96, 512
     held = held_from_raw(random_tensor(kind, n, k, seed=rows), kind, n, k)
-    assert held.kind in ("affine4", "scaled8", "q6_k")
+    assert held.kind in ("affine4", "scaled8", "q4_k", "q5_k", "q6_k")
+    if kind in K_QUANTS:  # held in the file's own superblocks: no byte more than the GGUF
+        assert held.nbytes == n * k // 256 * gguf.GGML_QUANT_SIZES[kind][1]
     x, bias = torch.randn(rows, k), torch.randn(n)
     w = held.unpack()
     for b in (None, bias):
@@ -91,6 +93,28 @@ def test_q6k_edge_values_rebuild_and_multiply_bit_for_bit():
     raw = q6k_edge_tensor(n, k)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q6_K).reshape(n, k).astype(np.float32))
     held = held_from_raw(raw, Q.Q6_K, n, k)
+    assert torch.equal(held.unpack().view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(held.torch_rows(0, n).view(torch.int32), ref.view(torch.int32))
+    x = torch.randn(3, k)
+    assert torch.equal(held.decode(x, None), native_linear(x, ref, None))
+
+
+@pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+@pytest.mark.parametrize("kind", (Q.Q4_K, Q.Q5_K), ids=lambda k: k.name)
+def test_kquant_edge_values_rebuild_and_multiply_bit_for_bit(kind):
+    """Q4_K / Q5_K superblocks whose 6-bit scales and mins are all 0 or all 63 and whose codes are all 0 or
+    all ones, under fp16 d and dmin that are subnormal, +-0, the smallest normal and the largest."""
+    n, k = 6, 512  # 12 superblocks
+    raw = random_tensor(kind, n, k, seed=11).reshape(-1, gguf.GGML_QUANT_SIZES[kind][1])
+    raw[0:4, 4:] = 0xFF  # scales, mins 63 (and every code 15 / 31)
+    raw[4:6, 4:] = 0x00
+    halves = (0x0001, 0x83FF, 0x0000, 0x8000, 0x0400, 0x7BFF)
+    for i, h in enumerate(halves):
+        raw[i, 0:2] = np.array([h], np.uint16).view(np.uint8)
+        raw[i + 6, 2:4] = np.array([h], np.uint16).view(np.uint8)
+    raw = raw.reshape(n, -1)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(n, k).astype(np.float32))
+    held = held_from_raw(raw, kind, n, k)
     assert torch.equal(held.unpack().view(torch.int32), ref.view(torch.int32))
     assert torch.equal(held.torch_rows(0, n).view(torch.int32), ref.view(torch.int32))
     x = torch.randn(3, k)

@@ -5,13 +5,12 @@ Block formats (every re-expression is exact: each weight rebuilds to gguf.quants
 bit for bit, tests/test_gguf.py):
   Q4_0 (w = d * (q - 8))          -> affine4, m = -8 d
   Q4_1 (w = d * q + m)            -> affine4
-  Q4_K (8 sub-blocks of 32: d * sc, dmin * min, 6-bit sc and min) -> affine4 per sub-block, d' = d * sc,
-                                     m' = -(dmin * min), the nibbles reordered to affine4's layout
   Q5_0 (w = d * (q - 16))         -> scaled8, q - 16 in int8
   Q8_0 (w = d * q)                -> scaled8
-  Q5_1, Q5_K (5-bit affine)       -> affine8 (torch, 10 bits a weight; no native kernel yet)
-  Q6_K (16 sub-blocks of 16: d * sc, q - 32) -> its own blocks (6.6 bits), read by the native decode kernel
-                                     (linear_kernels.c fmt 6; rebuilt natively or by torch for tiles)
+  Q5_1 (5-bit affine)             -> affine8 (torch, 10 bits a weight; no native kernel)
+  Q4_K, Q5_K (8 sub-blocks of 32: d * sc, dmin * min, 6-bit sc and min), Q6_K (16 sub-blocks of 16:
+  d * sc, q - 32)                 -> their own superblocks (4.5, 5.5, 6.6 bits), read by the native decode
+                                     kernel (linear_kernels.c fmt 7, 5, 6; rebuilt natively or by torch for tiles)
   F32, F16, BF16                  -> held as they are
   anything else (Q2_K, Q3_K, IQ*) -> fp32, gguf.quants.dequantize (exact, 32 bits a weight)
 Tensors are read with pread, not through the memory map, so the file's pages never count in the
@@ -41,7 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
-from engine.model.linears import Q6K_FMT, BlockWeight, DenseWeight, PackedWeight, Q6KWeight
+from engine.model.linears import Q4K_FMT, Q5K_FMT, Q6K_FMT, BlockWeight, DenseWeight, KQuantWeight, PackedWeight, Q6KWeight
 from engine.model.sources import GGUF_POINTER
 from engine.paths import cache_root
 
@@ -258,15 +257,6 @@ def _records(d: np.ndarray, m: np.ndarray | None, codes: np.ndarray, n: int) -> 
     return torch.from_numpy(np.concatenate(parts, axis=1).reshape(n, -1))
 
 
-def _nibbles_affine4(q: np.ndarray) -> np.ndarray:
-    """Codes [blocks, 32] (0..15) -> affine4's 16 bytes: byte j = q[j] | q[j + 16] << 4."""
-    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
-
-
-def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return gguf.quants.Q4_K.get_scale_min(scales)
-
-
 def _blocks(raw: np.ndarray, kind: Q) -> np.ndarray:
     size = gguf.GGML_QUANT_SIZES[kind][1]
     return raw.reshape(-1, size)
@@ -290,17 +280,12 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
     if kind == Q.Q5_0:
         q = _q5_codes(b[:, 2:6], b[:, 6:])
         return PackedWeight(8, _records(_f16(b[:, 0:2]), None, (q.astype(np.int8) - np.int8(16)), n), (n, k))
-    if kind == Q.Q4_K:
-        d, dm, q = _k_affine(b, bits=4)
-        return PackedWeight(4, _records(d, -dm, _nibbles_affine4(q.reshape(-1, 32)), n), (n, k))
+    if kind in (Q.Q4_K, Q.Q5_K):
+        return KQuantWeight(Q4K_FMT if kind == Q.Q4_K else Q5K_FMT, torch.from_numpy(raw.copy()), (n, k))
     if kind == Q.Q5_1:
         q = _q5_codes(b[:, 4:8], b[:, 8:])
         return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)),
                            torch.from_numpy(_f16(b[:, 0:2]).reshape(n, -1)), torch.from_numpy(_f16(b[:, 2:4]).reshape(n, -1)))
-    if kind == Q.Q5_K:
-        d, dm, q = _k_affine(b, bits=5)
-        return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, -1)),
-                           torch.from_numpy((-dm).reshape(n, -1)))
     if kind == Q.Q6_K:
         return Q6KWeight(Q6K_FMT, torch.from_numpy(raw.copy()), (n, k))
     return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
@@ -312,24 +297,6 @@ def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     qh = np.ascontiguousarray(qh).view(np.uint32).reshape(nb, 1) >> np.arange(32, dtype=np.uint32).reshape(1, 32)
     ql = qs.reshape(nb, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     return ((ql & np.uint8(0x0F)).reshape(nb, -1) | ((qh & np.uint32(1)).astype(np.uint8) << np.uint8(4)))
-
-
-def _k_affine(b: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K super-blocks -> per sub-block of 32: d * sc, dmin * min (fp32, exact products) and
-    the codes [blocks, 8, 32] (gguf.quants' unpacking)."""
-    nb = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _q4k_scale_min(b[:, 4:16])
-    if bits == 4:
-        qs = b[:, 16:]
-        q = (qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
-        q = q.reshape(nb, 8, 32)
-    else:
-        qh, qs = b[:, 16:48], b[:, 48:]
-        ql = (qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
-        qh = (qh.reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & np.uint8(1)
-        q = ql.reshape(nb, 8, 32) | (qh.reshape(nb, 8, 32) << np.uint8(4))
-    return (d * sc.astype(np.float32)).reshape(-1), (dmin * mn.astype(np.float32)).reshape(-1), q
 
 
 CHUNK_BYTES = 32 << 20  # a large tensor is read and converted this many file bytes at a time
@@ -386,8 +353,8 @@ class MappedRows:
 
 
 # bytes a weight takes as held (the table at the top): what the planner and `specache models` count
-HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 24 / 32, Q.Q4_1: 24 / 32, Q.Q4_K: 24 / 32, Q.Q5_0: 36 / 32, Q.Q8_0: 36 / 32,
-                         Q.Q5_1: 40 / 32, Q.Q5_K: 40 / 32, Q.Q6_K: 210 / 256, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
+HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 24 / 32, Q.Q4_1: 24 / 32, Q.Q4_K: 144 / 256, Q.Q5_0: 36 / 32, Q.Q8_0: 36 / 32,
+                         Q.Q5_1: 40 / 32, Q.Q5_K: 176 / 256, Q.Q6_K: 210 / 256, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
 
 
 def estimate_held_bytes(header: Header) -> int:

@@ -91,8 +91,8 @@ class PackedWeight:
         return self.rows(0, self.shape[0])
 
 
-Q6K_FMT = 6  # the native kernels' format number of GGUF Q6_K superblocks (linear_kernels.c)
-FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q6K_FMT: "q6_k"}
+Q6K_FMT, Q4K_FMT, Q5K_FMT = 6, 7, 5  # the native kernels' format numbers of GGUF superblocks (linear_kernels.c)
+FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q6K_FMT: "q6_k", Q4K_FMT: "q4_k", Q5K_FMT: "q5_k"}
 PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
 _pools: dict[int, ThreadPoolExecutor] = {}
 
@@ -216,7 +216,39 @@ class Q6KWeight(PackedWeight):
         return q.mul_(scale[..., None]).view(n, -1)
 
 
-HeldWeight = PackedWeight | BlockWeight | DenseWeight  # what a weightless SkinnyLinear computes with (Q6KWeight: a PackedWeight)
+@dataclass(frozen=True)
+class KQuantWeight(PackedWeight):
+    """A weight [N, K] held in the GGUF's own Q4_K (144 bytes per 256 weights) or Q5_K (176 bytes)
+    superblocks: eight chunks of 32 under 6-bit scales sc and mins mn of one fp16 d and dmin, 4-bit codes
+    (and, Q5_K, a fifth bit each), w = (d * sc) * q - dmin * mn with one rounding, as gguf.quants
+    dequantizes them. A PackedWeight of format Q4K_FMT or Q5K_FMT: decode rows take the native kernel on
+    these bytes (linear_kernels.c: bit for bit the fp32 kernel's result on unpack()); tiles are rebuilt
+    natively or by torch_rows below (the same floats)."""
+
+    def __post_init__(self) -> None:  # data: uint8 [N, K / 256 * (144 or 176)], contiguous
+        assert self.fmt in (Q4K_FMT, Q5K_FMT), self.fmt
+        super().__post_init__()
+
+    def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
+        """rows() by torch, gguf.quants.dequantize's floats: (d * sc) and (dmin * mn) exact, one rounding."""
+        n, nb, size = n1 - n0, self.shape[1] // 256, 144 if self.fmt == Q4K_FMT else 176
+        b = self.data[n0:n1].view(n, nb, size)
+        d = b[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+        dmin = b[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
+        s = b[..., 4:16].to(torch.int32)  # [n, nb, 12]
+        lo, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = torch.cat((lo & 63, (top & 15) | ((lo >> 6) << 4)), dim=-1)  # [n, nb, 8]
+        mn = torch.cat((mid & 63, (top >> 4) | ((mid >> 6) << 4)), dim=-1)
+        qs = b[..., -128:].reshape(n, nb, 4, 1, 32)
+        q = torch.cat((qs & 15, qs >> 4), dim=3).reshape(n, nb, 8, 32)
+        if self.fmt == Q5K_FMT:
+            qh = b[..., 16:48].reshape(n, nb, 1, 32)
+            q = q | (torch.cat([(qh >> j) & 1 for j in range(8)], dim=2) << 4)
+        scale, minus = (d * sc.to(torch.float32))[..., None], (dmin * mn.to(torch.float32))[..., None]
+        return q.to(torch.float32).mul_(scale).sub_(minus).view(n, -1)
+
+
+HeldWeight = PackedWeight | BlockWeight | DenseWeight  # what a weightless SkinnyLinear computes with (Q6KWeight, KQuantWeight: PackedWeights)
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
            Path(__file__).with_name("attention_kernels.c"))
 HEADERS = (Path(__file__).with_name("simd.h"),)
-ABI_VERSION = 6
+ABI_VERSION = 7
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_ARCH = "SPECACHE_NATIVE_ARCH"

@@ -15,7 +15,8 @@
  * and feed it through the same loop as the fp32 kernel (one function, the weight source a
  * compile-time argument), so their results equal the fp32 kernel's bit for bit on every
  * target; they only read 6.4x (4-bit) or 3.6x (8-bit) fewer bytes. GGUF Q6_K weights are read
- * in their own 210-byte superblocks of 256 weights the same way (4.9x fewer bytes than fp32).
+ * in their own 210-byte superblocks of 256 weights the same way (4.9x fewer bytes than fp32), and Q4_K / Q5_K
+ * in their 144- / 176-byte ones (7.1x / 5.8x fewer).
  *
  * Built into the same library as guide_kernels.c (engine/native/__init__.py).
  */
@@ -186,8 +187,86 @@ INLINE void q6k_chunk_weights(const int8_t *codes, const float *scale, vf w[NV])
     for (int v = 0; v < NV; v++) w[v] = vf_mul(vf_set1(scale[v * VW / 16]), vf_from_i8(codes + v * VW));
 }
 
+/* ---- GGUF Q4_K and Q5_K superblocks ---------------------------------------------------
+ * 256 consecutive weights of one row in eight chunks of 32, stored as the GGUF has them: fp16 d, fp16 dmin,
+ * scales[12] (a 6-bit scale sc and min mn per chunk, gguf.quants.Q4_K.get_scale_min's packing), then, Q5_K only,
+ * qh[32] (bit j of qh[t]: the fifth bit of chunk j's weight t), and qs[128]: chunk j = 2 i + h holds its low
+ * four bits in nibble h of qs[32 i + t]. 144 bytes (Q4_K, 4.5 bits a weight) or 176 (Q5_K, 5.5 bits).
+ * w = (d * sc) * q - dmin * mn: d * sc and dmin * mn are exact in float (11 by 6 significant bits) and so is
+ * (d * sc) * q (by 4 or 5 more), so fma(d * sc, q, -(dmin * mn)) rounds once, to gguf.quants.dequantize's
+ * float (and, for Q4_K, to the affine4 record's fma(d, q, m) that held these weights before). */
+#define KQ_FMT(f) ((f) == 5 || (f) == 7)
+#define SUPERBLOCK_FMT(f) ((f) == 6 || KQ_FMT(f))
+#define Q4K_BYTES 144
+#define Q5K_BYTES 176
+#define SUPERBLOCK_BYTES(f) ((f) == 6 ? Q6K_BYTES : (f) == 5 ? Q5K_BYTES : Q4K_BYTES)
+
+/* codes[256] = q (0..15 or 0..31, in weight order) of qs[128] and, for Q5_K, qh[32] (NULL for Q4_K).
+ * (x86 shifts 16-bit lanes: the masks drop the bits a shift moves across bytes.) */
+INLINE void kq_codes(const uint8_t *qs, const uint8_t *qh, int8_t codes[Q6K_WEIGHTS]) {
+#if defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i hb = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+        __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+        if (qh) {
+            const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * i)), one);
+            const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * i + 1)), one);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+        }
+        _mm256_storeu_si256((__m256i *)(codes + 64 * i), lo);
+        _mm256_storeu_si256((__m256i *)(codes + 64 * i + 32), hi);
+    }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    const uint8x16_t m4 = vdupq_n_u8(15), one = vdupq_n_u8(1);
+    for (int i = 0; i < 4; i++)
+        for (int t = 0; t < 32; t += 16) { /* bytes t .. t + 15 of chunks 2 i and 2 i + 1 */
+            const uint8x16_t b = vld1q_u8(qs + 32 * i + t);
+            uint8x16_t lo = vandq_u8(b, m4), hi = vshrq_n_u8(b, 4);
+            if (qh) {
+                const uint8x16_t hb = vld1q_u8(qh + t);
+                lo = vorrq_u8(lo, vshlq_n_u8(vandq_u8(vshlq_u8(hb, vdupq_n_s8((int8_t)(-2 * i))), one), 4));
+                hi = vorrq_u8(hi, vshlq_n_u8(vandq_u8(vshlq_u8(hb, vdupq_n_s8((int8_t)(-2 * i - 1))), one), 4));
+            }
+            vst1q_s8(codes + 64 * i + t, vreinterpretq_s8_u8(lo));
+            vst1q_s8(codes + 64 * i + 32 + t, vreinterpretq_s8_u8(hi));
+        }
+#else
+    for (int j = 0; j < 8; j++)
+        for (int t = 0; t < 32; t++) {
+            const int lo = (qs[32 * (j / 2) + t] >> (4 * (j & 1))) & 15;
+            codes[32 * j + t] = (int8_t)(qh ? lo | ((qh[t] >> j) & 1) << 4 : lo);
+        }
+#endif
+}
+
+/* The Q4_K (fmt 7) or Q5_K (fmt 5) superblock at p: codes[256] = q (kq_codes), and per chunk j
+ * scale[j] = d * sc and minus[j] = -(dmin * mn) (both exact). */
+INLINE void kq_superblock(const uint8_t *p, const int fmt, int8_t codes[Q6K_WEIGHTS], float scale[8], float minus[8]) {
+    uint16_t dh, mh;
+    memcpy(&dh, p, 2);
+    memcpy(&mh, p + 2, 2);
+    const float d = half_to_float(dh), dmin = half_to_float(mh);
+    const uint8_t *s = p + 4;
+    for (int j = 0; j < 8; j++) {
+        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+        scale[j] = d * (float)sc;
+        minus[j] = -(dmin * (float)mn);
+    }
+    kq_codes(p + (fmt == 5 ? 48 : 16), fmt == 5 ? p + 16 : NULL, codes);
+}
+
+/* The 32 weights of one chunk as NV vectors: fma(scale, q, minus), one rounding each. */
+INLINE void kq_chunk_weights(const int8_t *codes, float scale, float minus, vf w[NV]) {
+    const vf sv = vf_set1(scale), mv = vf_set1(minus);
+    for (int v = 0; v < NV; v++) w[v] = vf_fmaf(sv, vf_from_i8(codes + v * VW), mv);
+}
+
 /* Output columns [n0, n1) of y[R, N] for R activation rows (R and fmt compile-time constants
- * after inlining; fmt 0: W is fp32 [N, K], 4 / 8 packed records, 6 Q6_K superblocks). One weight row at a time, in
+ * after inlining; fmt 0: W is fp32 [N, K], 4 / 8 packed records, 6 / 7 / 5 Q6_K / Q4_K / Q5_K superblocks). One weight row at a time, in
  * memory order: a single sequential stream, which the hardware prefetcher follows at full
  * bandwidth (interleaving several weight rows measured ~40% slower), plus a software prefetch
  * a few KiB ahead, which the hardware prefetcher alone did not match when several activation
@@ -200,24 +279,30 @@ INLINE void q6k_chunk_weights(const int8_t *codes, const float *scale, vf w[NV])
 INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fmt, int64_t K, const float *bias,
                         float *y, int64_t y_s, int64_t n0, int64_t n1, const int R) {
     const int64_t nb = K / QB, rec = fmt == 0 ? QB * 4 : fmt == 4 ? A4_BYTES : S8_BYTES;
-    const int64_t row_bytes = fmt == 6 ? K / Q6K_WEIGHTS * Q6K_BYTES : fmt == 0 ? K * 4 : nb * rec;
+    const int64_t row_bytes = SUPERBLOCK_FMT(fmt) ? K / Q6K_WEIGHTS * SUPERBLOCK_BYTES(fmt) : fmt == 0 ? K * 4 : nb * rec;
     const int64_t kv = fmt == 0 ? K / VW * VW : K; /* fp32: vectors past the last whole block, then scalars */
-    int8_t codes[Q6K_WEIGHTS]; /* Q6_K: the current superblock, decoded (q6k_superblock) */
-    float scale[16];
+    int8_t codes[Q6K_WEIGHTS]; /* Q4_K / Q5_K / Q6_K: the current superblock, decoded */
+    float scale[16], minus[8];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = (const uint8_t *)W + n * row_bytes;
         vf acc[MAX_ROWS], acc2[MAX_ROWS]; /* even and odd vectors of each row */
         for (int r = 0; r < R; r++) acc[r] = acc2[r] = vf_zero();
         for (int64_t b = 0; b < nb; b++) {
             vf w[NV];
-            if (fmt == 6) { /* chunk b % 8 of superblock b / 8 */
+            if (SUPERBLOCK_FMT(fmt)) { /* chunk b % 8 of superblock b / 8 */
                 const int j = (int)(b % Q6K_CHUNKS);
                 if (j == 0) {
-                    const uint8_t *p = row + b / Q6K_CHUNKS * Q6K_BYTES;
-                    for (int o = 0; o < Q6K_BYTES; o += 64) simd_prefetch(p + PREFETCH / 2 + o);
-                    q6k_superblock(p, codes, scale);
+                    const uint8_t *p = row + b / Q6K_CHUNKS * SUPERBLOCK_BYTES(fmt);
+                    for (int o = 0; o < SUPERBLOCK_BYTES(fmt); o += 64) simd_prefetch(p + PREFETCH / 2 + o);
+                    if (fmt == 6)
+                        q6k_superblock(p, codes, scale);
+                    else
+                        kq_superblock(p, fmt, codes, scale, minus);
                 }
-                q6k_chunk_weights(codes + j * QB, scale + j * (QB / 16), w);
+                if (fmt == 6)
+                    q6k_chunk_weights(codes + j * QB, scale + j * (QB / 16), w);
+                else
+                    kq_chunk_weights(codes + j * QB, scale[j], minus[j], w);
             } else {
                 const uint8_t *p = row + b * rec;
                 simd_prefetch(p + (fmt == 0 ? PREFETCH : PREFETCH / 2));
@@ -291,7 +376,7 @@ EXPORT int specache_pack_scaled8(const float *W, int64_t N, int64_t K, uint8_t *
     return 0;
 }
 
-/* Rebuild the 32 weights of block b of a row into w[32] (fmt 6: the 256 of superblock b into w[256])
+/* Rebuild the 32 weights of block b of a row into w[32] (fmt 5, 6, 7: the 256 of superblock b into w[256])
  * (the portable path and the tests). */
 static void unpack_block(const uint8_t *row, int64_t b, int fmt, float *w) {
     if (fmt == 6) { /* superblock b: 256 weights */
@@ -299,6 +384,11 @@ static void unpack_block(const uint8_t *row, int64_t b, int fmt, float *w) {
         float scale[16];
         q6k_superblock(row + b * Q6K_BYTES, codes, scale);
         for (int i = 0; i < Q6K_WEIGHTS; i++) w[i] = scale[i / 16] * (float)codes[i];
+    } else if (KQ_FMT(fmt)) { /* superblock b: 256 weights */
+        int8_t codes[Q6K_WEIGHTS];
+        float scale[8], minus[8];
+        kq_superblock(row + b * SUPERBLOCK_BYTES(fmt), fmt, codes, scale, minus);
+        for (int i = 0; i < Q6K_WEIGHTS; i++) w[i] = fmaf(scale[i / QB], (float)codes[i], minus[i / QB]);
     } else if (fmt == 4) {
         affine4_block blk;
         memcpy(&blk, row + b * A4_BYTES, A4_BYTES);
@@ -321,14 +411,16 @@ static void linear_columns_of(const float *x, int64_t x_s, int64_t R, const void
     case r * 16 + 0: linear_rows(x, x_s, W, 0, K, bias, y, y_s, n0, n1, r); break; \
     case r * 16 + 4: linear_rows(x, x_s, W, 4, K, bias, y, y_s, n0, n1, r); break; \
     case r * 16 + 8: linear_rows(x, x_s, W, 8, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 6: linear_rows(x, x_s, W, 6, K, bias, y, y_s, n0, n1, r); break;
+    case r * 16 + 6: linear_rows(x, x_s, W, 6, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 5: linear_rows(x, x_s, W, 5, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 7: linear_rows(x, x_s, W, 7, K, bias, y, y_s, n0, n1, r); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     default: break;
     }
 }
 
-/* One call's operands: W (fp32, fmt 0) or P (a packed weight, fmt 4 or 8, or Q6_K, fmt 6), as the entry points
+/* One call's operands: W (fp32, fmt 0) or P (a packed weight, fmt 4 or 8, or Q6_K, Q4_K, Q5_K: fmt 6, 7, 5), as the entry points
  * below take them. */
 typedef struct {
     const float *x;
@@ -375,13 +467,13 @@ EXPORT int specache_skinny_linear(const float *x, int64_t x_s, int64_t R, const 
     return 0;
 }
 
-/* Whether fmt is a block format and K a row length it takes: 4, 8 (K % 32 == 0), 6 (K % 256 == 0). */
+/* Whether fmt is a block format and K a row length it takes: 4, 8 (K % 32 == 0), 5, 6, 7 (K % 256 == 0). */
 static int valid_blocks(int64_t fmt, int64_t K) {
-    return fmt == 6 ? K >= Q6K_WEIGHTS && K % Q6K_WEIGHTS == 0 : (fmt == 4 || fmt == 8) && K >= QB && K % QB == 0;
+    return SUPERBLOCK_FMT(fmt) ? K >= Q6K_WEIGHTS && K % Q6K_WEIGHTS == 0 : (fmt == 4 || fmt == 8) && K >= QB && K % QB == 0;
 }
 
 /* specache_skinny_linear for a packed weight (fmt 4: affine4, 8: scaled8, P as the packers wrote it;
- * 6: the GGUF's Q6_K superblocks, P [N, K / 256 * 210] bytes). The result equals specache_skinny_linear's
+ * 6, 7, 5: the GGUF's Q6_K, Q4_K, Q5_K superblocks, P [N, K / 256 * 210, 144 or 176] bytes). The result equals specache_skinny_linear's
  * on the weight the blocks rebuild (specache_unpack) bit for bit. */
 EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int64_t fmt, int64_t N,
                                   int64_t K, const float *bias, float *y, int64_t y_s, int64_t nthreads) {
@@ -394,8 +486,8 @@ EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const 
 /* Rebuild rows [n0, n1) of a packed weight into W [n1 - n0, K] fp32 (tests, and a check). */
 EXPORT int specache_unpack(const uint8_t *P, int64_t fmt, int64_t n0, int64_t n1, int64_t K, float *W) {
     if (!valid_blocks(fmt, K) || n1 < n0) return -1;
-    const int64_t per = fmt == 6 ? Q6K_WEIGHTS : QB, nb = K / per; /* weights per block, blocks per row */
-    const int64_t row_bytes = nb * (fmt == 6 ? Q6K_BYTES : fmt == 4 ? A4_BYTES : S8_BYTES);
+    const int64_t per = SUPERBLOCK_FMT(fmt) ? Q6K_WEIGHTS : QB, nb = K / per; /* weights per block, blocks per row */
+    const int64_t row_bytes = nb * (SUPERBLOCK_FMT(fmt) ? SUPERBLOCK_BYTES(fmt) : fmt == 4 ? A4_BYTES : S8_BYTES);
     for (int64_t n = n0; n < n1; n++)
         for (int64_t b = 0; b < nb; b++) unpack_block(P + n * row_bytes, b, (int)fmt, W + (n - n0) * K + b * per);
     return 0;
