@@ -9,13 +9,15 @@ were built for ($SPECACHE_NATIVE_ARCH) and the path each row class takes in the 
 calibration, engine/native/calibrate.py), and the read bound: the time to read the packed weights
 once at this machine's read bandwidth, measured as torch.sum over 512 MiB on the same thread count.
 
-With --q6k N it times instead one decode call of a random GGUF Q6_K weight [N, 4096] (an output
-layer: N 128256 for a Llama 3 vocabulary) held in its blocks (engine.model.linears.Q6KWeight),
+With --superblocks N (--q6k N) it times instead one decode call of a random GGUF weight [N, 4096] of
+--kind Q6_K (the default; an output layer: N 128256 for a Llama 3 vocabulary), Q5_K or Q4_K (N 14336:
+a Llama-3-8B MLP projection) held in its superblocks (engine.model.linears.Q6KWeight, KQuantWeight),
 three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
 tiles rebuilt by the native specache_unpack and multiplied, and the native decode kernel on the
-blocks; medians in ms and GB/s of Q6_K bytes, and whether the kernel gives the fp32 kernel's floats.
+blocks; medians in ms and GB/s of block bytes, and whether the kernel gives the fp32 kernel's floats.
 
-    python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7] [--threads 1] [--q6k 128256]
+    python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7] [--threads 1]
+                                    [--superblocks 128256 [--kind Q6_K|Q5_K|Q4_K]]
 """
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.make_random_gguf import random_blocks  # noqa: E402
+from engine.model.gguf_files import held_from_raw  # noqa: E402
 from engine.model.linears import (  # noqa: E402
-    Q6K_FMT,
-    Q6KWeight,
+    PackedWeight,
     SkinnyLinear,
     native_linear,
     packed_linear,
@@ -55,23 +57,23 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
-def random_q6k(n: int, k: int, seed: int = 0) -> Q6KWeight:
-    """A Q6_K weight [n, k] of random blocks, as scripts/make_random_gguf.py writes them."""
-    raw = random_blocks(GGMLQuantizationType.Q6_K, n, k, np.random.default_rng(seed))
-    return Q6KWeight(Q6K_FMT, torch.from_numpy(raw), (n, k))
+def random_superblocks(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
+    """A Q4_K / Q5_K / Q6_K weight [n, k] of random blocks, as scripts/make_random_gguf.py writes them."""
+    q = GGMLQuantizationType[kind]
+    return held_from_raw(random_blocks(q, n, k, np.random.default_rng(seed)), q, n, k)
 
 
 class _TorchTiles:
-    """A Q6_K weight whose tiles torch rebuilds (Q6KWeight.torch_rows: what runs without the native library)."""
+    """A weight whose tiles torch rebuilds (torch_rows: what runs without the native library)."""
 
-    def __init__(self, held: Q6KWeight):
+    def __init__(self, held: PackedWeight):
         self.shape, self.rows = held.shape, held.torch_rows
 
 
-def bench_q6k(n: int, rows_list: list[int], repeats: int) -> None:
-    """One decode call of a random Q6_K weight [n, 4096], three ways (module docstring)."""
-    held = random_q6k(n, 4096)
-    print(f"Q6_K weight [{n}, 4096]: {held.nbytes / 1e6:.0f} MB of blocks ({held.nbytes * 8 / (n * 4096):.2f} bits "
+def bench_superblocks(kind: str, n: int, rows_list: list[int], repeats: int) -> None:
+    """One decode call of a random superblock weight [n, 4096], three ways (module docstring)."""
+    held = random_superblocks(kind, n, 4096)
+    print(f"{kind} weight [{n}, 4096]: {held.nbytes / 1e6:.0f} MB of blocks ({held.nbytes * 8 / (n * 4096):.2f} bits "
           f"a weight; fp32 {n * 4096 * 4 / 1e6:.0f} MB)")
     lins = {}
     for name, h in (("torch tiles", _TorchTiles(held)), ("native tiles", held), ("native kernel", held)):
@@ -105,13 +107,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--q6k", type=int, metavar="N", help="time a random Q6_K weight [N, 4096] instead (see above)")
+    ap.add_argument("--superblocks", "--q6k", type=int, metavar="N",
+                    help="time a random GGUF superblock weight [N, 4096] instead (see above)")
+    ap.add_argument("--kind", default="Q6_K", choices=("Q4_K", "Q5_K", "Q6_K"), help="its format (--superblocks)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     print(f"CPU: {calibrate.describe_line()}")
-    if args.q6k:
-        bench_q6k(args.q6k, args.rows, args.repeats)
+    if args.superblocks:
+        bench_superblocks(args.kind, args.superblocks, args.rows, args.repeats)
         return
     gbs = read_bandwidth()
     lm = load_model(device="cpu", dtype="float32")  # fp32 weights and their packed copy, side by side

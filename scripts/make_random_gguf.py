@@ -27,7 +27,7 @@ def random_blocks(kind: Q, rows: int, k: int, rng: np.random.Generator) -> np.nd
     block, size = gguf.GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
     f16 = lambda v: np.full((len(raw), 1), v, dtype=np.float16).view(np.uint8)  # noqa: E731
-    if kind == Q.Q4_K:  # w = d * sc * q - dmin * m, sc and m 6-bit, q 4-bit
+    if kind in (Q.Q4_K, Q.Q5_K):  # w = d * sc * q - dmin * m, sc and m 6-bit, q 4-bit (Q5_K: 5-bit)
         raw[:, 0:2], raw[:, 2:4] = f16(6e-5), f16(4e-4)
     elif kind == Q.Q6_K:  # w = d * sc * (q - 32), sc int8
         raw[:, 208:210] = f16(1e-5)
