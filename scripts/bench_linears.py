@@ -63,6 +63,15 @@ def random_superblocks(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight
     return held_from_raw(random_blocks(q, n, k, np.random.default_rng(seed)), q, n, k)
 
 
+def affine4_of(held: PackedWeight) -> PackedWeight:
+    """A Q4_K weight as affine4 records (fp32 d * sc, fp32 -(dmin * mn), 16 bytes of nibbles per chunk):
+    how the engine held Q4_K before its own superblocks; the same floats."""
+    q, scale, minus = held.chunks(0, held.shape[0])  # [n, nb, 32], [n, nb], [n, nb]
+    nib = q[..., :16] | (q[..., 16:] << 4)
+    rec = torch.cat([scale[..., None].view(torch.uint8), (-minus)[..., None].view(torch.uint8), nib], dim=-1)
+    return PackedWeight(4, rec.reshape(held.shape[0], -1).contiguous(), held.shape)
+
+
 class _TorchTiles:
     """A weight whose tiles torch rebuilds (torch_rows: what runs without the native library)."""
 
@@ -75,21 +84,27 @@ def bench_superblocks(kind: str, n: int, rows_list: list[int], repeats: int) -> 
     held = random_superblocks(kind, n, 4096)
     print(f"{kind} weight [{n}, 4096]: {held.nbytes / 1e6:.0f} MB of blocks ({held.nbytes * 8 / (n * 4096):.2f} bits "
           f"a weight; fp32 {n * 4096 * 4 / 1e6:.0f} MB)")
+    ways_held = [("torch tiles", _TorchTiles(held)), ("native tiles", held), ("native kernel", held)]
+    if kind == "Q4_K":  # also as the affine4 records Q4_K was held in before (0.75 bytes a weight)
+        former = affine4_of(held)
+        print(f"  and as affine4 records: {former.nbytes / 1e6:.0f} MB")
     lins = {}
-    for name, h in (("torch tiles", _TorchTiles(held)), ("native tiles", held), ("native kernel", held)):
+    for name, h in ways_held:
         lin = SkinnyLinear(4096, n, bias=False)
         lin.weight, lin.held = None, h
         lins[name] = lin
     ways = {"torch tiles": lambda x: lins["torch tiles"].tiled_forward(x, None),
             "native tiles": lambda x: lins["native tiles"].tiled_forward(x, None),
             "native kernel": lambda x: held.decode(x, None)}
+    if kind == "Q4_K":
+        ways["affine4 kernel"] = lambda x: former.decode(x, None)
     print(f"{'rows':>4} " + " ".join(f"{w:>22}" for w in ways) + "   kernel == fp32 kernel")
     for rows in rows_list:
         x = torch.randn(rows, 4096)
         times = {w: [] for w in ways}
         for i in range(repeats):
             for name, fn in ways.items():
-                if name != "native kernel" and i >= max(3, repeats // 2):
+                if name not in ("native kernel", "affine4 kernel") and i >= max(3, repeats // 2):
                     continue  # the slow ways: fewer runs
                 t = time.perf_counter()
                 fn(x)

@@ -521,6 +521,31 @@ def test_native_bf16_prefill_keeps_specache_equal_to_full(tiny_model, reference)
     assert spec == full
 
 
+@pytest.mark.parametrize("mode", ["specache", "exact"])
+def test_bf16_prefill_without_the_native_kernel_keeps_the_limits_equal_to_full(tiny_model, reference, monkeypatch,
+                                                                                mode):
+    """bf16 prefill linears where the native bf16 attention kernel is missing (an ARM64 or AVX2 build on
+    a CPU with bf16): the prefill attention is the exact torch path, whose pieces the guided layer must
+    split as the full cache does (one past piece, then the chunk), since bf16 linears turn a float
+    rounding of difference into bf16 ones. So the prefill's logits equal full's bit for bit, for
+    specache with k >= context and for exact mode."""
+    from engine.kvcache import full as full_module, guided
+    from engine.model.loading import prepare_model
+
+    for module in (full_module, guided):
+        monkeypatch.setattr(module, "native_prefill_attention", lambda *a, **k: None)
+    ps, refs = reference
+    prepare_model(tiny_model, torch.bfloat16)
+    try:
+        cfg = CacheConfig(mode=mode, k=4096, group=32, residual=16, chunk_size=64)
+        for p, ref in zip(ps, refs):
+            want = next(Engine(tiny_model, CacheConfig(mode="full", chunk_size=64)).teacher_forced(p, ref[:1]))
+            got = next(Engine(tiny_model, cfg).teacher_forced(p, ref[:1]))
+            assert torch.equal(got, want), len(p)
+    finally:
+        prepare_model(tiny_model)
+
+
 @pytest.mark.parametrize("mode,prefetch", [("full", "current"), ("specache", "current"), ("specache", "speculative"),
                                            ("kivi", "current")])
 def test_a_finished_row_leaves_the_batch(tiny_model, monkeypatch, mode, prefetch):

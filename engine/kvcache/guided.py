@@ -204,7 +204,9 @@ class GuidedLayer(CacheLayer):
                                                scaling, start)
             if out is None:
                 past = [(k_past, v_past), (rk[:, :, :recent], rv[:, :, :recent])]
-                if q.dtype != torch.float32 and recent and k_past.shape[2]:  # one rounding of a 16-bit output less
+                if recent and k_past.shape[2]:  # one piece [0, start), as the full cache has it: the same floats
+                    # (a third merged part rounds otherwise, and a bf16 prefill's linears amplify that to 0.3 in
+                    # the logits: exact / k >= context != full wherever the native bf16 kernel is missing)
                     past = [(torch.cat([past[0][0], past[1][0]], dim=2), torch.cat([past[0][1], past[1][1]], dim=2))]
                 out = split_prefill_attention(q, past, rk[:, :, recent : recent + t], rv[:, :, recent : recent + t],
                                               scaling)

@@ -231,6 +231,12 @@ class KQuantWeight(PackedWeight):
 
     def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
         """rows() by torch, gguf.quants.dequantize's floats: (d * sc) and (dmin * mn) exact, one rounding."""
+        q, scale, minus = self.chunks(n0, n1)
+        return q.to(torch.float32).mul_(scale[..., None]).sub_(minus[..., None]).view(n1 - n0, -1)
+
+    def chunks(self, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [n0, n1) as chunks of 32: codes q uint8 [n, K / 32, 32] (0..15 or 0..31), d * sc and
+        dmin * mn fp32 [n, K / 32] (exact products); a weight is q * (d * sc) - dmin * mn."""
         n, nb, size = n1 - n0, self.shape[1] // 256, 144 if self.fmt == Q4K_FMT else 176
         b = self.data[n0:n1].view(n, nb, size)
         d = b[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
@@ -244,8 +250,7 @@ class KQuantWeight(PackedWeight):
         if self.fmt == Q5K_FMT:
             qh = b[..., 16:48].reshape(n, nb, 1, 32)
             q = q | (torch.cat([(qh >> j) & 1 for j in range(8)], dim=2) << 4)
-        scale, minus = (d * sc.to(torch.float32))[..., None], (dmin * mn.to(torch.float32))[..., None]
-        return q.to(torch.float32).mul_(scale).sub_(minus).view(n, -1)
+        return q.view(n, -1, 32), (d * sc.to(torch.float32)).view(n, -1), (dmin * mn.to(torch.float32)).view(n, -1)
 
 
 HeldWeight = PackedWeight | BlockWeight | DenseWeight  # what a weightless SkinnyLinear computes with (Q6KWeight, KQuantWeight: PackedWeights)
