@@ -1,4 +1,4 @@
-"""Write a random-weight GGUF with a real model's shapes, Q4_K_M-style (Q4_K linears and token embedding,
+"""Write a random-weight GGUF with a real model's shapes, Q4_K_M-style (Q4_K linears and token embedding, or Q5_K with --linears Q5_K;
 Q6_K output, F32 norms), streamed tensor by tensor (the file is never held in memory). Its weights are
 random blocks (finite fp16 scales sized like a trained model's), so its text is noise: it measures
 memory and speed, not quality. The tokenizer is the embedded SmolLM2's, padded with reserved tokens to
@@ -54,18 +54,19 @@ def tokenizer_fields(vocab: int) -> dict:
 def tensor_plan(a) -> list[tuple[str, Q, int, int]]:
     """(name, kind, rows, row length) of every tensor, in the order llama.cpp writes them."""
     head_dim = a.hidden // a.heads
-    out = [("token_embd.weight", Q.Q4_K, a.vocab, a.hidden)]
+    lin = Q[a.linears]
+    out = [("token_embd.weight", lin, a.vocab, a.hidden)]
     for i in range(a.layers):
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", Q.F32, 1, a.hidden),
-                (p + "attn_q.weight", Q.Q4_K, a.hidden, a.hidden),
-                (p + "attn_k.weight", Q.Q4_K, a.kv_heads * head_dim, a.hidden),
-                (p + "attn_v.weight", Q.Q4_K, a.kv_heads * head_dim, a.hidden),
-                (p + "attn_output.weight", Q.Q4_K, a.hidden, a.hidden),
+                (p + "attn_q.weight", lin, a.hidden, a.hidden),
+                (p + "attn_k.weight", lin, a.kv_heads * head_dim, a.hidden),
+                (p + "attn_v.weight", lin, a.kv_heads * head_dim, a.hidden),
+                (p + "attn_output.weight", lin, a.hidden, a.hidden),
                 (p + "ffn_norm.weight", Q.F32, 1, a.hidden),
-                (p + "ffn_gate.weight", Q.Q4_K, a.intermediate, a.hidden),
-                (p + "ffn_up.weight", Q.Q4_K, a.intermediate, a.hidden),
-                (p + "ffn_down.weight", Q.Q4_K, a.hidden, a.intermediate)]
+                (p + "ffn_gate.weight", lin, a.intermediate, a.hidden),
+                (p + "ffn_up.weight", lin, a.intermediate, a.hidden),
+                (p + "ffn_down.weight", lin, a.hidden, a.intermediate)]
     return out + [("output_norm.weight", Q.F32, 1, a.hidden), ("output.weight", Q.Q6_K, a.vocab, a.hidden)]
 
 
@@ -80,10 +81,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--linears", choices=("Q4_K", "Q5_K"), default="Q4_K",
+                    help="the linears' and the embedding's format (Q5_K: a Q5_K_M-style file)")
     a = ap.parse_args()
     tok = tokenizer_fields(a.vocab)
     w = gguf.GGUFWriter(str(a.out), "llama")
-    w.add_name("random-llama-q4_k_m")
+    w.add_name(f"random-llama-{a.linears.lower()}_m")
     w.add_block_count(a.layers)
     w.add_context_length(a.context)
     w.add_embedding_length(a.hidden)
@@ -94,7 +97,7 @@ def main() -> None:
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(a.vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if a.linears == "Q4_K" else gguf.LlamaFileType.MOSTLY_Q5_K_M)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])
