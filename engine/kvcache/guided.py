@@ -203,11 +203,13 @@ class GuidedLayer(CacheLayer):
                 out = native_prefill_attention(q, [(k_past, v_past), (rk[:, :, : recent + t], rv[:, :, : recent + t])],
                                                scaling, start)
             if out is None:
-                past = [(k_past, v_past), (rk[:, :, :recent], rv[:, :, :recent])]
-                if recent and k_past.shape[2]:  # one piece [0, start), as the full cache has it: the same floats
-                    # (a third merged part rounds otherwise, and a bf16 prefill's linears amplify that to 0.3 in
-                    # the logits: exact / k >= context != full wherever the native bf16 kernel is missing)
-                    past = [(torch.cat([past[0][0], past[1][0]], dim=2), torch.cat([past[0][1], past[1][1]], dim=2))]
+                if self.store is not None:  # it holds every committed position, the residual ones too: the past
+                    # as one piece [0, start), as the full cache has it, so the same floats (a third merged part
+                    # rounds otherwise, and a bf16 prefill's linears amplify that to 0.3 in the logits: exact /
+                    # k >= context != full wherever the native bf16 kernel is missing)
+                    past = [self.store.read(row, 0, start)]
+                else:  # window mode: the sinks and the residual positions before the chunk, one piece
+                    past = [(torch.cat([k_past, rk[:, :, :recent]], dim=2), torch.cat([v_past, rv[:, :, :recent]], dim=2))]
                 out = split_prefill_attention(q, past, rk[:, :, recent : recent + t], rv[:, :, recent : recent + t],
                                               scaling)
             return ungroup_output(out.to(q.dtype), self.shape.heads, t)
