@@ -57,7 +57,7 @@ from engine.kvcache import make_cache
 from engine.kvcache.base import Step, grouped_query
 from engine.kvcache.fused import FusedDecode
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
-from engine.model.linears import Q4K_FMT, Q5K_FMT, Q6K_FMT, KQuantWeight, Q6KWeight
+from engine.model.linears import Q4K_FMT, Q5K_FMT, Q6K_FMT, SUPERBLOCK_BYTES, KQuantWeight, Q6KWeight
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "kernels"
@@ -256,9 +256,9 @@ def linear_cases() -> list[Case]:
     # Q4_K (fmt 7) and Q5_K (fmt 5): K 512, random blocks (every scale / min / code bit random), fp16 d and
     # dmin of either sign, the first superblock's d subnormal and the second's dmin zero
     n = 8
-    for fmt, name, size in ((Q4K_FMT, "q4k", 144), (Q5K_FMT, "q5k", 176)):
+    for fmt, name in ((Q4K_FMT, "q4k"), (Q5K_FMT, "q5k")):
         g = gen(1000 + fmt)
-        raw = torch.randint(0, 256, (n * k // 256, size), generator=g, dtype=torch.uint8)
+        raw = torch.randint(0, 256, (n * k // 256, SUPERBLOCK_BYTES[fmt]), generator=g, dtype=torch.uint8)
         for off in (0, 2):
             raw[:, off:off + 2] = (torch.randn(len(raw), generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
         raw[0, 0:2] = torch.tensor([0x05, 0x80], dtype=torch.uint8)  # d = -5 * 2^-24

@@ -93,6 +93,7 @@ class PackedWeight:
 
 Q6K_FMT, Q4K_FMT, Q5K_FMT = 6, 7, 5  # the native kernels' format numbers of GGUF superblocks (linear_kernels.c)
 FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q6K_FMT: "q6_k", Q4K_FMT: "q4_k", Q5K_FMT: "q5_k"}
+SUPERBLOCK_BYTES = {Q6K_FMT: 210, Q4K_FMT: 144, Q5K_FMT: 176}  # bytes per 256 weights (linear_kernels.c)
 PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
 _pools: dict[int, ThreadPoolExecutor] = {}
 
@@ -205,7 +206,7 @@ class Q6KWeight(PackedWeight):
     def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
         """rows() by torch, gguf.quants.dequantize's floats: q from ql / qh, (d * sc) exact, one rounding."""
         n, nb = n1 - n0, self.shape[1] // 256
-        b = self.data[n0:n1].view(n, nb, 210)
+        b = self.data[n0:n1].view(n, nb, SUPERBLOCK_BYTES[Q6K_FMT])
         ql = b[..., :128].reshape(n, nb, 2, 1, 64)
         ql = torch.cat((ql & 15, ql >> 4), dim=3).reshape(n, nb, 256)
         qh = b[..., 128:192].reshape(n, nb, 2, 1, 32)
@@ -237,8 +238,8 @@ class KQuantWeight(PackedWeight):
     def chunks(self, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows [n0, n1) as chunks of 32: codes q uint8 [n, K / 32, 32] (0..15 or 0..31), d * sc and
         dmin * mn fp32 [n, K / 32] (exact products); a weight is q * (d * sc) - dmin * mn."""
-        n, nb, size = n1 - n0, self.shape[1] // 256, 144 if self.fmt == Q4K_FMT else 176
-        b = self.data[n0:n1].view(n, nb, size)
+        n, nb = n1 - n0, self.shape[1] // 256
+        b = self.data[n0:n1].view(n, nb, SUPERBLOCK_BYTES[self.fmt])
         d = b[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
         dmin = b[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
         s = b[..., 4:16].to(torch.int32)  # [n, nb, 12]
