@@ -566,3 +566,49 @@ def test_a_finished_row_leaves_the_batch(tiny_model, monkeypatch, mode, prefetch
     res = run(tiny_model, ps, config, GenerationConfig(max_tokens=NEW, stop_ids=(stop,), **look_back))
     assert res.tokens == [t[: t.index(stop)] if stop in t else t for t in free.tokens]
     assert fed[0] == 3 and fed[-1] < 3 and fed == sorted(fed, reverse=True)  # rows only ever leave
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["fused", "torch"])
+@pytest.mark.parametrize("config", [
+    CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64),
+    CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current"),
+    CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64),
+    CacheConfig(mode="exact", k=16, group=32, residual=16, sinks=4, chunk_size=64, gamma=3)],
+    ids=["speculative", "current", "kivi", "exact"])
+def test_residual_window_in_the_store_equals_its_own_buffer(tiny_model, monkeypatch, config, native_on):
+    """On the CPU a guided layer's residual window is its host store's positions [qend, ...) (no buffer of
+    its own, nothing shifted); on CUDA it has buffers of its own. Both hold the same floats: a batch of
+    rows of different lengths (windows that end at different places; one near the store's end) and the
+    shared-prefix copy give the same tokens, and teacher-forced logits bit for bit. The CPU layout
+    allocates no residual slots."""
+    import engine.kvcache
+    import engine.kvcache.guided
+    from engine.kvcache.transfer import Transfer
+
+    if not native_on:
+        monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+    prompts, gen = prompts_of((150, 97, 260)), GenerationConfig(max_tokens=20)
+    (doc,) = prompts_of((200,), seed=5)
+    shared = [doc + q for q in prompts_of((7, 12), seed=6)]
+    forced = prompts_of((30,), seed=9)[0]
+
+    def outputs():
+        tokens = run(tiny_model, prompts, config, gen).tokens
+        prefix = next(e for e in Engine(tiny_model, config).generate(shared, gen, shared_prefix=len(doc))
+                      if isinstance(e, Finished)).tokens
+        logits = torch.stack(list(Engine(tiny_model, config).teacher_forced(prompts[0], forced)))
+        return tokens, prefix, logits
+
+    in_store = outputs()
+    monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
+    own = outputs()
+    assert in_store[0] == own[0] and in_store[1] == own[1]
+    assert torch.equal(in_store[2], own[2])
+    cpu = torch.device("cpu")
+    own_cache = make_cache(tiny_model.config, config, 2, 400, torch.float32, cpu)
+    monkeypatch.undo()
+    in_cache = make_cache(tiny_model.config, config, 2, 400, torch.float32, cpu)
+    own_layer = own_cache.layers[0]
+    assert in_cache.layers[0].res_in_store and not own_layer.res_in_store and own_layer.res_k.shape[2] == 16 + 32 + 64
+    assert own_cache.allocated_device_bytes() - in_cache.allocated_device_bytes() == \
+        len(in_cache.layers) * 2 * own_layer.res_k[0].numel() * 4

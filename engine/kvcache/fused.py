@@ -43,7 +43,8 @@ class FusedDecode:
         a.correct = int(layer.config.prefetch == "speculative" and layer.config.correct and layer.topk > 0)
         a.qend = layer.qend.data_ptr()
         self._pair(a, ("sink_k", "sink_v", "sk"), layer.sink_k, layer.sink_v)
-        self._pair(a, ("res_k", "res_v", "rk"), layer.res_k, layer.res_v)
+        self._pair(a, ("res_k", "res_v", "rk"), layer.res_k, layer.res_v)  # the store itself where res_in_store
+        a.res_at_qend = int(layer.res_in_store)
         self._pair(a, ("fk", "fv", "fk"), store.fk, store.fv)
         self._pair(a, ("store_k", "store_v", "st"), store.k, store.v)
         a.fidx, a.fvalid = layer.fidx.data_ptr(), layer.fvalid.data_ptr()

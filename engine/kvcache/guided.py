@@ -63,12 +63,19 @@ class GuidedLayer(CacheLayer):
         self.sinks = config.sinks
         self.sink_k = torch.zeros(batch, h, sink_slots(self.sinks), d, dtype=dtype, device=device)  # [B, H_kv, S, D]
         self.sink_v = torch.zeros_like(self.sink_k)
-        slots = residual_slots(self.residual, self.group, config.chunk_size)  # window + a group waiting + new tokens
-        self.res_k = torch.zeros(batch, h, slots, d, dtype=dtype, device=device)  # [B, H_kv, W, D]
-        self.res_v = torch.zeros_like(self.res_k)
         self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
         self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device, config.guide_rotation) if self.use_guide else None
         self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
+        # Where the store is the compute device's memory (the CPU), the residual window is the store's
+        # positions [qend, qend + W) of each row: every new token's K/V is written there, and nothing is
+        # copied or shifted. Elsewhere (CUDA: the store is in host memory) it has buffers of its own.
+        self.res_in_store = self.store is not None and transfer.residual_in_store
+        if self.res_in_store:
+            self.res_k, self.res_v = self.store.k, self.store.v  # [B, H_kv, L, D], read from each row's qend
+        else:
+            slots = residual_slots(self.residual, self.group, config.chunk_size)  # window + a group waiting + new tokens
+            self.res_k = torch.zeros(batch, h, slots, d, dtype=dtype, device=device)  # [B, H_kv, W, D]
+            self.res_v = torch.zeros_like(self.res_k)
         self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
         self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
@@ -81,14 +88,17 @@ class GuidedLayer(CacheLayer):
         starts, qends = step.starts, self.qend[step.rows].tolist()
         for i, (p0, q0) in enumerate(zip(starts, qends)):
             r = step.rows.start + i
-            if self.store is not None and step.keep and not step.draft:  # only committed tokens enter the store
+            if self.res_in_store:  # the residual window is the store: every new token goes in (positions past
+                self.store.write_span(r, p0, k[i], v[i])  # the committed length are rewritten before they count)
+            elif self.store is not None and step.keep and not step.draft:  # only committed tokens enter the store
                 self.store.write_span(r, p0, k[i, :, : step.keep], v[i, :, : step.keep])
             s_end = min(self.sinks, p0 + t)
             if p0 < s_end:
                 self.sink_k[r, :, p0:s_end] = k[i, :, : s_end - p0]
                 self.sink_v[r, :, p0:s_end] = v[i, :, : s_end - p0]
-            self.res_k[r, :, p0 - q0 : p0 - q0 + t] = k[i]
-            self.res_v[r, :, p0 - q0 : p0 - q0 + t] = v[i]
+            if not self.res_in_store:
+                self.res_k[r, :, p0 - q0 : p0 - q0 + t] = k[i]
+                self.res_v[r, :, p0 - q0 : p0 - q0 + t] = v[i]
 
     def boundaries(self, lengths: torch.Tensor) -> torch.Tensor:
         """Each row's quantized prefix for these lengths [B] (what qend becomes after after_step)."""
@@ -104,15 +114,30 @@ class GuidedLayer(CacheLayer):
             if self.guide is not None:
                 k, v = self.store.read(row, old, new)
                 self.guide.add(row, old, k, v)
-            shift = new - old  # drop the quantized tokens from the residual buffer
-            keep = self.res_k.shape[2] - shift
-            self.res_k[row, :, :keep] = self.res_k[row, :, shift:].clone()
-            self.res_v[row, :, :keep] = self.res_v[row, :, shift:].clone()
+            if not self.res_in_store:  # drop the quantized tokens from the residual buffer
+                shift = new - old
+                keep = self.res_k.shape[2] - shift
+                self.res_k[row, :, :keep] = self.res_k[row, :, shift:].clone()
+                self.res_v[row, :, :keep] = self.res_v[row, :, shift:].clone()
             self.qend[row] = new
+
+    def residual_kv(self, rows: slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n slots of rows' residual windows, positions [qend, qend + n) of each row
+        -> K, V [b, H_kv, n, D] (views, but a copy for several rows whose windows are in the store)."""
+        if not self.res_in_store:
+            return self.res_k[rows, :, :n], self.res_v[rows, :, :n]
+        qends = self.qend[rows].tolist()
+        if len(qends) == 1:
+            q = qends[0]
+            return self.res_k[rows, :, q : q + n], self.res_v[rows, :, q : q + n]
+        # a row's window may run past the store's end where another row needs more slots: zeros there (masked)
+        return tuple(torch.stack([torch.nn.functional.pad(buf[rows.start + i, :, q : q + n], (0, 0, 0, max(0, q + n - buf.shape[2])))
+                                  for i, q in enumerate(qends)]) for buf in (self.res_k, self.res_v))
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Make row dst a copy of row src's state (its first `length` tokens)."""
-        for t in (self.sink_k, self.sink_v, self.res_k, self.res_v, self.qend, self.fidx, self.fvalid):
+        own = (self.sink_k, self.sink_v) + (() if self.res_in_store else (self.res_k, self.res_v))
+        for t in (*own, self.qend, self.fidx, self.fvalid):
             t[dst] = t[src]
         if self.store is not None:
             self.store.settle()  # CUDA: a prefetch into the fetched set may be in flight
@@ -127,8 +152,9 @@ class GuidedLayer(CacheLayer):
         residual buffer, exact host store and guide. Nothing else depends on the past tokens."""
         qend = int(self.qend[row])
         s = min(self.sinks, length)
+        rk, rv = self.residual_kv(slice(row, row + 1), length - qend)
         out = {"qend": self.qend[row : row + 1], "sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],
-               "res_k": self.res_k[row, :, : length - qend], "res_v": self.res_v[row, :, : length - qend]}
+               "res_k": rk[0], "res_v": rv[0]}
         if self.store is not None:
             out["store_k"], out["store_v"] = self.store.k[row, :, :length], self.store.v[row, :, :length]
         if self.guide is not None:
@@ -141,14 +167,15 @@ class GuidedLayer(CacheLayer):
         got = tensors.get("qend")
         if got is None or got.numel() != 1 or int(got) != qend:
             raise ValueError(f"qend: expected {qend} for {length} tokens")
-        if length - qend > self.res_k.shape[2]:
+        if length - qend > (self.res_k.shape[2] - qend if self.res_in_store else self.res_k.shape[2]):
             raise ValueError("the residual window does not fit this cache")
         if not check:
             self.qend[row] = qend
             self.fvalid[row] = False
         s = min(self.sinks, length)
+        r0 = qend if self.res_in_store else 0  # (the same memory as the store's positions, written twice alike)
         views = {"sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],
-                 "res_k": self.res_k[row, :, : length - qend], "res_v": self.res_v[row, :, : length - qend]}
+                 "res_k": self.res_k[row, :, r0 : r0 + length - qend], "res_v": self.res_v[row, :, r0 : r0 + length - qend]}
         if self.store is not None:
             views["store_k"], views["store_v"] = self.store.k[row, :, :length], self.store.v[row, :, :length]
         import_tensors(views, tensors, check)
@@ -196,8 +223,8 @@ class GuidedLayer(CacheLayer):
                 self.sink_v[row : row + 1, :, : min(self.sinks, qend)]
         n_res = start + t - qend
         if split_attention_applies(q, step) and softcap is None:  # no mask: the past whole, the chunk's block causal
-            rk, rv = self.res_k[row : row + 1], self.res_v[row : row + 1]
             recent = start - qend  # residual positions before the chunk
+            rk, rv = self.residual_kv(step.rows, recent + t)
             out = None
             if step.compute == torch.bfloat16 and qend == k_past.shape[2]:  # the pieces tile [0, start + t)
                 out = native_prefill_attention(q, [(k_past, v_past), (rk[:, :, : recent + t], rv[:, :, : recent + t])],
@@ -214,8 +241,8 @@ class GuidedLayer(CacheLayer):
                                               scaling)
             return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         qg = grouped_query(q, self.shape.kv_heads)
-        keys = torch.cat([k_past, self.res_k[row : row + 1, :, :n_res]], dim=2)
-        values = torch.cat([v_past, self.res_v[row : row + 1, :, :n_res]], dim=2)
+        rk, rv = self.residual_kv(step.rows, n_res)
+        keys, values = torch.cat([k_past, rk], dim=2), torch.cat([v_past, rv], dim=2)
         past = keys.shape[2] - n_res
 
         def allowed() -> torch.Tensor:  # [1, 1, G*T, n]: the past all visible, the recent part causal
@@ -254,7 +281,7 @@ class GuidedLayer(CacheLayer):
         scores = soft_cap(scores, softcap)
         # 3. residual + new tokens, exact and causal
         n_res = int((step.start + t - qend).max())
-        rk, rv = self.res_k[rows, :, :n_res], self.res_v[rows, :, :n_res]
+        rk, rv = self.residual_kv(rows, n_res)
         rscores = soft_cap((qg @ rk.transpose(-1, -2)).float() * scaling, softcap)  # [b, H_kv, GT, n_res]
         rpos = qend[:, None] + torch.arange(n_res, device=dev)  # [b, n_res] absolute positions
         qpos = step.positions()  # [b, T]
@@ -297,7 +324,7 @@ class GuidedLayer(CacheLayer):
 
     # ---- accounting ----------------------------------------------------------------------
     def device_bytes(self, lengths: torch.Tensor) -> int:
-        per_token = layer_kv_bytes_per_token(self.shape, self.res_k.element_size())
+        per_token = layer_kv_bytes_per_token(self.shape, self.sink_k.element_size())
         qend = quant_boundary(lengths, self.residual, self.group)
         exact = int((lengths - qend).sum()) + int(torch.minimum(qend, torch.tensor(self.sinks)).sum())
         total = exact * per_token
@@ -312,12 +339,12 @@ class GuidedLayer(CacheLayer):
 
     def allocated_device_bytes(self) -> int:
         """Preallocated device bytes per row: sinks, residual window, guide and fetched set."""
-        tensors = [self.sink_k, self.sink_v, self.res_k, self.res_v]
+        tensors = [self.sink_k, self.sink_v] + ([] if self.res_in_store else [self.res_k, self.res_v])
         if self.guide is not None:
             tensors += self.guide.tensors()
         if self.topk:
             tensors += [self.store.fk, self.store.fv]
-        return sum(t.numel() * t.element_size() for t in tensors) // self.res_k.shape[0]
+        return sum(t.numel() * t.element_size() for t in tensors) // self.sink_k.shape[0]
 
     def store_key(self) -> dict:
         """A stored row depends on the window, the group, the sinks and the guide's width and rotation

@@ -18,9 +18,11 @@ store is read in place (the stream can be forced there for tests: Transfer(strea
 """
 from __future__ import annotations
 
+import mmap
 import queue
 import threading
 
+import numpy as np
 import torch
 
 WHOLE_ROWS_WASTE = 0.125  # verification copy: whole store rows in one copy when at most this share is unused
@@ -30,13 +32,18 @@ class Transfer:
     """The transfer resources of one cache, shared by its layers: on CUDA one side stream and one
     worker thread (started on the first prefetch); nothing on the CPU. `close()` ends the thread.
     stream_verify: exact mode's verification copies the store through VerifyStream's two device
-    buffers (default: on CUDA; True on the CPU only in tests, where the copies are plain copies)."""
+    buffers (default: on CUDA; True on the CPU only in tests, where the copies are plain copies).
+    residual_in_store: a guided layer's residual window is its host store's positions (default: where
+    the store is the device's memory, the CPU); False on the CPU only in tests, to run the CUDA layout's
+    own residual buffers there."""
 
-    def __init__(self, device: torch.device, threaded: bool | None = None, stream_verify: bool | None = None):
+    def __init__(self, device: torch.device, threaded: bool | None = None, stream_verify: bool | None = None,
+                 residual_in_store: bool | None = None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.threaded = self.cuda if threaded is None else threaded
         self.stream_verify = self.cuda if stream_verify is None else stream_verify
+        self.residual_in_store = not self.cuda if residual_in_store is None else residual_in_store and not self.cuda
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._worker: PrefetchWorker | None = None
         self.verify: VerifyStream | None = None  # exact mode's, made by its first layer (verify_stream)
@@ -76,12 +83,15 @@ class HostStore:
         self.cuda = device.type == "cuda"
         self.transfer = transfer
         shape = (batch, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, pin_memory=self.cuda)  # [B, H_kv, L, D] host
-        self.v = torch.zeros(shape, dtype=dtype, pin_memory=self.cuda)
+        host = (lambda: torch.zeros(shape, dtype=dtype, pin_memory=True)) if self.cuda else \
+            (lambda: untouched_zeros(shape, dtype))
+        self.k = host()  # [B, H_kv, L, D] host
+        self.v = host()
         fshape = (batch, kv_heads, max(k_max, 1), head_dim)
-        # the fetched set on the device: exact K/V of the selected positions, [B, H_kv, k, D]
-        self.fk = torch.zeros(fshape, dtype=dtype, device=device)
-        self.fv = torch.zeros(fshape, dtype=dtype, device=device)
+        # the fetched set on the device: exact K/V of the selected positions, [B, H_kv, k, D] (on the CPU
+        # the fused decode of prefetch "current" reads the store in place and never touches it)
+        self.fk = torch.zeros(fshape, dtype=dtype, device=device) if self.cuda else untouched_zeros(fshape, dtype)
+        self.fv = torch.zeros(fshape, dtype=dtype, device=device) if self.cuda else untouched_zeros(fshape, dtype)
         self.waits = self.ready_in_time = 0  # CUDA: fetches needed / already complete when needed
         if self.cuda:
             self.stage_k = torch.zeros(fshape, dtype=dtype, pin_memory=True)
@@ -304,6 +314,17 @@ def copy_prefix(dst: torch.Tensor, src: torch.Tensor, n: int, whole_rows_waste: 
     for i in range(b * h):
         flat_dst[i, :n].copy_(flat_src[i, :n], non_blocking=True)
     return b * h * n * d * src.element_size()
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in memory of its own mapping (anonymous mmap: page-aligned, the system's zero
+    pages until written, returned to the system when the tensor is freed). torch.zeros writes every
+    byte, so a store planned for prompt + max_tokens would be resident in full from the start; this one
+    costs resident memory only for the positions a run writes."""
+    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:

@@ -56,7 +56,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 7; }
+EXPORT int specache_guide_abi_version(void) { return 8; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -1121,6 +1121,8 @@ typedef struct {
                        * and reads it from the host store (as current does); fidx / fvalid (the prefetched
                        * set, what fk / fv hold) are left for step 5 */
     int64_t *reuse;   /* NULL, or [B, H, 2]: of the set token 0 picked, the positions the prefetch held, and all */
+    int64_t res_at_qend; /* the residual window is the host store (res_k = store_k, same strides): a row's
+                          * window starts at its position qend, not at slot 0 */
 } DecodeArgs;
 
 /* The target's own vector width (VW floats, simd.h) as GCC vectors with int32 lanes beside them:
@@ -1438,7 +1440,8 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         qg = qr;
     }
     const float *sk = a->sink_k + r * a->sk_sb + h * a->sk_sh, *sv = a->sink_v + r * a->sk_sb + h * a->sk_sh;
-    const float *rk = a->res_k + r * a->rk_sb + h * a->rk_sh, *rv = a->res_v + r * a->rk_sb + h * a->rk_sh;
+    const int64_t r0 = a->res_at_qend ? n * D : 0; /* the window's first slot */
+    const float *rk = a->res_k + r * a->rk_sb + h * a->rk_sh + r0, *rv = a->res_v + r * a->rk_sb + h * a->rk_sh + r0;
     float *fk = a->fk + r * a->fk_sb + h * a->fk_sh, *fv = a->fv + r * a->fk_sb + h * a->fk_sh;
     int64_t *fidx = a->fidx + r * a->fi_sb + h * a->fi_sh;
     uint8_t *fvalid = a->fvalid + r * a->fi_sb + h * a->fi_sh;

@@ -371,16 +371,18 @@ def _sizing(policy: type, hw: HardwareProfile, m: ModelProfile, context: int, bi
     if paper:  # the paper's figures: what is in use at `context` tokens
         state = {"guide": guide_bytes(gm, context, bits, group), "residual_window": tail * kvb,
                  "sinks": min(sinks, context) * kvb}
-    else:  # the engine's preallocated buffers (engine.kvcache: allocated_device_bytes() equals this)
+    else:  # the engine's preallocated buffers (engine.kvcache: allocated_device_bytes() equals this); where
+        # the exact store is device memory (a CPU) the residual window is the store's positions, no buffer
         state = {"guide": guide_bytes(gm, guide_capacity(context, group), bits, group),
-                 "residual_window": residual_slots(residual, group, chunk) * kvb, "sinks": sink_slots(sinks) * kvb}
+                 "residual_window": 0 if hw.unified_memory else residual_slots(residual, group, chunk) * kvb,
+                 "sinks": sink_slots(sinks) * kvb}
     queries, read = 1, state["guide"] + (tail + min(sinks, context)) * kvb + window_read
     host = 0
     if policy.fetches:
         state["fetch_buffers"] = fetch_buffer_bytes(gm, k, eb, PAPER_FETCH_BUFFERS if paper else FETCH_BUFFERS)
         queries, read, host = SPECULATIVE_TOKENS if speculative(policy) else 1, read + k * kvb, context * kvb
-        if hw.unified_memory:
-            state["host_store"] = host
+    if hw.unified_memory and (policy.fetches or not paper):  # the exact store is device memory; the engine's
+        state["host_store"] = context * kvb  # kivi quantizes its groups from one too
     if policy.verifies:  # drafts feed one token; a verification streams every layer's exact K/V through
         if hw.kind == "cuda" and not hw.unified_memory and global_part(m).layers:
             state["verify_buffers"] = verify_buffer_bytes(m, context, eb)

@@ -83,6 +83,8 @@ typedef struct {
                        * and reads it from the host store (as current does); fidx / fvalid (the prefetched
                        * set, what fk / fv hold) are left for step 5 */
     int64_t *reuse;   /* NULL, or [B, H, 2]: of the set token 0 picked, the positions the prefetch held, and all */
+    int64_t res_at_qend; /* the residual window is the host store (res_k = store_k, same strides): a row's
+                          * window starts at its position qend, not at slot 0 */
 } DecodeArgs;
 int specache_decode_attention(const DecodeArgs *a);
 
@@ -439,7 +441,8 @@ static void check_guide(const char *cas, int values) {
 #define DECODE_I64(X)                                                                                                  \
     X(B) X(H) X(G) X(T) X(D) X(S) X(K) X(bits) X(g) X(gv) X(row0) X(select) X(keep) X(residual) X(select_both)        \
     X(current) X(q_sb) X(q_sh) X(sk_sb) X(sk_sh) X(rk_sb) X(rk_sh) X(fk_sb) X(fk_sh) X(fi_sb) X(fi_sh) X(st_sb)       \
-    X(st_sh) X(kc_sb) X(kc_sh) X(ks_sb) X(ks_sh) X(vc_sb) X(vc_sh) X(vs_sb) X(vs_sh) X(correct)
+    X(st_sh) X(kc_sb) X(kc_sh) X(ks_sb) X(ks_sh) X(vc_sb) X(vc_sh) X(vs_sb) X(vs_sh) X(correct)      \
+    X(res_at_qend)
 
 typedef struct { float *fk, *fv, *out; int64_t *fidx; uint8_t *fvalid; } DecodeRun;
 
