@@ -10,14 +10,16 @@ calibration, engine/native/calibrate.py), and the read bound: the time to read t
 once at this machine's read bandwidth, measured as torch.sum over 512 MiB on the same thread count.
 
 With --superblocks N (--q6k N) it times instead one decode call of a random GGUF weight [N, 4096] of
---kind Q6_K (the default; an output layer: N 128256 for a Llama 3 vocabulary), Q5_K or Q4_K (N 14336:
-a Llama-3-8B MLP projection) held in its superblocks (engine.model.linears.Q6KWeight, KQuantWeight),
-three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
+--kind Q6_K (the default; an output layer: N 128256 for a Llama 3 vocabulary), Q5_K, Q4_K, Q4_0, Q4_1 or
+Q8_0 (N 14336: a Llama-3-8B MLP projection) held in the file's own blocks (engine.model.linears.Q6KWeight,
+KQuantWeight, PackedWeight fmt 2 / 3 / 9), three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
 tiles rebuilt by the native specache_unpack and multiplied, and the native decode kernel on the
 blocks; medians in ms and GB/s of block bytes, and whether the kernel gives the fp32 kernel's floats.
+Q4_K, Q4_0, Q4_1 and Q8_0 add a fourth: the kernel on the affine4 / scaled8 records (fp32 scales) these
+were held in before their own blocks (the same floats, 0.75 / 1.125 bytes a weight).
 
     python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7] [--threads 1]
-                                    [--superblocks 128256 [--kind Q6_K|Q5_K|Q4_K]]
+                                    [--superblocks 128256 [--kind Q6_K|Q5_K|Q4_K|Q4_0|Q4_1|Q8_0]]
 """
 from __future__ import annotations
 
@@ -63,13 +65,29 @@ def random_superblocks(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight
     return held_from_raw(random_blocks(q, n, k, np.random.default_rng(seed)), q, n, k)
 
 
-def affine4_of(held: PackedWeight) -> PackedWeight:
-    """A Q4_K weight as affine4 records (fp32 d * sc, fp32 -(dmin * mn), 16 bytes of nibbles per chunk):
-    how the engine held Q4_K before its own superblocks; the same floats."""
-    q, scale, minus = held.chunks(0, held.shape[0])  # [n, nb, 32], [n, nb], [n, nb]
+FORMER = {"Q4_K": "affine4", "Q4_0": "affine4", "Q4_1": "affine4", "Q8_0": "scaled8"}  # held before their own blocks
+
+
+def former_records(kind: str, held: PackedWeight) -> PackedWeight:
+    """The weight as the affine4 (fp32 d, fp32 m, 16 bytes of nibbles per 32) or scaled8 (fp32 d, 32 int8)
+    records the engine held it in before the file's own blocks; the same floats."""
+    n = held.shape[0]
+    if kind == "Q4_K":
+        q, scale, minus = held.chunks(0, n)  # [n, nb, 32], [n, nb], [n, nb]
+        d, m = scale, -minus
+    else:
+        rec = held.data.view(n, -1, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind])
+        d = rec[..., 0:2].contiguous().view(torch.float16).to(torch.float32)[..., 0]
+        if kind == "Q8_0":
+            out = torch.cat([d[..., None].view(torch.uint8), rec[..., 2:]], dim=-1)
+            return PackedWeight(8, out.reshape(n, -1).contiguous(), held.shape)
+        m = -8.0 * d if kind == "Q4_0" else rec[..., 2:4].contiguous().view(torch.float16).to(torch.float32)[..., 0]
+        nib = rec[..., 2 if kind == "Q4_0" else 4:]
+        return PackedWeight(4, torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nib],
+                                         dim=-1).reshape(n, -1).contiguous(), held.shape)
     nib = q[..., :16] | (q[..., 16:] << 4)
-    rec = torch.cat([scale[..., None].view(torch.uint8), (-minus)[..., None].view(torch.uint8), nib], dim=-1)
-    return PackedWeight(4, rec.reshape(held.shape[0], -1).contiguous(), held.shape)
+    rec = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), nib], dim=-1)
+    return PackedWeight(4, rec.reshape(n, -1).contiguous(), held.shape)
 
 
 class _TorchTiles:
@@ -85,9 +103,10 @@ def bench_superblocks(kind: str, n: int, rows_list: list[int], repeats: int) -> 
     print(f"{kind} weight [{n}, 4096]: {held.nbytes / 1e6:.0f} MB of blocks ({held.nbytes * 8 / (n * 4096):.2f} bits "
           f"a weight; fp32 {n * 4096 * 4 / 1e6:.0f} MB)")
     ways_held = [("torch tiles", _TorchTiles(held)), ("native tiles", held), ("native kernel", held)]
-    if kind == "Q4_K":  # also as the affine4 records Q4_K was held in before (0.75 bytes a weight)
-        former = affine4_of(held)
-        print(f"  and as affine4 records: {former.nbytes / 1e6:.0f} MB")
+    former = former_records(kind, held) if kind in FORMER else None
+    if former is not None:  # also as the records it was held in before its own blocks
+        assert torch.equal(former.unpack()[:512], held.rows(0, 512)), "the former records are other floats"
+        print(f"  and as {FORMER[kind]} records: {former.nbytes / 1e6:.0f} MB")
     lins = {}
     for name, h in ways_held:
         lin = SkinnyLinear(4096, n, bias=False)
@@ -96,15 +115,15 @@ def bench_superblocks(kind: str, n: int, rows_list: list[int], repeats: int) -> 
     ways = {"torch tiles": lambda x: lins["torch tiles"].tiled_forward(x, None),
             "native tiles": lambda x: lins["native tiles"].tiled_forward(x, None),
             "native kernel": lambda x: held.decode(x, None)}
-    if kind == "Q4_K":
-        ways["affine4 kernel"] = lambda x: former.decode(x, None)
+    if former is not None:
+        ways[f"{FORMER[kind]} kernel"] = lambda x: former.decode(x, None)
     print(f"{'rows':>4} " + " ".join(f"{w:>22}" for w in ways) + "   kernel == fp32 kernel")
     for rows in rows_list:
         x = torch.randn(rows, 4096)
         times = {w: [] for w in ways}
         for i in range(repeats):
             for name, fn in ways.items():
-                if name not in ("native kernel", "affine4 kernel") and i >= max(3, repeats // 2):
+                if not name.endswith("kernel") and i >= max(3, repeats // 2):
                     continue  # the slow ways: fewer runs
                 t = time.perf_counter()
                 fn(x)
@@ -124,7 +143,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--superblocks", "--q6k", type=int, metavar="N",
                     help="time a random GGUF superblock weight [N, 4096] instead (see above)")
-    ap.add_argument("--kind", default="Q6_K", choices=("Q4_K", "Q5_K", "Q6_K"), help="its format (--superblocks)")
+    ap.add_argument("--kind", default="Q6_K", choices=("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"),
+                    help="its format (--superblocks)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)

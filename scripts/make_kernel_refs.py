@@ -12,7 +12,8 @@ reference implementations give for them: the native library is disabled here
               packing rule in linear_kernels.c's comment) and F.linear of them; GGUF Q6_K blocks
               (random bytes, fp16 d of either sign, one subnormal, one zero), the weight torch
               rebuilds from them (Q6KWeight.torch_rows, gguf.quants' floats) and F.linear of it; the same
-              for GGUF Q4_K and Q5_K blocks (KQuantWeight.torch_rows);
+              for GGUF Q4_K and Q5_K blocks (KQuantWeight.torch_rows) and Q4_0, Q4_1, Q8_0 blocks
+              (PackedWeight.torch_rows);
   guide.bin   guide scores and weighted values (engine/kvcache/quant.py, torch path) for 1 and
               2 bits, key groups 32 and 64, value groups 16, 32 and 64, head_dim 64, with 1, 2,
               3 and 9 queries (the few-query kernels, one 8-lane block and a partial one);
@@ -57,7 +58,8 @@ from engine.kvcache import make_cache
 from engine.kvcache.base import Step, grouped_query
 from engine.kvcache.fused import FusedDecode
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
-from engine.model.linears import Q4K_FMT, Q5K_FMT, Q6K_FMT, SUPERBLOCK_BYTES, KQuantWeight, Q6KWeight
+from engine.model.linears import (FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT, SUPERBLOCK_BYTES,
+                                  KQuantWeight, PackedWeight, Q6KWeight)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "kernels"
@@ -265,6 +267,23 @@ def linear_cases() -> list[Case]:
         raw[1, 2:4] = 0
         raw = raw.reshape(n, -1)
         w = KQuantWeight(fmt, raw, (n, k)).torch_rows(0, n)
+        c = Case(f"packed:{name}")
+        x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
+        c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = fmt, w, raw, x, bias
+        _linear_refs(c, x, w, bias)
+        cases.append(c)
+    # Q4_0 (fmt 2), Q4_1 (fmt 3), Q8_0 (fmt 9): K 64 (2 blocks a row), random codes, fp16 d (and m) of either
+    # sign, the first block's d subnormal and the second's zero (small: the files stay under 1 MB)
+    n, k = 32, 64
+    for fmt, name in ((Q40_FMT, "q4_0"), (Q41_FMT, "q4_1"), (Q80_FMT, "q8_0")):
+        g = gen(1000 + fmt)
+        raw = torch.randint(0, 256, (n * k // 32, FORMATS[fmt]), generator=g, dtype=torch.uint8)
+        for off in ((0, 2) if fmt == Q41_FMT else (0,)):
+            raw[:, off:off + 2] = (torch.randn(len(raw), generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
+        raw[0, 0:2] = torch.tensor([0x05, 0x80], dtype=torch.uint8)  # d = -5 * 2^-24
+        raw[1, 0:2] = 0
+        raw = raw.reshape(n, -1)
+        w = PackedWeight(fmt, raw, (n, k)).torch_rows(0, n)
         c = Case(f"packed:{name}")
         x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
         c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = fmt, w, raw, x, bias

@@ -31,6 +31,10 @@ def random_blocks(kind: Q, rows: int, k: int, rng: np.random.Generator) -> np.nd
         raw[:, 0:2], raw[:, 2:4] = f16(6e-5), f16(4e-4)
     elif kind == Q.Q6_K:  # w = d * sc * (q - 32), sc int8
         raw[:, 208:210] = f16(1e-5)
+    elif kind in (Q.Q4_0, Q.Q8_0):  # w = d * (q - 8), w = d * q (q int8)
+        raw[:, 0:2] = f16(4e-3 if kind == Q.Q4_0 else 2e-4)
+    elif kind == Q.Q4_1:  # w = d * q + m
+        raw[:, 0:2], raw[:, 2:4] = f16(3e-3), f16(-0.02)
     return raw.reshape(rows, -1)
 
 

@@ -19,6 +19,7 @@ from engine.config import GAMMA_MAX, CacheConfig
 from engine.generate.sampling import Sampler
 from engine.kvcache import KVCache, policy as policy_of
 from engine.model.linears import prefill_pass, row_invariant
+from engine.native import release_freed_memory
 
 
 @torch.inference_mode()
@@ -44,6 +45,8 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
     for s in range(0, len(prompt), chunk_size):
         with prefill_pass():  # the chunk's linears may compute in the model's prefill dtype (bf16)
             logits = forward(model, cache, ids[:, s : s + chunk_size], slice(row, row + 1), is_prefill=True)
+        if device.type == "cpu":  # the chunk's transients, freed, back to the system (else they stay resident)
+            release_freed_memory()
         yield min(s + chunk_size, len(prompt))
     yield logits[0, -1]
 

@@ -3,10 +3,9 @@ tensors read into the blocks the engine computes with, without an fp32 copy.
 
 Block formats (every re-expression is exact: each weight rebuilds to gguf.quants.dequantize's value
 bit for bit, tests/test_gguf.py):
-  Q4_0 (w = d * (q - 8))          -> affine4, m = -8 d
-  Q4_1 (w = d * q + m)            -> affine4
+  Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m), Q8_0 (w = d * q)
+                                  -> their own 18-, 20-, 34-byte blocks (4.5, 5, 8.5 bits; linear_kernels.c fmt 2, 3, 9)
   Q5_0 (w = d * (q - 16))         -> scaled8, q - 16 in int8
-  Q8_0 (w = d * q)                -> scaled8
   Q5_1 (5-bit affine)             -> affine8 (torch, 10 bits a weight; no native kernel)
   Q4_K, Q5_K (8 sub-blocks of 32: d * sc, dmin * min, 6-bit sc and min), Q6_K (16 sub-blocks of 16:
   d * sc, q - 32)                 -> their own superblocks (4.5, 5.5, 6.6 bits), read by the native decode
@@ -40,7 +39,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
-from engine.model.linears import Q4K_FMT, Q5K_FMT, Q6K_FMT, BlockWeight, DenseWeight, KQuantWeight, PackedWeight, Q6KWeight
+from engine.model.linears import Q40_FMT, Q41_FMT, Q4K_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT, BlockWeight, DenseWeight, KQuantWeight, PackedWeight, Q6KWeight
 from engine.model.sources import GGUF_POINTER
 from engine.paths import cache_root
 
@@ -271,12 +270,9 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
     if kind == Q.BF16:
         return DenseWeight(torch.from_numpy(raw.view(np.int16).reshape(n, k).copy()).view(torch.bfloat16))
     b = _blocks(raw, kind)
-    if kind in (Q.Q4_0, Q.Q4_1):
-        d = _f16(b[:, 0:2])
-        m = _f16(b[:, 2:4]) if kind == Q.Q4_1 else -8.0 * d
-        return PackedWeight(4, _records(d, m, b[:, 4 if kind == Q.Q4_1 else 2:], n), (n, k))
-    if kind == Q.Q8_0:
-        return PackedWeight(8, _records(_f16(b[:, 0:2]), None, b[:, 2:], n), (n, k))
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # the file's own blocks (linear_kernels.c fmt 2, 3, 9)
+        fmt = {Q.Q4_0: Q40_FMT, Q.Q4_1: Q41_FMT, Q.Q8_0: Q80_FMT}[kind]
+        return PackedWeight(fmt, torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1).copy()), (n, k))
     if kind == Q.Q5_0:
         q = _q5_codes(b[:, 2:6], b[:, 6:])
         return PackedWeight(8, _records(_f16(b[:, 0:2]), None, (q.astype(np.int8) - np.int8(16)), n), (n, k))
@@ -353,7 +349,7 @@ class MappedRows:
 
 
 # bytes a weight takes as held (the table at the top): what the planner and `specache models` count
-HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 24 / 32, Q.Q4_1: 24 / 32, Q.Q4_K: 144 / 256, Q.Q5_0: 36 / 32, Q.Q8_0: 36 / 32,
+HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 18 / 32, Q.Q4_1: 20 / 32, Q.Q4_K: 144 / 256, Q.Q5_0: 36 / 32, Q.Q8_0: 34 / 32,
                          Q.Q5_1: 40 / 32, Q.Q5_K: 176 / 256, Q.Q6_K: 210 / 256, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
 
 

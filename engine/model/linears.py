@@ -29,14 +29,16 @@ from engine.native.calibrate import skinny_torch_linear
 
 ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
 BLOCK = 32
-FORMATS = {4: 24, 8: 36}  # fmt -> bytes per block of 32 weights (affine4, scaled8)
+Q40_FMT, Q41_FMT, Q80_FMT = 2, 3, 9  # a GGUF's own Q4_0, Q4_1, Q8_0 blocks (fp16 scales; linear_kernels.c)
+FORMATS = {4: 24, 8: 36, Q40_FMT: 18, Q41_FMT: 20, Q80_FMT: 34}  # fmt -> bytes per block of 32 weights
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight [N, K] kept as blocks of 32 that rebuild it exactly (layout: linear_kernels.c)."""
 
-    fmt: int  # 4: affine4, w = fma(d, q, m), q in 0..15; 8: scaled8, w = d * q, q int8
+    fmt: int  # 4: affine4, w = fma(d, q, m), q in 0..15; 8: scaled8, w = d * q, q int8 (fp32 d, m); 2, 3, 9:
+    # GGUF Q4_0 (m = -8 d), Q4_1, Q8_0 as the file has them (fp16 d, m)
     data: torch.Tensor  # uint8 [N, K / 32 * FORMATS[fmt]]
     shape: tuple[int, int]
 
@@ -79,11 +81,17 @@ class PackedWeight:
         formats as packed here (fp16-sized d, 4-bit or 8-bit q), so d * q + m rounds once like fmaf."""
         n, nb = n1 - n0, self.shape[1] // BLOCK
         rec = self.data[n0:n1].view(n, nb, FORMATS[self.fmt])
-        d = rec[..., 0:4].contiguous().view(torch.float32)  # [n, nb, 1]
-        if self.fmt == 8:
-            return rec[..., 4:].view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
-        m = rec[..., 4:8].contiguous().view(torch.float32)
-        q = rec[..., 8:]
+        wide = self.fmt in (4, 8)  # fp32 d (and m), else the GGUF's fp16
+        d = rec[..., 0:4].contiguous().view(torch.float32) if wide else \
+            rec[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+        if self.fmt in (8, Q80_FMT):
+            return rec[..., 4 if wide else 2:].view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
+        if self.fmt == Q40_FMT:
+            m, q = d * -8.0, rec[..., 2:]
+        else:
+            m = rec[..., 4:8].contiguous().view(torch.float32) if wide else \
+                rec[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
+            q = rec[..., 8 if wide else 4:]
         return torch.cat((q & 15, q >> 4), dim=-1).to(torch.float32).mul_(d).add_(m).view(n, -1)
 
     def unpack(self) -> torch.Tensor:
@@ -92,7 +100,8 @@ class PackedWeight:
 
 
 Q6K_FMT, Q4K_FMT, Q5K_FMT = 6, 7, 5  # the native kernels' format numbers of GGUF superblocks (linear_kernels.c)
-FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q6K_FMT: "q6_k", Q4K_FMT: "q4_k", Q5K_FMT: "q5_k"}
+FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q40_FMT: "q4_0", Q41_FMT: "q4_1", Q80_FMT: "q8_0", Q6K_FMT: "q6_k",
+                Q4K_FMT: "q4_k", Q5K_FMT: "q5_k"}
 SUPERBLOCK_BYTES = {Q6K_FMT: 210, Q4K_FMT: 144, Q5K_FMT: 176}  # bytes per 256 weights (linear_kernels.c)
 PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
 _pools: dict[int, ThreadPoolExecutor] = {}

@@ -3,7 +3,6 @@ whose weights are read from the file and, on the CPU, held in their quantized bl
 Face causal-LM folder (a folder, or an id in the local Hugging Face cache). Never reaches a hub."""
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -25,6 +24,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 from transformers.utils import logging as hf_logging
 
 from engine.errors import BadArgument, ModelLoadError
+from engine.native import release_freed_memory
 from engine.model.attention import ATTENTION_NAME
 from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
 from engine.model.gguf_files import (
@@ -165,15 +165,6 @@ def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: boo
     model.specache_held = held
     release_freed_memory()
     return model
-
-
-def release_freed_memory() -> None:
-    """Hand the heap the tensor conversions freed back to the system (glibc keeps it otherwise, and it
-    counts in the process's resident memory for the whole run)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def fill_from_gguf(model: torch.nn.Module, tensors: TensorFile, dtype: torch.dtype, held: bool) -> None:

@@ -91,6 +91,26 @@ def disabled() -> bool:
     return raw is not None and raw.strip().lower() in ("0", "false", "no", "off")
 
 
+_libc: ctypes.CDLL | None | bool = None  # glibc, once looked up (False: not there)
+
+
+def release_freed_memory() -> None:
+    """Hand the memory the C heap holds free back to the system (glibc's malloc_trim; nothing elsewhere).
+    glibc keeps freed blocks for reuse, and what a model's conversion or a prefill chunk's transients
+    freed otherwise counts in the process's resident memory for the rest of the run, fragmented
+    enough that the next chunk grows the heap again (SmolLM2's 2.2k-token summary: 628 -> ~606 MiB peak
+    with a trim after each chunk, at no measurable cost)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
 def threads() -> int:
     """Threads for one kernel call: $SPECACHE_NATIVE_THREADS (read once per process), else torch's
     own thread count, so that the native decode path uses the cores the torch ops of the same

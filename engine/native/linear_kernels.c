@@ -46,16 +46,44 @@ EXPORT const char *specache_native_isa(void) { return SIMD_ISA; }
  *   affine4: float d, float m, 16 bytes of codes; w[j] = fma(d, q[j], m), q in 0..15, byte j
  *            holds q[j] (low nibble) and q[j + 16] (high nibble)           (24 bytes / 32 weights)
  *   scaled8: float d, 32 int8 codes; w[j] = d * q[j]                        (36 bytes / 32 weights)
- * The packers accept a matrix only if every block rebuilds to exactly the given floats. */
+ * The packers accept a matrix only if every block rebuilds to exactly the given floats.
+ * A GGUF's own 32-weight blocks are read as the file has them, with fp16 scales:
+ *   Q4_0 (fmt 2): fp16 d, 16 bytes of codes as affine4's; w[j] = fma(d, q[j], -8 d) = d (q[j] - 8)  (18 bytes)
+ *   Q4_1 (fmt 3): fp16 d, fp16 m, 16 bytes of codes as affine4's; w[j] = fma(d, q[j], m)          (20 bytes)
+ *   Q8_0 (fmt 9): fp16 d, 32 int8 codes; w[j] = d * q[j]                                          (34 bytes)
+ * (d * q is exact for an fp16 d and a 4- or 8-bit q, so each is the gguf package's float.) */
 #define QB 32
 #define NV (QB / VW) /* vectors per block */
 #define A4_BYTES 24
 #define S8_BYTES 36
+#define Q40_FMT 2
+#define Q41_FMT 3
+#define Q80_FMT 9
+/* bytes of one 32-weight block record (fmt 0: 32 fp32 weights) */
+#define BLOCK_BYTES(f) ((f) == 0 ? QB * 4 : (f) == 4 ? A4_BYTES : (f) == 8 ? S8_BYTES : (f) == Q40_FMT ? 18 : (f) == Q41_FMT ? 20 : 34)
+#define BLOCK_FMT(f) ((f) == 4 || (f) == 8 || (f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT)
+#define CODES8(f) ((f) == 8 || (f) == Q80_FMT) /* 32 int8 codes, w = d * q; the others: 4-bit, w = fma(d, q, m) */
 
 typedef struct { float d, m; uint8_t q[QB / 2]; } affine4_block;
 typedef struct { float d; int8_t q[QB]; } scaled8_block;
 _Static_assert(sizeof(affine4_block) == A4_BYTES, "affine4 record");
 _Static_assert(sizeof(scaled8_block) == S8_BYTES, "scaled8 record");
+
+/* A block record's scale d, min m (4-bit formats) and codes q, as floats and a pointer. */
+INLINE void block_header(const void *src, const int fmt, float *d, float *m, const uint8_t **q) {
+    const uint8_t *p = (const uint8_t *)src;
+    if (fmt == 4 || fmt == 8) {
+        memcpy(d, p, 4);
+        if (fmt == 4) memcpy(m, p + 4, 4);
+        *q = p + (fmt == 4 ? 8 : 4);
+        return;
+    }
+    uint16_t h[2];
+    memcpy(h, p, fmt == Q41_FMT ? 4 : 2);
+    *d = half_to_float(h[0]);
+    *m = fmt == Q41_FMT ? half_to_float(h[1]) : -8.0f * *d; /* Q4_0: -8 d is exact */
+    *q = p + (fmt == Q41_FMT ? 4 : 2);
+}
 
 /* The 32 weights of the block record at p as NV vectors (fmt a compile-time constant after
  * inlining; fmt 0 reads 32 fp32 weights). Every target rebuilds the same floats: fma(d, q, m)
@@ -65,17 +93,14 @@ INLINE void block_weights(const void *src, const int fmt, vf w[NV]) {
         for (int v = 0; v < NV; v++) w[v] = vf_load((const float *)src + v * VW);
         return;
     }
-    const uint8_t *p = (const uint8_t *)src;
-    float d;
-    memcpy(&d, p, 4);
-    if (fmt == 8) {
+    float d, m;
+    const uint8_t *q;
+    block_header(src, fmt, &d, &m, &q);
+    if (CODES8(fmt)) {
         const vf dv = vf_set1(d);
-        for (int v = 0; v < NV; v++) w[v] = vf_mul(dv, vf_from_i8(p + 4 + v * VW));
+        for (int v = 0; v < NV; v++) w[v] = vf_mul(dv, vf_from_i8(q + v * VW));
         return;
     }
-    float m;
-    memcpy(&m, p + 4, 4);
-    const uint8_t *q = p + 8;
 #if VW == 16
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 tbl = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m));
@@ -290,7 +315,7 @@ INLINE void kq_chunk_weights(const int8_t *codes, const int fmt, float scale, fl
  * for bit. */
 INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fmt, int64_t K, const float *bias,
                         float *y, int64_t y_s, int64_t n0, int64_t n1, const int R) {
-    const int64_t nb = K / QB, rec = fmt == 0 ? QB * 4 : fmt == 4 ? A4_BYTES : S8_BYTES;
+    const int64_t nb = K / QB, rec = SUPERBLOCK_FMT(fmt) ? 0 : BLOCK_BYTES(fmt);
     const int64_t row_bytes = SUPERBLOCK_FMT(fmt) ? K / Q6K_WEIGHTS * SUPERBLOCK_BYTES(fmt) : fmt == 0 ? K * 4 : nb * rec;
     const int64_t kv = fmt == 0 ? K / VW * VW : K; /* fp32: vectors past the last whole block, then scalars */
     int8_t codes[Q6K_WEIGHTS]; /* Q4_K / Q5_K / Q6_K: the current superblock, decoded */
@@ -401,17 +426,15 @@ static void unpack_block(const uint8_t *row, int64_t b, int fmt, float *w) {
         float scale[8], minus[8];
         kq_superblock(row + b * SUPERBLOCK_BYTES(fmt), fmt, codes, scale, minus);
         for (int i = 0; i < Q6K_WEIGHTS; i++) w[i] = fmaf(scale[i / QB], (float)codes[i], minus[i / QB]);
-    } else if (fmt == 4) {
-        affine4_block blk;
-        memcpy(&blk, row + b * A4_BYTES, A4_BYTES);
-        for (int j = 0; j < QB / 2; j++) {
-            w[j] = fmaf(blk.d, (float)(blk.q[j] & 15), blk.m);
-            w[j + QB / 2] = fmaf(blk.d, (float)(blk.q[j] >> 4), blk.m);
-        }
     } else {
-        scaled8_block blk;
-        memcpy(&blk, row + b * S8_BYTES, S8_BYTES);
-        for (int j = 0; j < QB; j++) w[j] = blk.d * (float)blk.q[j];
+        float d, m;
+        const uint8_t *q;
+        block_header(row + b * BLOCK_BYTES(fmt), fmt, &d, &m, &q);
+        for (int j = 0; j < QB / 2 && !CODES8(fmt); j++) {
+            w[j] = fmaf(d, (float)(q[j] & 15), m);
+            w[j + QB / 2] = fmaf(d, (float)(q[j] >> 4), m);
+        }
+        for (int j = 0; j < QB && CODES8(fmt); j++) w[j] = d * (float)(int8_t)q[j];
     }
 }
 
@@ -425,7 +448,10 @@ static void linear_columns_of(const float *x, int64_t x_s, int64_t R, const void
     case r * 16 + 8: linear_rows(x, x_s, W, 8, K, bias, y, y_s, n0, n1, r); break; \
     case r * 16 + 6: linear_rows(x, x_s, W, 6, K, bias, y, y_s, n0, n1, r); break; \
     case r * 16 + 5: linear_rows(x, x_s, W, 5, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 7: linear_rows(x, x_s, W, 7, K, bias, y, y_s, n0, n1, r); break;
+    case r * 16 + 7: linear_rows(x, x_s, W, 7, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 2: linear_rows(x, x_s, W, 2, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 3: linear_rows(x, x_s, W, 3, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 9: linear_rows(x, x_s, W, 9, K, bias, y, y_s, n0, n1, r); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     default: break;
@@ -479,12 +505,13 @@ EXPORT int specache_skinny_linear(const float *x, int64_t x_s, int64_t R, const 
     return 0;
 }
 
-/* Whether fmt is a block format and K a row length it takes: 4, 8 (K % 32 == 0), 5, 6, 7 (K % 256 == 0). */
+/* Whether fmt is a block format and K a row length it takes: 2, 3, 4, 8, 9 (K % 32 == 0), 5, 6, 7 (K % 256 == 0). */
 static int valid_blocks(int64_t fmt, int64_t K) {
-    return SUPERBLOCK_FMT(fmt) ? K >= Q6K_WEIGHTS && K % Q6K_WEIGHTS == 0 : (fmt == 4 || fmt == 8) && K >= QB && K % QB == 0;
+    return SUPERBLOCK_FMT(fmt) ? K >= Q6K_WEIGHTS && K % Q6K_WEIGHTS == 0 : BLOCK_FMT(fmt) && K >= QB && K % QB == 0;
 }
 
-/* specache_skinny_linear for a packed weight (fmt 4: affine4, 8: scaled8, P as the packers wrote it;
+/* specache_skinny_linear for a packed weight (fmt 4: affine4, 8: scaled8, P as the packers wrote it; 2, 3, 9:
+ * the GGUF's Q4_0, Q4_1, Q8_0 blocks;
  * 6, 7, 5: the GGUF's Q6_K, Q4_K, Q5_K superblocks, P [N, K / 256 * 210, 144 or 176] bytes). The result equals specache_skinny_linear's
  * on the weight the blocks rebuild (specache_unpack) bit for bit. */
 EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int64_t fmt, int64_t N,
@@ -499,7 +526,7 @@ EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const 
 EXPORT int specache_unpack(const uint8_t *P, int64_t fmt, int64_t n0, int64_t n1, int64_t K, float *W) {
     if (!valid_blocks(fmt, K) || n1 < n0) return -1;
     const int64_t per = SUPERBLOCK_FMT(fmt) ? Q6K_WEIGHTS : QB, nb = K / per; /* weights per block, blocks per row */
-    const int64_t row_bytes = nb * (SUPERBLOCK_FMT(fmt) ? SUPERBLOCK_BYTES(fmt) : fmt == 4 ? A4_BYTES : S8_BYTES);
+    const int64_t row_bytes = nb * (SUPERBLOCK_FMT(fmt) ? SUPERBLOCK_BYTES(fmt) : BLOCK_BYTES(fmt));
     for (int64_t n = n0; n < n1; n++)
         for (int64_t b = 0; b < nb; b++) unpack_block(P + n * row_bytes, b, (int)fmt, W + (n - n0) * K + b * per);
     return 0;

@@ -106,8 +106,17 @@ SIMD_INLINE vf vf_from_i8(const void *p) {
 SIMD_INLINE void simd_prefetch(const void *p) { __builtin_prefetch(p); }
 #endif
 
-/* An fp16 value (its bits) as a float: exact (subnormals too; inf and NaN kept). */
+/* An fp16 value (its bits) as a float: exact (subnormals too; inf and NaN kept). The conversion
+ * instruction where the target has one (F16C on x86-64-v3 and up, every ARM64 CPU), else bit by bit;
+ * all exact, so all the same float (NaN payloads aside). */
 SIMD_INLINE float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+#else
     const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
     uint32_t u;
     if (e == 31) {
@@ -122,6 +131,7 @@ SIMD_INLINE float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+#endif
 }
 
 SIMD_INLINE int vf_fused_fma(void) {

@@ -284,7 +284,8 @@ static void linear_refs(const char *cas, const float *x, const float *w, const u
                         const float *bias, int64_t N, int64_t K) {
     char msg[512];
     const char *kname = !P ? "skinny_linear" : fmt == 4 ? "packed_linear(affine4)" : fmt == 8 ? "packed_linear(scaled8)"
-                      : fmt == 6 ? "packed_linear(q6k)" : fmt == 7 ? "packed_linear(q4k)" : "packed_linear(q5k)";
+                      : fmt == 6 ? "packed_linear(q6k)" : fmt == 7 ? "packed_linear(q4k)" : fmt == 5 ? "packed_linear(q5k)"
+                      : fmt == 2 ? "packed_linear(q4_0)" : fmt == 3 ? "packed_linear(q4_1)" : "packed_linear(q8_0)";
     for (int i = 0; i < nblobs; i++) {
         const Blob *ref = &blobs[i];
         const size_t cl = strlen(cas);
@@ -340,7 +341,8 @@ static void check_skinny(const char *cas) {
 }
 
 /* packed:*  fmt 4 / 8 (packed by the packers, checked against the packing rule's bytes) or 6 / 7 / 5 (GGUF
- * Q6_K / Q4_K / Q5_K blocks: nothing packs them); w the fp32 weight torch rebuilds, packed its blocks [N, row bytes]. */
+ * Q6_K / Q4_K / Q5_K blocks: nothing packs them), 2 / 3 / 9 (GGUF Q4_0 / Q4_1 / Q8_0 blocks); w the fp32 weight
+ * torch rebuilds, packed its blocks [N, row bytes]. */
 /* specache_unpack rebuilds the weight w [N, K] from the blocks P bit for bit: all rows, and rows 3..6. */
 static void check_unpack(const char *cas, const Blob *w, const Blob *P, int64_t fmt) {
     const int64_t N = w->shape[0], K = w->shape[1];
@@ -363,10 +365,11 @@ static void check_packed(const char *cas) {
     const int64_t fmt = geti(cas, "fmt");
     if (missing) return;
     const int64_t N = w->shape[0], K = w->shape[1];
-    if (fmt == 6 || fmt == 7 || fmt == 5) {
-        const int64_t size = fmt == 6 ? 210 : fmt == 7 ? 144 : 176;
-        check(P->shape[0] == N && P->shape[1] == K / 256 * size, "%s: superblocks of %lld bytes per 256 weights", cas,
-              (long long)size);
+    if (fmt == 6 || fmt == 7 || fmt == 5 || fmt == 2 || fmt == 3 || fmt == 9) {
+        const int64_t per = fmt == 2 || fmt == 3 || fmt == 9 ? 32 : 256;
+        const int64_t size = fmt == 6 ? 210 : fmt == 7 ? 144 : fmt == 5 ? 176 : fmt == 2 ? 18 : fmt == 3 ? 20 : 34;
+        check(P->shape[0] == N && P->shape[1] == K / per * size, "%s: blocks of %lld bytes per %lld weights", cas,
+              (long long)size, (long long)per);
         check_unpack(cas, w, P, fmt);
         linear_refs(cas, F32(x), F32(w), P->data, fmt, F32(bias), N, K);
         return;
