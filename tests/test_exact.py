@@ -107,19 +107,30 @@ def state(cache, row: int) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in cache.export_row(row).items()}
 
 
-def test_draft_passes_never_write_the_host_store(tiny_model):
-    """Drafts move only the lengths (and the residual window): the exact store is bit for bit what it
-    was, and rollback restores the lengths."""
+@pytest.mark.parametrize("in_store", [True, False], ids=["cpu-layout", "cuda-layout"])
+def test_draft_passes_never_write_the_host_store(tiny_model, monkeypatch, in_store):
+    """Drafts move only the lengths (and the residual window): the committed part of the exact store is bit
+    for bit what it was, and rollback restores the lengths. Where the residual window has buffers of its
+    own (CUDA) the store is untouched whole; on the CPU the window is the store's memory, so the drafts'
+    K/V land past the committed length, where the verification rewrites them."""
+    import engine.kvcache
+    from engine.kvcache.transfer import Transfer
+
+    if not in_store:
+        monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
     ps = prompts_of((70, 45), seed=5)
-    engine = Engine(tiny_model, CacheConfig(mode="exact", chunk_size=32, **TINY))
-    with engine.new_cache(2, 120) as cache:
-        lasts = [list(engine.prefill(cache, p, r))[-1] for r, p in enumerate(ps)]
+    eng = Engine(tiny_model, CacheConfig(mode="exact", chunk_size=32, **TINY))
+    with eng.new_cache(2, 120) as cache:
+        lasts = [list(eng.prefill(cache, p, r))[-1] for r, p in enumerate(ps)]
         stores = [(layer.store.k.clone(), layer.store.v.clone()) for layer in cache.layers]
         committed = cache.lengths.clone()
         drafts, _ = steps._draft(tiny_model, cache, torch.stack(lasts).argmax(-1), 5, [list(p) for p in ps], None)
         assert drafts.shape == (2, 5) and torch.equal(cache.lengths, committed + 5)
         for layer, (k, v) in zip(cache.layers, stores):
-            assert torch.equal(layer.store.k, k) and torch.equal(layer.store.v, v)
+            assert layer.res_in_store == in_store
+            for r, n in enumerate(committed.tolist()):
+                assert torch.equal(layer.store.k[r, :, :n], k[r, :, :n]) and torch.equal(layer.store.v[r, :, :n], v[r, :, :n])
+            assert torch.equal(layer.store.k, k) != in_store  # the CPU layout wrote the drafts past it
         cache.rollback(slice(0, 2), committed)
         assert torch.equal(cache.lengths, committed)
 

@@ -43,7 +43,8 @@ class Transfer:
         self.cuda = device.type == "cuda"
         self.threaded = self.cuda if threaded is None else threaded
         self.stream_verify = self.cuda if stream_verify is None else stream_verify
-        self.residual_in_store = not self.cuda if residual_in_store is None else residual_in_store and not self.cuda
+        cpu = device.type == "cpu"  # (a meta device, for shapes: laid out as a GPU's)
+        self.residual_in_store = cpu if residual_in_store is None else residual_in_store and cpu
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._worker: PrefetchWorker | None = None
         self.verify: VerifyStream | None = None  # exact mode's, made by its first layer (verify_stream)
@@ -90,8 +91,9 @@ class HostStore:
         fshape = (batch, kv_heads, max(k_max, 1), head_dim)
         # the fetched set on the device: exact K/V of the selected positions, [B, H_kv, k, D] (on the CPU
         # the fused decode of prefetch "current" reads the store in place and never touches it)
-        self.fk = torch.zeros(fshape, dtype=dtype, device=device) if self.cuda else untouched_zeros(fshape, dtype)
-        self.fv = torch.zeros(fshape, dtype=dtype, device=device) if self.cuda else untouched_zeros(fshape, dtype)
+        fetched = (lambda: untouched_zeros(fshape, dtype)) if device.type == "cpu" else \
+            (lambda: torch.zeros(fshape, dtype=dtype, device=device))
+        self.fk, self.fv = fetched(), fetched()
         self.waits = self.ready_in_time = 0  # CUDA: fetches needed / already complete when needed
         if self.cuda:
             self.stage_k = torch.zeros(fshape, dtype=dtype, pin_memory=True)
