@@ -1,4 +1,5 @@
-"""Write a random-weight GGUF with a real model's shapes, Q4_K_M-style (Q4_K linears and token embedding, or Q5_K with --linears Q5_K;
+"""Write a random-weight GGUF with a real model's shapes, Q4_K_M-style (Q4_K linears and token embedding, or Q5_K, Q4_0, Q4_1,
+Q8_0 with --linears;
 Q6_K output, F32 norms), streamed tensor by tensor (the file is never held in memory). Its weights are
 random blocks (finite fp16 scales sized like a trained model's), so its text is noise: it measures
 memory and speed, not quality. The tokenizer is the embedded SmolLM2's, padded with reserved tokens to
@@ -85,8 +86,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--linears", choices=("Q4_K", "Q5_K"), default="Q4_K",
-                    help="the linears' and the embedding's format (Q5_K: a Q5_K_M-style file)")
+    ap.add_argument("--linears", choices=("Q4_K", "Q5_K", "Q4_0", "Q4_1", "Q8_0"), default="Q4_K",
+                    help="the linears' and the embedding's format (Q5_K: a Q5_K_M-style file; Q4_0 / Q4_1 / Q8_0: "
+                         "a file of those, with the Q6_K output llama.cpp's quantizer keeps)")
     a = ap.parse_args()
     tok = tokenizer_fields(a.vocab)
     w = gguf.GGUFWriter(str(a.out), "llama")
@@ -101,7 +103,9 @@ def main() -> None:
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(a.vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if a.linears == "Q4_K" else gguf.LlamaFileType.MOSTLY_Q5_K_M)
+    w.add_file_type({"Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
+                     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[a.linears])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])
