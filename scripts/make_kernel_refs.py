@@ -225,6 +225,26 @@ def _linear_refs(case: Case, x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
         case[f"ref_y_r{rows}_bias"] = torch.nn.functional.linear(x[:rows], w, bias)
 
 
+def _random_block_case(name: str, fmt: int, held, n: int, k: int, per: int, size: int, scales: tuple[int, ...],
+                       zeroed: int) -> Case:
+    """packed:<name>: random GGUF blocks [n, k] of `size` bytes per `per` weights (every code bit random), the
+    fp16 fields at byte offsets `scales` random of either sign, the first block's d subnormal and the second
+    block's field at `zeroed` zero; the weight torch rebuilds (held(fmt, ...).torch_rows) and F.linear of it."""
+    g = gen(1000 + fmt)
+    raw = torch.randint(0, 256, (n * k // per, size), generator=g, dtype=torch.uint8)
+    for off in scales:
+        raw[:, off:off + 2] = (torch.randn(len(raw), generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
+    raw[0, 0:2] = torch.tensor([0x05, 0x80], dtype=torch.uint8)  # d = -5 * 2^-24
+    raw[1, zeroed:zeroed + 2] = 0
+    raw = raw.reshape(n, -1)
+    w = held(fmt, raw, (n, k)).torch_rows(0, n)
+    c = Case(f"packed:{name}")
+    x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
+    c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = fmt, w, raw, x, bias
+    _linear_refs(c, x, w, bias)
+    return c
+
+
 def linear_cases() -> list[Case]:
     cases = []
     for k, n in ((96, 40), (100, 40)):  # K a multiple of 32 (whole blocks) and not (the scalar tail)
@@ -257,38 +277,13 @@ def linear_cases() -> list[Case]:
     cases.append(c)
     # Q4_K (fmt 7) and Q5_K (fmt 5): K 512, random blocks (every scale / min / code bit random), fp16 d and
     # dmin of either sign, the first superblock's d subnormal and the second's dmin zero
-    n = 8
     for fmt, name in ((Q4K_FMT, "q4k"), (Q5K_FMT, "q5k")):
-        g = gen(1000 + fmt)
-        raw = torch.randint(0, 256, (n * k // 256, SUPERBLOCK_BYTES[fmt]), generator=g, dtype=torch.uint8)
-        for off in (0, 2):
-            raw[:, off:off + 2] = (torch.randn(len(raw), generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
-        raw[0, 0:2] = torch.tensor([0x05, 0x80], dtype=torch.uint8)  # d = -5 * 2^-24
-        raw[1, 2:4] = 0
-        raw = raw.reshape(n, -1)
-        w = KQuantWeight(fmt, raw, (n, k)).torch_rows(0, n)
-        c = Case(f"packed:{name}")
-        x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
-        c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = fmt, w, raw, x, bias
-        _linear_refs(c, x, w, bias)
-        cases.append(c)
+        cases.append(_random_block_case(name, fmt, KQuantWeight, 8, k, 256, SUPERBLOCK_BYTES[fmt], (0, 2), 2))
     # Q4_0 (fmt 2), Q4_1 (fmt 3), Q8_0 (fmt 9): K 64 (2 blocks a row), random codes, fp16 d (and m) of either
     # sign, the first block's d subnormal and the second's zero (small: the files stay under 1 MB)
-    n, k = 32, 64
     for fmt, name in ((Q40_FMT, "q4_0"), (Q41_FMT, "q4_1"), (Q80_FMT, "q8_0")):
-        g = gen(1000 + fmt)
-        raw = torch.randint(0, 256, (n * k // 32, FORMATS[fmt]), generator=g, dtype=torch.uint8)
-        for off in ((0, 2) if fmt == Q41_FMT else (0,)):
-            raw[:, off:off + 2] = (torch.randn(len(raw), generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
-        raw[0, 0:2] = torch.tensor([0x05, 0x80], dtype=torch.uint8)  # d = -5 * 2^-24
-        raw[1, 0:2] = 0
-        raw = raw.reshape(n, -1)
-        w = PackedWeight(fmt, raw, (n, k)).torch_rows(0, n)
-        c = Case(f"packed:{name}")
-        x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
-        c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = fmt, w, raw, x, bias
-        _linear_refs(c, x, w, bias)
-        cases.append(c)
+        cases.append(_random_block_case(name, fmt, PackedWeight, 32, 64, 32, FORMATS[fmt],
+                                        (0, 2) if fmt == Q41_FMT else (0,), 0))
     return cases
 
 
