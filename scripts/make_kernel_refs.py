@@ -58,6 +58,7 @@ from engine.kvcache import make_cache
 from engine.kvcache.base import Step, grouped_query
 from engine.kvcache.fused import FusedDecode
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
+from engine.model.gguf_files import split_block_rows
 from engine.model.linears import (FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT, SUPERBLOCK_BYTES,
                                   KQuantWeight, PackedWeight, Q6KWeight)
 
@@ -237,6 +238,8 @@ def _random_block_case(name: str, fmt: int, held, n: int, k: int, per: int, size
     raw[0, 0:2] = torch.tensor([0x05, 0x80], dtype=torch.uint8)  # d = -5 * 2^-24
     raw[1, zeroed:zeroed + 2] = 0
     raw = raw.reshape(n, -1)
+    if held is PackedWeight:  # Q4_0 / Q4_1 / Q8_0: each row's codes, then its scales (linear_kernels.c)
+        raw = torch.from_numpy(split_block_rows(raw.numpy(), fmt, n))
     w = held(fmt, raw, (n, k)).torch_rows(0, n)
     c = Case(f"packed:{name}")
     x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)

@@ -4,7 +4,8 @@ tensors read into the blocks the engine computes with, without an fp32 copy.
 Block formats (every re-expression is exact: each weight rebuilds to gguf.quants.dequantize's value
 bit for bit, tests/test_gguf.py):
   Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m), Q8_0 (w = d * q)
-                                  -> their own 18-, 20-, 34-byte blocks (4.5, 5, 8.5 bits; linear_kernels.c fmt 2, 3, 9)
+                                  -> their own 18-, 20-, 34-byte blocks (4.5, 5, 8.5 bits; linear_kernels.c fmt 2, 3, 9),
+                                     each row's codes then its scales (split_block_rows)
   Q5_0 (w = d * (q - 16))         -> scaled8, q - 16 in int8
   Q5_1 (5-bit affine)             -> affine8 (torch, 10 bits a weight; no native kernel)
   Q4_K, Q5_K (8 sub-blocks of 32: d * sc, dmin * min, 6-bit sc and min), Q6_K (16 sub-blocks of 16:
@@ -39,7 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
-from engine.model.linears import Q40_FMT, Q41_FMT, Q4K_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT, BlockWeight, DenseWeight, KQuantWeight, PackedWeight, Q6KWeight
+from engine.model.linears import FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT, BlockWeight, DenseWeight, KQuantWeight, PackedWeight, Q6KWeight
 from engine.model.sources import GGUF_POINTER
 from engine.paths import cache_root
 
@@ -270,9 +271,9 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
     if kind == Q.BF16:
         return DenseWeight(torch.from_numpy(raw.view(np.int16).reshape(n, k).copy()).view(torch.bfloat16))
     b = _blocks(raw, kind)
-    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # the file's own blocks (linear_kernels.c fmt 2, 3, 9)
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # the file's own blocks, each row's codes then its scales (fmt 2, 3, 9)
         fmt = {Q.Q4_0: Q40_FMT, Q.Q4_1: Q41_FMT, Q.Q8_0: Q80_FMT}[kind]
-        return PackedWeight(fmt, torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1).copy()), (n, k))
+        return PackedWeight(fmt, torch.from_numpy(split_block_rows(raw, fmt, n)), (n, k))
     if kind == Q.Q5_0:
         q = _q5_codes(b[:, 2:6], b[:, 6:])
         return PackedWeight(8, _records(_f16(b[:, 0:2]), None, (q.astype(np.int8) - np.int8(16)), n), (n, k))
@@ -285,6 +286,15 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
     if kind == Q.Q6_K:
         return Q6KWeight(Q6K_FMT, torch.from_numpy(raw.copy()), (n, k))
     return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
+
+
+def split_block_rows(raw: np.ndarray, fmt: int, n: int) -> np.ndarray:
+    """GGUF Q4_0 / Q4_1 / Q8_0 bytes [n rows, ...] -> the same bytes, each row as its blocks' codes, then their
+    fp16 d, then (Q4_1) their fp16 m: linear_kernels.c's layout of fmt 2, 3, 9 (uint8 [n, row bytes])."""
+    rec = np.ascontiguousarray(raw).reshape(n, -1, FORMATS[fmt])  # [n, nb, block bytes]
+    head = 4 if fmt == Q41_FMT else 2
+    parts = [rec[..., head:], rec[..., 0:2]] + ([rec[..., 2:4]] if fmt == Q41_FMT else [])
+    return np.ascontiguousarray(np.concatenate([p.reshape(n, -1) for p in parts], axis=1))
 
 
 def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:

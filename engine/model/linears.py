@@ -38,7 +38,7 @@ class PackedWeight:
     """A weight [N, K] kept as blocks of 32 that rebuild it exactly (layout: linear_kernels.c)."""
 
     fmt: int  # 4: affine4, w = fma(d, q, m), q in 0..15; 8: scaled8, w = d * q, q int8 (fp32 d, m); 2, 3, 9:
-    # GGUF Q4_0 (m = -8 d), Q4_1, Q8_0 as the file has them (fp16 d, m)
+    # GGUF Q4_0 (m = -8 d), Q4_1, Q8_0 blocks' bytes (fp16 d, m), each row's codes then its scales
     data: torch.Tensor  # uint8 [N, K / 32 * FORMATS[fmt]]
     shape: tuple[int, int]
 
@@ -80,18 +80,21 @@ class PackedWeight:
         """rows() by torch (without the native library): the same floats, d * q being exact in both
         formats as packed here (fp16-sized d, 4-bit or 8-bit q), so d * q + m rounds once like fmaf."""
         n, nb = n1 - n0, self.shape[1] // BLOCK
-        rec = self.data[n0:n1].view(n, nb, FORMATS[self.fmt])
-        wide = self.fmt in (4, 8)  # fp32 d (and m), else the GGUF's fp16
-        d = rec[..., 0:4].contiguous().view(torch.float32) if wide else \
-            rec[..., 0:2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
-        if self.fmt in (8, Q80_FMT):
-            return rec[..., 4 if wide else 2:].view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
-        if self.fmt == Q40_FMT:
-            m, q = d * -8.0, rec[..., 2:]
-        else:
-            m = rec[..., 4:8].contiguous().view(torch.float32) if wide else \
-                rec[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
-            q = rec[..., 8 if wide else 4:]
+        if self.fmt in (Q40_FMT, Q41_FMT, Q80_FMT):  # a row: nb blocks' codes, nb fp16 d, (Q4_1) nb fp16 m
+            row = self.data[n0:n1]
+            cb = BLOCK if self.fmt == Q80_FMT else BLOCK // 2
+            half = lambda i: row[:, nb * cb + 2 * nb * i : nb * cb + 2 * nb * (i + 1)].contiguous().view(  # noqa: E731
+                torch.float16).to(torch.float32)[..., None]  # [n, nb, 1]
+            d, q = half(0), row[:, : nb * cb].reshape(n, nb, cb)
+            if self.fmt == Q80_FMT:
+                return q.view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
+            m = half(1) if self.fmt == Q41_FMT else d * -8.0
+        else:  # affine4 / scaled8 records: fp32 d (and m), then the codes
+            rec = self.data[n0:n1].view(n, nb, FORMATS[self.fmt])
+            d = rec[..., 0:4].contiguous().view(torch.float32)  # [n, nb, 1]
+            if self.fmt == 8:
+                return rec[..., 4:].view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
+            m, q = rec[..., 4:8].contiguous().view(torch.float32), rec[..., 8:]
         return torch.cat((q & 15, q >> 4), dim=-1).to(torch.float32).mul_(d).add_(m).view(n, -1)
 
     def unpack(self) -> torch.Tensor:

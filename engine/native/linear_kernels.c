@@ -47,11 +47,14 @@ EXPORT const char *specache_native_isa(void) { return SIMD_ISA; }
  *            holds q[j] (low nibble) and q[j + 16] (high nibble)           (24 bytes / 32 weights)
  *   scaled8: float d, 32 int8 codes; w[j] = d * q[j]                        (36 bytes / 32 weights)
  * The packers accept a matrix only if every block rebuilds to exactly the given floats.
- * A GGUF's own 32-weight blocks are read as the file has them, with fp16 scales:
- *   Q4_0 (fmt 2): fp16 d, 16 bytes of codes as affine4's; w[j] = fma(d, q[j], -8 d) = d (q[j] - 8)  (18 bytes)
- *   Q4_1 (fmt 3): fp16 d, fp16 m, 16 bytes of codes as affine4's; w[j] = fma(d, q[j], m)          (20 bytes)
- *   Q8_0 (fmt 9): fp16 d, 32 int8 codes; w[j] = d * q[j]                                          (34 bytes)
- * (d * q is exact for an fp16 d and a 4- or 8-bit q, so each is the gguf package's float.) */
+ * A GGUF's own 32-weight blocks keep their bytes, with fp16 scales, each row's split into its codes and then
+ * its scales (the file interleaves them per block; apart, the codes are 16-byte aligned and a row's scales
+ * convert 16 at a time, where one convert per block cost 2x):
+ *   Q4_0 (fmt 2): row = nb x 16 code bytes as affine4's, nb x fp16 d; w[j] = fma(d, q[j], -8 d) = d (q[j] - 8)
+ *   Q4_1 (fmt 3): row = nb x 16 code bytes, nb x fp16 d, nb x fp16 m; w[j] = fma(d, q[j], m)
+ *   Q8_0 (fmt 9): row = nb x 32 int8 codes, nb x fp16 d; w[j] = d * q[j]
+ * (18, 20 and 34 bytes a block, as in the file; d * q is exact for an fp16 d and a 4- or 8-bit q, so each
+ * weight is the gguf package's float.) */
 #define QB 32
 #define NV (QB / VW) /* vectors per block */
 #define A4_BYTES 24
@@ -63,39 +66,66 @@ EXPORT const char *specache_native_isa(void) { return SIMD_ISA; }
 #define BLOCK_BYTES(f) ((f) == 0 ? QB * 4 : (f) == 4 ? A4_BYTES : (f) == 8 ? S8_BYTES : (f) == Q40_FMT ? 18 : (f) == Q41_FMT ? 20 : 34)
 #define BLOCK_FMT(f) ((f) == 4 || (f) == 8 || (f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT)
 #define CODES8(f) ((f) == 8 || (f) == Q80_FMT) /* 32 int8 codes, w = d * q; the others: 4-bit, w = fma(d, q, m) */
+#define GGUF_BLOCK_FMT(f) ((f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT) /* fp16 scales */
+#define SCALE_CHUNK 64 /* GGUF blocks whose scales are converted at a time */
+#define CODE_BYTES(f) ((f) == Q80_FMT ? QB : QB / 2) /* a GGUF block's codes */
 
 typedef struct { float d, m; uint8_t q[QB / 2]; } affine4_block;
 typedef struct { float d; int8_t q[QB]; } scaled8_block;
 _Static_assert(sizeof(affine4_block) == A4_BYTES, "affine4 record");
 _Static_assert(sizeof(scaled8_block) == S8_BYTES, "scaled8 record");
 
-/* A block record's scale d, min m (4-bit formats) and codes q, as floats and a pointer. */
+/* An affine4 or scaled8 record's scale d, min m (affine4) and codes q, as floats and a pointer. */
 INLINE void block_header(const void *src, const int fmt, float *d, float *m, const uint8_t **q) {
     const uint8_t *p = (const uint8_t *)src;
-    if (fmt == 4 || fmt == 8) {
-        memcpy(d, p, 4);
-        if (fmt == 4) memcpy(m, p + 4, 4);
-        *q = p + (fmt == 4 ? 8 : 4);
-        return;
+    memcpy(d, p, 4);
+    if (fmt == 4) memcpy(m, p + 4, 4);
+    *q = p + (fmt == 4 ? 8 : 4);
+}
+
+/* n fp16 values at h as floats (exact): 16, 8 or 4 at a time where the target converts vectors. */
+INLINE void halves_to_floats(const uint8_t *h, int n, float *out) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 2 * i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 2 * i))));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(h + 2 * i))));
+#endif
+    for (; i < n; i++) {
+        uint16_t v;
+        memcpy(&v, h + 2 * i, 2);
+        out[i] = half_to_float(v);
     }
-    uint16_t h[2];
-    memcpy(h, p, fmt == Q41_FMT ? 4 : 2);
-    *d = half_to_float(h[0]);
-    *m = fmt == Q41_FMT ? half_to_float(h[1]) : -8.0f * *d; /* Q4_0: -8 d is exact */
-    *q = p + (fmt == Q41_FMT ? 4 : 2);
+}
+
+/* d[i], m[i] (Q4_0: -8 d; Q8_0: d only) of blocks [b, b + n) of a GGUF block row of nb blocks (split layout). */
+INLINE void gguf_block_scales(const uint8_t *row, const int fmt, int64_t nb, int64_t b, int n, float *d, float *m) {
+    const uint8_t *dh = row + nb * CODE_BYTES(fmt);
+    halves_to_floats(dh + 2 * b, n, d);
+    if (fmt == Q41_FMT)
+        halves_to_floats(dh + 2 * nb + 2 * b, n, m);
+    else if (fmt == Q40_FMT)
+        for (int i = 0; i < n; i++) m[i] = -8.0f * d[i]; /* exact */
 }
 
 /* The 32 weights of the block record at p as NV vectors (fmt a compile-time constant after
  * inlining; fmt 0 reads 32 fp32 weights). Every target rebuilds the same floats: fma(d, q, m)
  * rounded once (an AVX-512 table of the 16 values fma(d, i, m) is the same numbers) and d * q. */
-INLINE void block_weights(const void *src, const int fmt, vf w[NV]) {
+INLINE void block_weights(const void *src, const int fmt, vf w[NV], const float *dc, const float *mc) {
     if (fmt == 0) {
         for (int v = 0; v < NV; v++) w[v] = vf_load((const float *)src + v * VW);
         return;
     }
     float d, m;
     const uint8_t *q;
-    block_header(src, fmt, &d, &m, &q);
+    if (GGUF_BLOCK_FMT(fmt)) { /* src: the block's codes; the scales converted beforehand (gguf_block_scales) */
+        d = *dc, m = *mc;
+        q = (const uint8_t *)src;
+    } else {
+        block_header(src, fmt, &d, &m, &q);
+    }
     if (CODES8(fmt)) {
         const vf dv = vf_set1(d);
         for (int v = 0; v < NV; v++) w[v] = vf_mul(dv, vf_from_i8(q + v * VW));
@@ -302,6 +332,15 @@ INLINE void kq_chunk_weights(const int8_t *codes, const int fmt, float scale, fl
 #endif
 }
 
+/* acc[r] += the even vectors, acc2[r] += the odd vectors of block weights w times x's row r at column k. */
+INLINE void accumulate(const vf w[NV], const float *x, int64_t x_s, int64_t k, const int R, vf *acc, vf *acc2) {
+    for (int v = 0; v < NV; v += 2) /* (x + r * x_s + k) + v * VW: one address register per row */
+        for (int r = 0; r < R; r++) {
+            acc[r] = vf_fma(w[v], vf_load(x + r * x_s + k + v * VW), acc[r]);
+            acc2[r] = vf_fma(w[v + 1], vf_load(x + r * x_s + k + (v + 1) * VW), acc2[r]);
+        }
+}
+
 /* Output columns [n0, n1) of y[R, N] for R activation rows (R and fmt compile-time constants
  * after inlining; fmt 0: W is fp32 [N, K], 4 / 8 packed records, 6 / 7 / 5 Q6_K / Q4_K / Q5_K superblocks). One weight row at a time, in
  * memory order: a single sequential stream, which the hardware prefetcher follows at full
@@ -315,16 +354,31 @@ INLINE void kq_chunk_weights(const int8_t *codes, const int fmt, float scale, fl
  * for bit. */
 INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fmt, int64_t K, const float *bias,
                         float *y, int64_t y_s, int64_t n0, int64_t n1, const int R) {
-    const int64_t nb = K / QB, rec = SUPERBLOCK_FMT(fmt) ? 0 : BLOCK_BYTES(fmt);
-    const int64_t row_bytes = SUPERBLOCK_FMT(fmt) ? K / Q6K_WEIGHTS * SUPERBLOCK_BYTES(fmt) : fmt == 0 ? K * 4 : nb * rec;
+    const int64_t nb = K / QB, rec = SUPERBLOCK_FMT(fmt) ? 0 : GGUF_BLOCK_FMT(fmt) ? CODE_BYTES(fmt) : BLOCK_BYTES(fmt);
+    const int64_t row_bytes = SUPERBLOCK_FMT(fmt) ? K / Q6K_WEIGHTS * SUPERBLOCK_BYTES(fmt) : fmt == 0 ? K * 4
+                                                                                         : nb * BLOCK_BYTES(fmt);
     const int64_t kv = fmt == 0 ? K / VW * VW : K; /* fp32: vectors past the last whole block, then scalars */
     int8_t codes[Q6K_WEIGHTS]; /* Q4_K / Q5_K / Q6_K: the current superblock, decoded */
     float scale[16], minus[8];
+    float dc[SCALE_CHUNK], mc[SCALE_CHUNK]; /* Q4_0 / Q4_1 / Q8_0: d and m of the row's current chunk of blocks */
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = (const uint8_t *)W + n * row_bytes;
         vf acc[MAX_ROWS], acc2[MAX_ROWS]; /* even and odd vectors of each row */
         for (int r = 0; r < R; r++) acc[r] = acc2[r] = vf_zero();
-        for (int64_t b = 0; b < nb; b++) {
+        if (GGUF_BLOCK_FMT(fmt)) { /* chunks of blocks: their scales converted, then the blocks */
+            for (int64_t b0 = 0; b0 < nb; b0 += SCALE_CHUNK) {
+                const int cnt = (int)(nb - b0 < SCALE_CHUNK ? nb - b0 : SCALE_CHUNK);
+                gguf_block_scales(row, fmt, nb, b0, cnt, dc, mc);
+                for (int j = 0; j < cnt; j++) {
+                    const uint8_t *p = row + (b0 + j) * rec;
+                    simd_prefetch(p + PREFETCH / 2);
+                    vf w[NV];
+                    block_weights(p, fmt, w, dc + j, mc + j);
+                    accumulate(w, x, x_s, (b0 + j) * QB, R, acc, acc2);
+                }
+            }
+        }
+        for (int64_t b = 0; b < nb && !GGUF_BLOCK_FMT(fmt); b++) {
             vf w[NV];
             if (SUPERBLOCK_FMT(fmt)) { /* chunk b % 8 of superblock b / 8 */
                 const int j = (int)(b % Q6K_CHUNKS);
@@ -344,14 +398,9 @@ INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fm
                 const uint8_t *p = row + b * rec;
                 simd_prefetch(p + (fmt == 0 ? PREFETCH : PREFETCH / 2));
                 if (fmt == 0) simd_prefetch(p + PREFETCH + 64); /* an fp32 block is two cache lines */
-                block_weights(p, fmt, w);
+                block_weights(p, fmt, w, NULL, NULL);
             }
-            const int64_t k = b * QB;
-            for (int v = 0; v < NV; v += 2) /* (x + r * x_s + k) + v * VW: one address register per row */
-                for (int r = 0; r < R; r++) {
-                    acc[r] = vf_fma(w[v], vf_load(x + r * x_s + k + v * VW), acc[r]);
-                    acc2[r] = vf_fma(w[v + 1], vf_load(x + r * x_s + k + (v + 1) * VW), acc2[r]);
-                }
+            accumulate(w, x, x_s, b * QB, R, acc, acc2);
         }
         const float *wf = (const float *)row;
         for (int64_t k = nb * QB; k + VW <= kv; k += VW) /* fp32 only: K % 32 != 0 */
@@ -415,7 +464,7 @@ EXPORT int specache_pack_scaled8(const float *W, int64_t N, int64_t K, uint8_t *
 
 /* Rebuild the 32 weights of block b of a row into w[32] (fmt 5, 6, 7: the 256 of superblock b into w[256])
  * (the portable path and the tests). */
-static void unpack_block(const uint8_t *row, int64_t b, int fmt, float *w) {
+static void unpack_block(const uint8_t *row, int64_t nb, int64_t b, int fmt, float *w) {
     if (fmt == 6) { /* superblock b: 256 weights */
         int8_t codes[Q6K_WEIGHTS];
         float scale[16];
@@ -429,7 +478,12 @@ static void unpack_block(const uint8_t *row, int64_t b, int fmt, float *w) {
     } else {
         float d, m;
         const uint8_t *q;
-        block_header(row + b * BLOCK_BYTES(fmt), fmt, &d, &m, &q);
+        if (GGUF_BLOCK_FMT(fmt)) {
+            gguf_block_scales(row, fmt, nb, b, 1, &d, &m);
+            q = row + b * CODE_BYTES(fmt);
+        } else {
+            block_header(row + b * BLOCK_BYTES(fmt), fmt, &d, &m, &q);
+        }
         for (int j = 0; j < QB / 2 && !CODES8(fmt); j++) {
             w[j] = fmaf(d, (float)(q[j] & 15), m);
             w[j + QB / 2] = fmaf(d, (float)(q[j] >> 4), m);
@@ -528,6 +582,6 @@ EXPORT int specache_unpack(const uint8_t *P, int64_t fmt, int64_t n0, int64_t n1
     const int64_t per = SUPERBLOCK_FMT(fmt) ? Q6K_WEIGHTS : QB, nb = K / per; /* weights per block, blocks per row */
     const int64_t row_bytes = nb * (SUPERBLOCK_FMT(fmt) ? SUPERBLOCK_BYTES(fmt) : BLOCK_BYTES(fmt));
     for (int64_t n = n0; n < n1; n++)
-        for (int64_t b = 0; b < nb; b++) unpack_block(P + n * row_bytes, b, (int)fmt, W + (n - n0) * K + b * per);
+        for (int64_t b = 0; b < nb; b++) unpack_block(P + n * row_bytes, nb, b, (int)fmt, W + (n - n0) * K + b * per);
     return 0;
 }
