@@ -6,9 +6,10 @@ runs cycles:
 
 - draft: gamma passes of one token each with the guided attention of specache; each commits as a
   draft (KVCache.commit(draft=True): the lengths move so the next draft token sees this one, no
-  boundary moves, nothing is quantized; Step.draft: nothing enters the host store, which on a GPU
-  saves a blocking device-to-host copy per row and layer), and KVCache.rollback() restores the
-  committed lengths.
+  boundary moves, nothing is quantized; Step.draft: nothing enters the host store on a GPU, which
+  saves a blocking device-to-host copy per row and layer; on a CPU the residual window is the store's
+  memory, so a draft's K/V lands there past the committed length, where the verification rewrites
+  it), and KVCache.rollback() restores the committed lengths.
   A draft pass picks its own fetched set from its guide attention (prefetch "current") whatever the
   configured prefetch: the speculative prefetch would pick the next set among positions that a
   draft's boundary never quantizes.

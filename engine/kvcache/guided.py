@@ -1,9 +1,11 @@
 """Cache layers for the guide-based modes: specache, kivi (k = 0) and window.
 
 Per layer and row, positions [0, qend) are held in the low-bit guide (and, for specache,
-exactly in the host store); the newest tokens [qend, len) sit exact in a residual buffer on
+exactly in the host store); the newest tokens [qend, len) sit exact in a residual window on
 the device, where qend = quant_boundary(len) moves a whole group of g tokens at a time; the
-first S tokens also stay exact on the device (attention sinks).
+first S tokens also stay exact on the device (attention sinks). On a CPU the residual window is
+the host store's own positions [qend, ...) (`res_in_store`: nothing copied or shifted); on CUDA,
+where the store is in host memory, it is a buffer of residual + group + chunk slots per row.
 
 Attention of the new tokens (design page, Decoding):
   scores over [0, qend): guide scores, replaced by exact scores at sink and fetched positions;
@@ -131,8 +133,9 @@ class GuidedLayer(CacheLayer):
             q = qends[0]
             return self.res_k[rows, :, q : q + n], self.res_v[rows, :, q : q + n]
         # a row's window may run past the store's end where another row needs more slots: zeros there (masked)
-        return tuple(torch.stack([torch.nn.functional.pad(buf[rows.start + i, :, q : q + n], (0, 0, 0, max(0, q + n - buf.shape[2])))
-                                  for i, q in enumerate(qends)]) for buf in (self.res_k, self.res_v))
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[1]))  # noqa: E731  [H_kv, n, D]
+        return tuple(torch.stack([pad(buf[rows.start + i, :, q : q + n]) for i, q in enumerate(qends)])
+                     for buf in (self.res_k, self.res_v))
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Make row dst a copy of row src's state (its first `length` tokens)."""
@@ -167,7 +170,8 @@ class GuidedLayer(CacheLayer):
         got = tensors.get("qend")
         if got is None or got.numel() != 1 or int(got) != qend:
             raise ValueError(f"qend: expected {qend} for {length} tokens")
-        if length - qend > (self.res_k.shape[2] - qend if self.res_in_store else self.res_k.shape[2]):
+        room = self.res_k.shape[2] - (qend if self.res_in_store else 0)  # slots from the window's start
+        if length - qend > room:
             raise ValueError("the residual window does not fit this cache")
         if not check:
             self.qend[row] = qend
