@@ -148,3 +148,22 @@ def test_cuda_model_calls_leave_no_thread():
     for i in range(20):
         list(engine.generate([[5 + i, 6, 7, 8] * 20], GenerationConfig(max_tokens=3)))
     assert threading.active_count() == before
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc (Linux)")
+def test_the_cpu_store_is_resident_only_where_written():
+    """The host store on a CPU is zero pages until written (transfer.untouched_zeros): 256 MiB allocated
+    costs next to nothing resident, reads as zeros, and the pages written become resident."""
+    from engine.kvcache.transfer import untouched_zeros
+
+    def rss_mib() -> int:
+        return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) // 1024
+
+    before = rss_mib()
+    t = untouched_zeros((2, 4, 1 << 17, 64), torch.float32)  # 256 MiB
+    assert t.shape == (2, 4, 1 << 17, 64) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % 64 == 0 and rss_mib() - before < 16
+    assert not t[0, 0, :4096].any()  # zeros (and only those pages read)
+    t[1].fill_(1.0)  # half of it written: resident
+    assert rss_mib() - before > 100 and float(t[1].mean()) == 1.0 and not t[0, 1].any()
+    assert untouched_zeros((0, 3), torch.bfloat16).shape == (0, 3)
