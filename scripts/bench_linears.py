@@ -10,16 +10,16 @@ calibration, engine/native/calibrate.py), and the read bound: the time to read t
 once at this machine's read bandwidth, measured as torch.sum over 512 MiB on the same thread count.
 
 With --superblocks N (--q6k N) it times instead one decode call of a random GGUF weight [N, 4096] of
---kind Q6_K (the default; an output layer: N 128256 for a Llama 3 vocabulary), Q5_K, Q4_K, Q4_0, Q4_1 or
-Q8_0 (N 14336: a Llama-3-8B MLP projection) held in the file's own blocks (engine.model.linears.Q6KWeight,
-KQuantWeight, PackedWeight fmt 2 / 3 / 9), three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
+--kind Q6_K (the default; an output layer: N 128256 for a Llama 3 vocabulary), Q5_K, Q4_K, Q4_0, Q4_1,
+Q8_0, Q5_0 or Q5_1 (N 14336: a Llama-3-8B MLP projection) held in the file's own blocks (engine.model.linears.Q6KWeight,
+KQuantWeight, PackedWeight fmt 2 / 3 / 9 / 10 / 11), three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
 tiles rebuilt by the native specache_unpack and multiplied, and the native decode kernel on the
 blocks; medians in ms and GB/s of block bytes, and whether the kernel gives the fp32 kernel's floats.
 Q4_K, Q4_0, Q4_1 and Q8_0 add a fourth: the kernel on the affine4 / scaled8 records (fp32 scales) these
 were held in before their own blocks (the same floats, 0.75 / 1.125 bytes a weight).
 
     python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7] [--threads 1]
-                                    [--superblocks 128256 [--kind Q6_K|Q5_K|Q4_K|Q4_0|Q4_1|Q8_0]]
+                                    [--superblocks 128256 [--kind Q6_K|Q5_K|Q4_K|Q4_0|Q4_1|Q8_0|Q5_0|Q5_1]]
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--superblocks", "--q6k", type=int, metavar="N",
                     help="time a random GGUF superblock weight [N, 4096] instead (see above)")
-    ap.add_argument("--kind", default="Q6_K", choices=("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"),
+    ap.add_argument("--kind", default="Q6_K", choices=("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"),
                     help="its format (--superblocks)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

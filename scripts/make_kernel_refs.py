@@ -12,8 +12,8 @@ reference implementations give for them: the native library is disabled here
               packing rule in linear_kernels.c's comment) and F.linear of them; GGUF Q6_K blocks
               (random bytes, fp16 d of either sign, one subnormal, one zero), the weight torch
               rebuilds from them (Q6KWeight.torch_rows, gguf.quants' floats) and F.linear of it; the same
-              for GGUF Q4_K and Q5_K blocks (KQuantWeight.torch_rows) and Q4_0, Q4_1, Q8_0 blocks
-              (PackedWeight.torch_rows);
+              for GGUF Q4_K and Q5_K blocks (KQuantWeight.torch_rows) and Q4_0, Q4_1, Q8_0, Q5_0, Q5_1
+              blocks (PackedWeight.torch_rows);
   guide.bin   guide scores and weighted values (engine/kvcache/quant.py, torch path) for 1 and
               2 bits, key groups 32 and 64, value groups 16, 32 and 64, head_dim 64, with 1, 2,
               3 and 9 queries (the few-query kernels, one 8-lane block and a partial one);
@@ -59,7 +59,8 @@ from engine.kvcache.base import Step, grouped_query
 from engine.kvcache.fused import FusedDecode
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
 from engine.model.gguf_files import split_block_rows
-from engine.model.linears import (FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT, SUPERBLOCK_BYTES,
+from engine.model.linears import (FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT,
+                                  SUPERBLOCK_BYTES,
                                   KQuantWeight, PackedWeight, Q6KWeight)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,11 +283,12 @@ def linear_cases() -> list[Case]:
     # dmin of either sign, the first superblock's d subnormal and the second's dmin zero
     for fmt, name in ((Q4K_FMT, "q4k"), (Q5K_FMT, "q5k")):
         cases.append(_random_block_case(name, fmt, KQuantWeight, 8, k, 256, SUPERBLOCK_BYTES[fmt], (0, 2), 2))
-    # Q4_0 (fmt 2), Q4_1 (fmt 3), Q8_0 (fmt 9): K 64 (2 blocks a row), random codes, fp16 d (and m) of either
-    # sign, the first block's d subnormal and the second's zero (small: the files stay under 1 MB)
-    for fmt, name in ((Q40_FMT, "q4_0"), (Q41_FMT, "q4_1"), (Q80_FMT, "q8_0")):
+    # Q4_0 (fmt 2), Q4_1 (fmt 3), Q8_0 (fmt 9), Q5_0 (fmt 10), Q5_1 (fmt 11): K 64 (2 blocks a row), random codes,
+    # fp16 d (and m) of either sign, the first block's d subnormal and the second's zero (small: the files stay
+    # under 1 MB)
+    for fmt, name in ((Q40_FMT, "q4_0"), (Q41_FMT, "q4_1"), (Q80_FMT, "q8_0"), (Q50_FMT, "q5_0"), (Q51_FMT, "q5_1")):
         cases.append(_random_block_case(name, fmt, PackedWeight, 32, 64, 32, FORMATS[fmt],
-                                        (0, 2) if fmt == Q41_FMT else (0,), 0))
+                                        (0, 2) if fmt in (Q41_FMT, Q51_FMT) else (0,), 0))
     return cases
 
 

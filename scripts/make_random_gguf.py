@@ -1,5 +1,5 @@
 """Write a random-weight GGUF with a real model's shapes, Q4_K_M-style (Q4_K linears and token embedding, or Q5_K, Q4_0, Q4_1,
-Q8_0 with --linears;
+Q8_0, Q5_0, Q5_1 with --linears;
 Q6_K output, F32 norms), streamed tensor by tensor (the file is never held in memory). Its weights are
 random blocks (finite fp16 scales sized like a trained model's), so its text is noise: it measures
 memory and speed, not quality. The tokenizer is the embedded SmolLM2's, padded with reserved tokens to
@@ -34,8 +34,10 @@ def random_blocks(kind: Q, rows: int, k: int, rng: np.random.Generator) -> np.nd
         raw[:, 208:210] = f16(1e-5)
     elif kind in (Q.Q4_0, Q.Q8_0):  # w = d * (q - 8), w = d * q (q int8)
         raw[:, 0:2] = f16(4e-3 if kind == Q.Q4_0 else 2e-4)
-    elif kind == Q.Q4_1:  # w = d * q + m
-        raw[:, 0:2], raw[:, 2:4] = f16(3e-3), f16(-0.02)
+    elif kind in (Q.Q4_1, Q.Q5_1):  # w = d * q + m
+        raw[:, 0:2], raw[:, 2:4] = f16(3e-3 if kind == Q.Q4_1 else 1.5e-3), f16(-0.02)
+    elif kind == Q.Q5_0:  # w = d * (q - 16)
+        raw[:, 0:2] = f16(2e-3)
     return raw.reshape(rows, -1)
 
 
@@ -86,8 +88,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--linears", choices=("Q4_K", "Q5_K", "Q4_0", "Q4_1", "Q8_0"), default="Q4_K",
-                    help="the linears' and the embedding's format (Q5_K: a Q5_K_M-style file; Q4_0 / Q4_1 / Q8_0: "
+    ap.add_argument("--linears", choices=("Q4_K", "Q5_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"), default="Q4_K",
+                    help="the linears' and the embedding's format (Q5_K: a Q5_K_M-style file; Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1: "
                          "a file of those, with the Q6_K output llama.cpp's quantizer keeps)")
     a = ap.parse_args()
     tok = tokenizer_fields(a.vocab)
@@ -105,7 +107,8 @@ def main() -> None:
     w.add_vocab_size(a.vocab)
     w.add_file_type({"Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
                      "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[a.linears])
+                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+                     "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1}[a.linears])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])

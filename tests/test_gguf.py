@@ -40,15 +40,15 @@ def test_each_gguf_format_rebuilds_gguf_dequantize_bit_for_bit(kind):
     held = held_from_raw(raw, kind, n, k)
     got = held.unpack()
     assert got.dtype == torch.float32 and got.shape == (n, k)
-    # bit for bit, except that affine4's Q4_0 rebuilds q = 8 as +0 where gguf's d * (q - 8) gives -0 for a
-    # negative d: equal values, and the same products in any sum
+    # bit for bit, except that Q4_0 / Q5_0 rebuild q = 8 / 16 as fma(d, q, -8 d) = +0 where gguf's d * (q - 8)
+    # gives -0 for a negative d: equal values, and the same products in any sum
     assert torch.equal(got, ref)
-    if kind != Q.Q4_0:
+    if kind not in (Q.Q4_0, Q.Q5_0):
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
     assert torch.equal(held.rows(5, 9), ref[5:9])
 
 
-NATIVE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # the formats with a native decode kernel
+NATIVE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # the formats with a native decode kernel
 
 
 @pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
@@ -57,10 +57,8 @@ NATIVE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # the formats
 def test_native_formats_give_the_fp32_kernel_result_bit_for_bit(kind, rows):
     n, k = 96, 512
     held = held_from_raw(random_tensor(kind, n, k, seed=rows), kind, n, k)
-    assert held.kind in ("scaled8", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
-    if kind != Q.Q5_0:  # held in the file's own blocks: no byte more than the GGUF
-        block, size = gguf.GGML_QUANT_SIZES[kind]
-        assert held.kind == kind.name.lower() and held.nbytes == n * k // block * size
+    block, size = gguf.GGML_QUANT_SIZES[kind]  # held in the file's own blocks: no byte more than the GGUF
+    assert held.kind == kind.name.lower() and held.nbytes == n * k // block * size
     x, bias = torch.randn(rows, k), torch.randn(n)
     w = held.unpack()
     for b in (None, bias):
@@ -123,29 +121,30 @@ def test_kquant_edge_values_rebuild_and_multiply_bit_for_bit(kind):
 
 
 @pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
-@pytest.mark.parametrize("kind", (Q.Q4_0, Q.Q4_1, Q.Q8_0), ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1), ids=lambda k: k.name)
 def test_block_edge_values_rebuild_and_multiply_bit_for_bit(kind):
-    """Q4_0 / Q4_1 / Q8_0 blocks (the file's own, fp16 scales) whose codes are all 0, all ones or every
-    value, under fp16 d (and Q4_1's m) that are subnormal, +-0, the smallest normal and the largest: the
+    """Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 blocks (the file's own, fp16 scales) whose codes are all 0, all ones
+    or every value, under fp16 d (and m) that are subnormal, +-0, the smallest normal and the largest: the
     native rebuild, torch's and the kernel's product all give gguf.quants' floats."""
     n, k = 6, 256  # 8 blocks a row
     block, size = gguf.GGML_QUANT_SIZES[kind]
     raw = random_tensor(kind, n, k, seed=13).reshape(-1, size)
-    codes = 2 + 2 * (kind == Q.Q4_1)  # byte offset of the codes
+    has_min = kind in (Q.Q4_1, Q.Q5_1)
+    codes = 2 + 2 * has_min  # byte offset of the codes (Q5: qh, then qs)
     raw[0:8, codes:] = 0xFF
     raw[8:16, codes:] = 0x00
     raw[16:24, codes:] = np.arange(size - codes, dtype=np.uint8) * (17 if kind != Q.Q8_0 else 9)
     halves = (0x0001, 0x83FF, 0x0000, 0x8000, 0x0400, 0x7BFF, 0xFBFF, 0x3C00)
     for i, h in enumerate(halves):
         raw[i :: len(halves), 0:2] = np.array([h], np.uint16).view(np.uint8)
-        if kind == Q.Q4_1:
+        if has_min:
             raw[(i + 3) % len(halves) :: len(halves), 2:4] = np.array([h], np.uint16).view(np.uint8)
     raw = raw.reshape(n, -1)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(n, k).astype(np.float32))
     held = held_from_raw(raw, kind, n, k)
     for got in (held.unpack(), held.torch_rows(0, n)):
-        assert torch.equal(got, ref)  # Q4_0: fma(d, 8, -8 d) is +0 where gguf's d * 0 is -0 (d < 0)
-        if kind != Q.Q4_0:
+        assert torch.equal(got, ref)  # Q4_0 / Q5_0: fma(d, 8, -8 d) is +0 where gguf's d * 0 is -0 (d < 0)
+        if kind not in (Q.Q4_0, Q.Q5_0):
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
     x = torch.randn(3, k)
     assert torch.equal(held.decode(x, None), native_linear(x, ref, None))

@@ -3,11 +3,9 @@ tensors read into the blocks the engine computes with, without an fp32 copy.
 
 Block formats (every re-expression is exact: each weight rebuilds to gguf.quants.dequantize's value
 bit for bit, tests/test_gguf.py):
-  Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m), Q8_0 (w = d * q)
-                                  -> their own 18-, 20-, 34-byte blocks (4.5, 5, 8.5 bits; linear_kernels.c fmt 2, 3, 9),
-                                     each row's codes then its scales (split_block_rows)
-  Q5_0 (w = d * (q - 16))         -> scaled8, q - 16 in int8
-  Q5_1 (5-bit affine)             -> affine8 (torch, 10 bits a weight; no native kernel)
+  Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m), Q8_0 (w = d * q), Q5_0 (w = d * (q - 16)), Q5_1 (w = d * q + m)
+                                  -> their own 18-, 20-, 34-, 22-, 24-byte blocks (4.5, 5, 8.5, 5.5, 6 bits; linear_kernels.c
+                                     fmt 2, 3, 9, 10, 11), each row's codes then its scales (split_block_rows)
   Q4_K, Q5_K (8 sub-blocks of 32: d * sc, dmin * min, 6-bit sc and min), Q6_K (16 sub-blocks of 16:
   d * sc, q - 32)                 -> their own superblocks (4.5, 5.5, 6.6 bits), read by the native decode
                                      kernel (linear_kernels.c fmt 7, 5, 6; rebuilt natively or by torch for tiles)
@@ -40,7 +38,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
-from engine.model.linears import FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT, BlockWeight, DenseWeight, KQuantWeight, PackedWeight, Q6KWeight
+from engine.model.linears import (FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT,
+                                  DenseWeight, KQuantWeight, PackedWeight, Q6KWeight)
 from engine.model.sources import GGUF_POINTER
 from engine.paths import cache_root
 
@@ -244,24 +243,6 @@ class TensorFile:
         return rows.reshape(self.shape(name)[0], -1)
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
-def _records(d: np.ndarray, m: np.ndarray | None, codes: np.ndarray, n: int) -> torch.Tensor:
-    """affine4 (d, m, 16 bytes) or scaled8 (d, 32 bytes) records, one per block, as uint8 [n, ...]."""
-    parts = [d.astype(np.float32).reshape(-1, 1).view(np.uint8)]
-    if m is not None:
-        parts.append(m.astype(np.float32).reshape(-1, 1).view(np.uint8))
-    parts.append(codes.reshape(len(parts[0]), -1).view(np.uint8))
-    return torch.from_numpy(np.concatenate(parts, axis=1).reshape(n, -1))
-
-
-def _blocks(raw: np.ndarray, kind: Q) -> np.ndarray:
-    size = gguf.GGML_QUANT_SIZES[kind][1]
-    return raw.reshape(-1, size)
-
-
 def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
     """A GGUF tensor's bytes [n rows, ...] -> the held weight [n, k] (see the module's table)."""
     if kind == Q.F32:
@@ -270,39 +251,28 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
         return DenseWeight(torch.from_numpy(raw.view(np.float16).reshape(n, k).copy()))
     if kind == Q.BF16:
         return DenseWeight(torch.from_numpy(raw.view(np.int16).reshape(n, k).copy()).view(torch.bfloat16))
-    b = _blocks(raw, kind)
-    if kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0):  # the file's own blocks, each row's codes then its scales (fmt 2, 3, 9)
-        fmt = {Q.Q4_0: Q40_FMT, Q.Q4_1: Q41_FMT, Q.Q8_0: Q80_FMT}[kind]
-        return PackedWeight(fmt, torch.from_numpy(split_block_rows(raw, fmt, n)), (n, k))
-    if kind == Q.Q5_0:
-        q = _q5_codes(b[:, 2:6], b[:, 6:])
-        return PackedWeight(8, _records(_f16(b[:, 0:2]), None, (q.astype(np.int8) - np.int8(16)), n), (n, k))
+    if kind in BLOCK_KINDS:  # the file's own blocks, each row's codes then its scales (fmt 2, 3, 9, 10, 11)
+        return PackedWeight(BLOCK_KINDS[kind], torch.from_numpy(split_block_rows(raw, BLOCK_KINDS[kind], n)), (n, k))
     if kind in (Q.Q4_K, Q.Q5_K):
         return KQuantWeight(Q4K_FMT if kind == Q.Q4_K else Q5K_FMT, torch.from_numpy(raw.copy()), (n, k))
-    if kind == Q.Q5_1:
-        q = _q5_codes(b[:, 4:8], b[:, 8:])
-        return BlockWeight("affine8", torch.from_numpy(q.reshape(n, k)),
-                           torch.from_numpy(_f16(b[:, 0:2]).reshape(n, -1)), torch.from_numpy(_f16(b[:, 2:4]).reshape(n, -1)))
     if kind == Q.Q6_K:
         return Q6KWeight(Q6K_FMT, torch.from_numpy(raw.copy()), (n, k))
     return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
 
 
+BLOCK_KINDS = {Q.Q4_0: Q40_FMT, Q.Q4_1: Q41_FMT, Q.Q8_0: Q80_FMT, Q.Q5_0: Q50_FMT, Q.Q5_1: Q51_FMT}
+
+
 def split_block_rows(raw: np.ndarray, fmt: int, n: int) -> np.ndarray:
-    """GGUF Q4_0 / Q4_1 / Q8_0 bytes [n rows, ...] -> the same bytes, each row as its blocks' codes, then their
-    fp16 d, then (Q4_1) their fp16 m: linear_kernels.c's layout of fmt 2, 3, 9 (uint8 [n, row bytes])."""
+    """GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 bytes [n rows, ...] -> the same bytes, each row as its blocks' codes
+    (Q5: the 16 bytes of low nibbles, then the 4 bytes of fifth bits), then their fp16 d, then (Q4_1, Q5_1) their
+    fp16 m: linear_kernels.c's layout of fmt 2, 3, 9, 10, 11 (uint8 [n, row bytes])."""
     rec = np.ascontiguousarray(raw).reshape(n, -1, FORMATS[fmt])  # [n, nb, block bytes]
-    head = 4 if fmt == Q41_FMT else 2
-    parts = [rec[..., head:], rec[..., 0:2]] + ([rec[..., 2:4]] if fmt == Q41_FMT else [])
+    head = 4 if fmt in (Q41_FMT, Q51_FMT) else 2  # d (and m)
+    codes = rec[..., head:] if fmt not in (Q50_FMT, Q51_FMT) else \
+        np.concatenate([rec[..., head + 4:], rec[..., head : head + 4]], axis=-1)  # qs, then qh
+    parts = [codes, rec[..., 0:2]] + ([rec[..., 2:4]] if head == 4 else [])
     return np.ascontiguousarray(np.concatenate([p.reshape(n, -1) for p in parts], axis=1))
-
-
-def _q5_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    """Q5_0 / Q5_1: the 5-bit codes [blocks, 32] (gguf.quants' unpacking)."""
-    nb = qs.shape[0]
-    qh = np.ascontiguousarray(qh).view(np.uint32).reshape(nb, 1) >> np.arange(32, dtype=np.uint32).reshape(1, 32)
-    ql = qs.reshape(nb, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return ((ql & np.uint8(0x0F)).reshape(nb, -1) | ((qh & np.uint32(1)).astype(np.uint8) << np.uint8(4)))
 
 
 CHUNK_BYTES = 32 << 20  # a large tensor is read and converted this many file bytes at a time
@@ -359,8 +329,8 @@ class MappedRows:
 
 
 # bytes a weight takes as held (the table at the top): what the planner and `specache models` count
-HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 18 / 32, Q.Q4_1: 20 / 32, Q.Q4_K: 144 / 256, Q.Q5_0: 36 / 32, Q.Q8_0: 34 / 32,
-                         Q.Q5_1: 40 / 32, Q.Q5_K: 176 / 256, Q.Q6_K: 210 / 256, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
+HELD_BYTES_PER_WEIGHT = {Q.Q4_0: 18 / 32, Q.Q4_1: 20 / 32, Q.Q4_K: 144 / 256, Q.Q5_0: 22 / 32, Q.Q8_0: 34 / 32,
+                         Q.Q5_1: 24 / 32, Q.Q5_K: 176 / 256, Q.Q6_K: 210 / 256, Q.F16: 2, Q.BF16: 2, Q.F32: 4}
 
 
 def estimate_held_bytes(header: Header) -> int:

@@ -29,8 +29,10 @@ from engine.native.calibrate import skinny_torch_linear
 
 ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
 BLOCK = 32
-Q40_FMT, Q41_FMT, Q80_FMT = 2, 3, 9  # a GGUF's own Q4_0, Q4_1, Q8_0 blocks (fp16 scales; linear_kernels.c)
-FORMATS = {4: 24, 8: 36, Q40_FMT: 18, Q41_FMT: 20, Q80_FMT: 34}  # fmt -> bytes per block of 32 weights
+Q40_FMT, Q41_FMT, Q80_FMT, Q50_FMT, Q51_FMT = 2, 3, 9, 10, 11  # a GGUF's own 32-weight blocks (linear_kernels.c)
+GGUF_BLOCK_FMTS = (Q40_FMT, Q41_FMT, Q80_FMT, Q50_FMT, Q51_FMT)  # fp16 scales; rows split into codes, then scales
+FORMATS = {4: 24, 8: 36, Q40_FMT: 18, Q41_FMT: 20, Q80_FMT: 34, Q50_FMT: 22, Q51_FMT: 24}  # bytes per 32 weights
+CODE_BYTES = {Q40_FMT: 16, Q41_FMT: 16, Q80_FMT: 32, Q50_FMT: 20, Q51_FMT: 20}  # a block's codes (Q5: qs, qh)
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,20 @@ class PackedWeight:
         """rows() by torch (without the native library): the same floats, d * q being exact in both
         formats as packed here (fp16-sized d, 4-bit or 8-bit q), so d * q + m rounds once like fmaf."""
         n, nb = n1 - n0, self.shape[1] // BLOCK
-        if self.fmt in (Q40_FMT, Q41_FMT, Q80_FMT):  # a row: nb blocks' codes, nb fp16 d, (Q4_1) nb fp16 m
+        if self.fmt in GGUF_BLOCK_FMTS:  # a row: nb blocks' codes, nb fp16 d, (Q4_1, Q5_1) nb fp16 m
             row = self.data[n0:n1]
-            cb = BLOCK if self.fmt == Q80_FMT else BLOCK // 2
+            cb = CODE_BYTES[self.fmt]
             half = lambda i: row[:, nb * cb + 2 * nb * i : nb * cb + 2 * nb * (i + 1)].contiguous().view(  # noqa: E731
                 torch.float16).to(torch.float32)[..., None]  # [n, nb, 1]
             d, q = half(0), row[:, : nb * cb].reshape(n, nb, cb)
             if self.fmt == Q80_FMT:
                 return q.view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
-            m = half(1) if self.fmt == Q41_FMT else d * -8.0
+            m = half(1) if self.fmt in (Q41_FMT, Q51_FMT) else d * (-8.0 if self.fmt == Q40_FMT else -16.0)
+            if self.fmt in (Q50_FMT, Q51_FMT):  # the fifth bits: qh, bit j of weight j
+                qh = q[..., 16:20].contiguous().view(torch.int32)  # [n, nb, 1]
+                bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [n, nb, 32]
+                low = torch.cat((q[..., :16] & 15, q[..., :16] >> 4), dim=-1).to(torch.int32)
+                return (low | (bits << 4)).to(torch.float32).mul_(d).add_(m).view(n, -1)
         else:  # affine4 / scaled8 records: fp32 d (and m), then the codes
             rec = self.data[n0:n1].view(n, nb, FORMATS[self.fmt])
             d = rec[..., 0:4].contiguous().view(torch.float32)  # [n, nb, 1]
@@ -103,7 +110,8 @@ class PackedWeight:
 
 
 Q6K_FMT, Q4K_FMT, Q5K_FMT = 6, 7, 5  # the native kernels' format numbers of GGUF superblocks (linear_kernels.c)
-FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q40_FMT: "q4_0", Q41_FMT: "q4_1", Q80_FMT: "q8_0", Q6K_FMT: "q6_k",
+FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q40_FMT: "q4_0", Q41_FMT: "q4_1", Q80_FMT: "q8_0", Q50_FMT: "q5_0",
+                Q51_FMT: "q5_1", Q6K_FMT: "q6_k",
                 Q4K_FMT: "q4_k", Q5K_FMT: "q5_k"}
 SUPERBLOCK_BYTES = {Q6K_FMT: 210, Q4K_FMT: 144, Q5K_FMT: 176}  # bytes per 256 weights (linear_kernels.c)
 PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
@@ -133,44 +141,6 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     if threads not in _pools:
         _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="specache-unpack")
     return _pools[threads]
-
-
-@dataclass(frozen=True)
-class BlockWeight:
-    """A weight [N, K] held as integer codes with one fp32 scale (and min) per block, in a format the
-    native kernels do not have yet (5-bit GGUF blocks); rebuilt by torch, a tile of rows at
-    a time, bit for bit: w = d * q (+ m), where d * q is exact for every GGUF format held this way.
-
-    affine8: q uint8 [N, K], d and m fp32 [N, K / 32] (Q5_1, Q5_K: 5-bit codes, w = d * q + m);
-    (scaled8x16: q int8 [N, K], d fp32 [N, K / 16], w = d * q: Q6_K re-expressed, not used: Q6KWeight
-    keeps Q6_K's own 6.6 bits a weight instead of 10.)"""
-
-    kind: str
-    q: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
-
-    def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        return None  # no native kernel: the caller computes a tile of rows at a time
-
-    def rows(self, n0: int, n1: int) -> torch.Tensor:
-        n, block = n1 - n0, self.q.shape[1] // self.d.shape[1]
-        q = self.q[n0:n1].view(n, -1, block).to(torch.float32)
-        w = q.mul_(self.d[n0:n1, :, None])
-        if self.m is not None:
-            w.add_(self.m[n0:n1, :, None])
-        return w.view(n, -1)
-
-    def unpack(self) -> torch.Tensor:
-        return self.rows(0, self.shape[0])
 
 
 @dataclass(frozen=True)
@@ -266,7 +236,7 @@ class KQuantWeight(PackedWeight):
         return q.view(n, -1, 32), (d * sc.to(torch.float32)).view(n, -1), (dmin * mn.to(torch.float32)).view(n, -1)
 
 
-HeldWeight = PackedWeight | BlockWeight | DenseWeight  # what a weightless SkinnyLinear computes with (Q6KWeight, KQuantWeight: PackedWeights)
+HeldWeight = PackedWeight | DenseWeight  # what a weightless SkinnyLinear computes with (Q6KWeight, KQuantWeight: PackedWeights)
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:

@@ -53,7 +53,9 @@ EXPORT const char *specache_native_isa(void) { return SIMD_ISA; }
  *   Q4_0 (fmt 2): row = nb x 16 code bytes as affine4's, nb x fp16 d; w[j] = fma(d, q[j], -8 d) = d (q[j] - 8)
  *   Q4_1 (fmt 3): row = nb x 16 code bytes, nb x fp16 d, nb x fp16 m; w[j] = fma(d, q[j], m)
  *   Q8_0 (fmt 9): row = nb x 32 int8 codes, nb x fp16 d; w[j] = d * q[j]
- * (18, 20 and 34 bytes a block, as in the file; d * q is exact for an fp16 d and a 4- or 8-bit q, so each
+ *   Q5_0 (fmt 10), Q5_1 (fmt 11): row = nb x (16 bytes of low nibbles as Q4's + 4 bytes qh, the fifth bits),
+ *                 nb x fp16 d, (Q5_1) nb x fp16 m; w[j] = fma(d, q[j], m), Q5_0's m = -16 d
+ * (18, 20, 34, 22 and 24 bytes a block, as in the file; d * q is exact for an fp16 d and a 4- or 8-bit q, so each
  * weight is the gguf package's float.) */
 #define QB 32
 #define NV (QB / VW) /* vectors per block */
@@ -62,13 +64,18 @@ EXPORT const char *specache_native_isa(void) { return SIMD_ISA; }
 #define Q40_FMT 2
 #define Q41_FMT 3
 #define Q80_FMT 9
+#define Q50_FMT 10
+#define Q51_FMT 11
+#define Q5_FMT(f) ((f) == Q50_FMT || (f) == Q51_FMT)
 /* bytes of one 32-weight block record (fmt 0: 32 fp32 weights) */
-#define BLOCK_BYTES(f) ((f) == 0 ? QB * 4 : (f) == 4 ? A4_BYTES : (f) == 8 ? S8_BYTES : (f) == Q40_FMT ? 18 : (f) == Q41_FMT ? 20 : 34)
-#define BLOCK_FMT(f) ((f) == 4 || (f) == 8 || (f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT)
+#define BLOCK_BYTES(f) ((f) == 0 ? QB * 4 : (f) == 4 ? A4_BYTES : (f) == 8 ? S8_BYTES : (f) == Q40_FMT ? 18 \
+                        : (f) == Q41_FMT ? 20 : (f) == Q50_FMT ? 22 : (f) == Q51_FMT ? 24 : 34)
+#define BLOCK_FMT(f) ((f) == 4 || (f) == 8 || (f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT || Q5_FMT(f))
 #define CODES8(f) ((f) == 8 || (f) == Q80_FMT) /* 32 int8 codes, w = d * q; the others: 4-bit, w = fma(d, q, m) */
-#define GGUF_BLOCK_FMT(f) ((f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT) /* fp16 scales */
+#define GGUF_BLOCK_FMT(f) ((f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT || Q5_FMT(f)) /* fp16 scales */
 #define SCALE_CHUNK 64 /* GGUF blocks whose scales are converted at a time */
-#define CODE_BYTES(f) ((f) == Q80_FMT ? QB : QB / 2) /* a GGUF block's codes */
+#define CODE_BYTES(f) ((f) == Q80_FMT ? QB : Q5_FMT(f) ? QB / 2 + 4 : QB / 2) /* a GGUF block's codes (Q5: qs, qh) */
+#define HAS_MIN(f) ((f) == Q41_FMT || (f) == Q51_FMT) /* a stored fp16 m; Q4_0 / Q5_0: m = -8 d / -16 d */
 
 typedef struct { float d, m; uint8_t q[QB / 2]; } affine4_block;
 typedef struct { float d; int8_t q[QB]; } scaled8_block;
@@ -104,10 +111,10 @@ INLINE void halves_to_floats(const uint8_t *h, int n, float *out) {
 INLINE void gguf_block_scales(const uint8_t *row, const int fmt, int64_t nb, int64_t b, int n, float *d, float *m) {
     const uint8_t *dh = row + nb * CODE_BYTES(fmt);
     halves_to_floats(dh + 2 * b, n, d);
-    if (fmt == Q41_FMT)
+    if (HAS_MIN(fmt))
         halves_to_floats(dh + 2 * nb + 2 * b, n, m);
-    else if (fmt == Q40_FMT)
-        for (int i = 0; i < n; i++) m[i] = -8.0f * d[i]; /* exact */
+    else if (fmt == Q40_FMT || fmt == Q50_FMT)
+        for (int i = 0; i < n; i++) m[i] = (fmt == Q40_FMT ? -8.0f : -16.0f) * d[i]; /* exact */
 }
 
 /* The 32 weights of the block record at p as NV vectors (fmt a compile-time constant after
@@ -341,6 +348,32 @@ INLINE void accumulate(const vf w[NV], const float *x, int64_t x_s, int64_t k, c
         }
 }
 
+/* The 32 5-bit codes of a Q5_0 / Q5_1 block (split layout: qs[16] low nibbles as Q4's, then qh, 32 high
+ * bits, bit j the fifth bit of weight j) as int8, then its weights fma(d, q, m) (Q5_0: m = -16 d, so
+ * d (q - 16), exact): the gguf package's floats. */
+INLINE void q5_block_weights(const uint8_t *q, float d, float m, vf w[NV]) {
+    int8_t codes[QB];
+    uint32_t qh;
+    memcpy(&qh, q + QB / 2, 4);
+#if defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(15);
+    const __m256i lo4 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+    /* byte j of 32 gets bit j of qh: qh's byte j / 8 spread to 8 bytes, tested against 1 << (j % 8) */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                                2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+    _mm256_storeu_si256((__m256i *)codes, _mm256_or_si256(lo4, high));
+#else
+    for (int j = 0; j < QB / 2; j++) {
+        codes[j] = (int8_t)((q[j] & 15) | ((qh >> j) & 1) << 4);
+        codes[j + QB / 2] = (int8_t)((q[j] >> 4) | ((qh >> (j + QB / 2)) & 1) << 4);
+    }
+#endif
+    kq_chunk_weights(codes, 5, d, m, w); /* Q5_K's 32-entry table on AVX-512, fmaf elsewhere */
+}
+
 /* Output columns [n0, n1) of y[R, N] for R activation rows (R and fmt compile-time constants
  * after inlining; fmt 0: W is fp32 [N, K], 4 / 8 packed records, 6 / 7 / 5 Q6_K / Q4_K / Q5_K superblocks). One weight row at a time, in
  * memory order: a single sequential stream, which the hardware prefetcher follows at full
@@ -373,7 +406,10 @@ INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fm
                     const uint8_t *p = row + (b0 + j) * rec;
                     simd_prefetch(p + PREFETCH / 2);
                     vf w[NV];
-                    block_weights(p, fmt, w, dc + j, mc + j);
+                    if (Q5_FMT(fmt))
+                        q5_block_weights(p, dc[j], mc[j], w);
+                    else
+                        block_weights(p, fmt, w, dc + j, mc + j);
                     accumulate(w, x, x_s, (b0 + j) * QB, R, acc, acc2);
                 }
             }
@@ -484,9 +520,11 @@ static void unpack_block(const uint8_t *row, int64_t nb, int64_t b, int fmt, flo
         } else {
             block_header(row + b * BLOCK_BYTES(fmt), fmt, &d, &m, &q);
         }
+        uint32_t qh = 0; /* Q5: the fifth bits */
+        if (Q5_FMT(fmt)) memcpy(&qh, q + QB / 2, 4);
         for (int j = 0; j < QB / 2 && !CODES8(fmt); j++) {
-            w[j] = fmaf(d, (float)(q[j] & 15), m);
-            w[j + QB / 2] = fmaf(d, (float)(q[j] >> 4), m);
+            w[j] = fmaf(d, (float)((q[j] & 15) | ((qh >> j) & 1) << 4), m);
+            w[j + QB / 2] = fmaf(d, (float)((q[j] >> 4) | ((qh >> (j + QB / 2)) & 1) << 4), m);
         }
         for (int j = 0; j < QB && CODES8(fmt); j++) w[j] = d * (float)(int8_t)q[j];
     }
@@ -505,7 +543,9 @@ static void linear_columns_of(const float *x, int64_t x_s, int64_t R, const void
     case r * 16 + 7: linear_rows(x, x_s, W, 7, K, bias, y, y_s, n0, n1, r); break; \
     case r * 16 + 2: linear_rows(x, x_s, W, 2, K, bias, y, y_s, n0, n1, r); break; \
     case r * 16 + 3: linear_rows(x, x_s, W, 3, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 9: linear_rows(x, x_s, W, 9, K, bias, y, y_s, n0, n1, r); break;
+    case r * 16 + 9: linear_rows(x, x_s, W, 9, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 10: linear_rows(x, x_s, W, 10, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 11: linear_rows(x, x_s, W, 11, K, bias, y, y_s, n0, n1, r); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     default: break;
@@ -559,7 +599,7 @@ EXPORT int specache_skinny_linear(const float *x, int64_t x_s, int64_t R, const 
     return 0;
 }
 
-/* Whether fmt is a block format and K a row length it takes: 2, 3, 4, 8, 9 (K % 32 == 0), 5, 6, 7 (K % 256 == 0). */
+/* Whether fmt is a block format and K a row length it takes: 2, 3, 4, 8, 9, 10, 11 (K % 32 == 0), 5, 6, 7 (K % 256 == 0). */
 static int valid_blocks(int64_t fmt, int64_t K) {
     return SUPERBLOCK_FMT(fmt) ? K >= Q6K_WEIGHTS && K % Q6K_WEIGHTS == 0 : BLOCK_FMT(fmt) && K >= QB && K % QB == 0;
 }
