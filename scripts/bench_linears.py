@@ -75,15 +75,11 @@ def former_records(kind: str, held: PackedWeight) -> PackedWeight:
     if kind == "Q4_K":
         q, scale, minus = held.chunks(0, n)  # [n, nb, 32], [n, nb], [n, nb]
         d, m = scale, -minus
-    else:  # the held row: nb blocks' codes, nb fp16 d, (Q4_1) nb fp16 m
-        nb, cb = held.shape[1] // 32, 32 if kind == "Q8_0" else 16
-        half = lambda i: held.data[:, nb * cb + 2 * nb * i : nb * cb + 2 * nb * (i + 1)].contiguous().view(  # noqa: E731
-            torch.float16).to(torch.float32)  # [n, nb]
-        d, codes = half(0), held.data[:, : nb * cb].reshape(n, nb, cb)
+    else:  # the file's own blocks: their codes and scales
+        codes, d, m = held.gguf_parts(0, n)
         if kind == "Q8_0":
             out = torch.cat([d[..., None].view(torch.uint8), codes], dim=-1)
             return PackedWeight(8, out.reshape(n, -1).contiguous(), held.shape)
-        m = -8.0 * d if kind == "Q4_0" else half(1)
         return PackedWeight(4, torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8), codes],
                                          dim=-1).reshape(n, -1).contiguous(), held.shape)
     nib = q[..., :16] | (q[..., 16:] << 4)

@@ -59,9 +59,8 @@ from engine.kvcache.base import Step, grouped_query
 from engine.kvcache.fused import FusedDecode
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
 from engine.model.gguf_files import split_block_rows
-from engine.model.linears import (FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT,
-                                  SUPERBLOCK_BYTES,
-                                  KQuantWeight, PackedWeight, Q6KWeight)
+from engine.model.linears import (FORMATS, MIN_FMTS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT, Q5K_FMT, Q6K_FMT,
+                                  Q80_FMT, SUPERBLOCK_BYTES, KQuantWeight, PackedWeight, Q6KWeight)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "kernels"
@@ -239,7 +238,7 @@ def _random_block_case(name: str, fmt: int, held, n: int, k: int, per: int, size
     raw[0, 0:2] = torch.tensor([0x05, 0x80], dtype=torch.uint8)  # d = -5 * 2^-24
     raw[1, zeroed:zeroed + 2] = 0
     raw = raw.reshape(n, -1)
-    if held is PackedWeight:  # Q4_0 / Q4_1 / Q8_0: each row's codes, then its scales (linear_kernels.c)
+    if held is PackedWeight:  # Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1: each row's codes, then its scales (linear_kernels.c)
         raw = torch.from_numpy(split_block_rows(raw.numpy(), fmt, n))
     w = held(fmt, raw, (n, k)).torch_rows(0, n)
     c = Case(f"packed:{name}")
@@ -288,7 +287,7 @@ def linear_cases() -> list[Case]:
     # under 1 MB)
     for fmt, name in ((Q40_FMT, "q4_0"), (Q41_FMT, "q4_1"), (Q80_FMT, "q8_0"), (Q50_FMT, "q5_0"), (Q51_FMT, "q5_1")):
         cases.append(_random_block_case(name, fmt, PackedWeight, 32, 64, 32, FORMATS[fmt],
-                                        (0, 2) if fmt in (Q41_FMT, Q51_FMT) else (0,), 0))
+                                        (0, 2) if fmt in MIN_FMTS else (0,), 0))
     return cases
 
 

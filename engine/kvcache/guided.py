@@ -231,8 +231,7 @@ class GuidedLayer(CacheLayer):
             rk, rv = self.residual_kv(step.rows, recent + t)
             out = None
             if step.compute == torch.bfloat16 and qend == k_past.shape[2]:  # the pieces tile [0, start + t)
-                out = native_prefill_attention(q, [(k_past, v_past), (rk[:, :, : recent + t], rv[:, :, : recent + t])],
-                                               scaling, start)
+                out = native_prefill_attention(q, [(k_past, v_past), (rk, rv)], scaling, start)
             if out is None:
                 if self.store is not None:  # it holds every committed position, the residual ones too: the past
                     # as one piece [0, start), as the full cache has it, so the same floats (a third merged part

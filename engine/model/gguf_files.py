@@ -38,8 +38,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
-from engine.model.linears import (FORMATS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT,
-                                  DenseWeight, KQuantWeight, PackedWeight, Q6KWeight)
+from engine.model.linears import (FORMATS, MIN_FMTS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT, Q5K_FMT, Q6K_FMT,
+                                  Q80_FMT, DenseWeight, KQuantWeight, PackedWeight, Q6KWeight)
 from engine.model.sources import GGUF_POINTER
 from engine.paths import cache_root
 
@@ -268,7 +268,7 @@ def split_block_rows(raw: np.ndarray, fmt: int, n: int) -> np.ndarray:
     (Q5: the 16 bytes of low nibbles, then the 4 bytes of fifth bits), then their fp16 d, then (Q4_1, Q5_1) their
     fp16 m: linear_kernels.c's layout of fmt 2, 3, 9, 10, 11 (uint8 [n, row bytes])."""
     rec = np.ascontiguousarray(raw).reshape(n, -1, FORMATS[fmt])  # [n, nb, block bytes]
-    head = 4 if fmt in (Q41_FMT, Q51_FMT) else 2  # d (and m)
+    head = 4 if fmt in MIN_FMTS else 2  # d (and m)
     codes = rec[..., head:] if fmt not in (Q50_FMT, Q51_FMT) else \
         np.concatenate([rec[..., head + 4:], rec[..., head : head + 4]], axis=-1)  # qs, then qh
     parts = [codes, rec[..., 0:2]] + ([rec[..., 2:4]] if head == 4 else [])

@@ -33,14 +33,15 @@ Q40_FMT, Q41_FMT, Q80_FMT, Q50_FMT, Q51_FMT = 2, 3, 9, 10, 11  # a GGUF's own 32
 GGUF_BLOCK_FMTS = (Q40_FMT, Q41_FMT, Q80_FMT, Q50_FMT, Q51_FMT)  # fp16 scales; rows split into codes, then scales
 FORMATS = {4: 24, 8: 36, Q40_FMT: 18, Q41_FMT: 20, Q80_FMT: 34, Q50_FMT: 22, Q51_FMT: 24}  # bytes per 32 weights
 CODE_BYTES = {Q40_FMT: 16, Q41_FMT: 16, Q80_FMT: 32, Q50_FMT: 20, Q51_FMT: 20}  # a block's codes (Q5: qs, qh)
+MIN_FMTS = (Q41_FMT, Q51_FMT)  # a stored fp16 m; Q4_0 / Q5_0: m = -8 d / -16 d
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight [N, K] kept as blocks of 32 that rebuild it exactly (layout: linear_kernels.c)."""
 
-    fmt: int  # 4: affine4, w = fma(d, q, m), q in 0..15; 8: scaled8, w = d * q, q int8 (fp32 d, m); 2, 3, 9:
-    # GGUF Q4_0 (m = -8 d), Q4_1, Q8_0 blocks' bytes (fp16 d, m), each row's codes then its scales
+    fmt: int  # 4: affine4, w = fma(d, q, m), q in 0..15; 8: scaled8, w = d * q, q int8 (fp32 d, m); 2, 3, 9, 10, 11:
+    # GGUF Q4_0 (m = -8 d), Q4_1, Q8_0, Q5_0 (m = -16 d), Q5_1 blocks' bytes (fp16 d, m), each row's codes then scales
     data: torch.Tensor  # uint8 [N, K / 32 * FORMATS[fmt]]
     shape: tuple[int, int]
 
@@ -82,15 +83,11 @@ class PackedWeight:
         """rows() by torch (without the native library): the same floats, d * q being exact in both
         formats as packed here (fp16-sized d, 4-bit or 8-bit q), so d * q + m rounds once like fmaf."""
         n, nb = n1 - n0, self.shape[1] // BLOCK
-        if self.fmt in GGUF_BLOCK_FMTS:  # a row: nb blocks' codes, nb fp16 d, (Q4_1, Q5_1) nb fp16 m
-            row = self.data[n0:n1]
-            cb = CODE_BYTES[self.fmt]
-            half = lambda i: row[:, nb * cb + 2 * nb * i : nb * cb + 2 * nb * (i + 1)].contiguous().view(  # noqa: E731
-                torch.float16).to(torch.float32)[..., None]  # [n, nb, 1]
-            d, q = half(0), row[:, : nb * cb].reshape(n, nb, cb)
+        if self.fmt in GGUF_BLOCK_FMTS:
+            q, d, m = self.gguf_parts(n0, n1)
+            d, m = d[..., None], m[..., None] if m is not None else None  # [n, nb, 1]
             if self.fmt == Q80_FMT:
                 return q.view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
-            m = half(1) if self.fmt in (Q41_FMT, Q51_FMT) else d * (-8.0 if self.fmt == Q40_FMT else -16.0)
             if self.fmt in (Q50_FMT, Q51_FMT):  # the fifth bits: qh, bit j of weight j
                 qh = q[..., 16:20].contiguous().view(torch.int32)  # [n, nb, 1]
                 bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [n, nb, 32]
@@ -103,6 +100,19 @@ class PackedWeight:
                 return rec[..., 4:].view(torch.int8).to(torch.float32).mul_(d).view(n, -1)
             m, q = rec[..., 4:8].contiguous().view(torch.float32), rec[..., 8:]
         return torch.cat((q & 15, q >> 4), dim=-1).to(torch.float32).mul_(d).add_(m).view(n, -1)
+
+    def gguf_parts(self, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows [n0, n1) of a GGUF 32-weight block format (GGUF_BLOCK_FMTS; a row is its nb blocks' codes, their
+        fp16 d, then (MIN_FMTS) their fp16 m) -> codes uint8 [n, nb, CODE_BYTES], d and m fp32 [n, nb] (m: the
+        stored one, -8 d for Q4_0, -16 d for Q5_0, None for Q8_0)."""
+        n, nb, cb = n1 - n0, self.shape[1] // BLOCK, CODE_BYTES[self.fmt]
+        row = self.data[n0:n1]
+        half = lambda i: row[:, nb * cb + 2 * nb * i : nb * cb + 2 * nb * (i + 1)].contiguous().view(  # noqa: E731
+            torch.float16).to(torch.float32)  # [n, nb]
+        d = half(0)
+        m = half(1) if self.fmt in MIN_FMTS else None if self.fmt == Q80_FMT else \
+            d * (-8.0 if self.fmt == Q40_FMT else -16.0)
+        return row[:, : nb * cb].reshape(n, nb, cb), d, m
 
     def unpack(self) -> torch.Tensor:
         """The fp32 weight it stands for [N, K] (tests and checks)."""

@@ -24,7 +24,6 @@ from transformers.modeling_gguf_pytorch_utils import (
 from transformers.utils import logging as hf_logging
 
 from engine.errors import BadArgument, ModelLoadError
-from engine.native import release_freed_memory
 from engine.model.attention import ATTENTION_NAME
 from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
 from engine.model.gguf_files import (
@@ -41,6 +40,7 @@ from engine.model.gguf_files import (
 from engine.model.linears import HeldEmbedding, SkinnyLinear, cpu_has_native_bf16, use_skinny_linears
 from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
 from engine.model.support import attention_modules, check_supported
+from engine.native import release_freed_memory
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -107,7 +107,8 @@ INLINE void halves_to_floats(const uint8_t *h, int n, float *out) {
     }
 }
 
-/* d[i], m[i] (Q4_0: -8 d; Q8_0: d only) of blocks [b, b + n) of a GGUF block row of nb blocks (split layout). */
+/* d[i], m[i] (Q4_0: -8 d; Q5_0: -16 d; Q8_0: d only) of blocks [b, b + n) of a GGUF block row of nb blocks
+ * (split layout). */
 INLINE void gguf_block_scales(const uint8_t *row, const int fmt, int64_t nb, int64_t b, int n, float *d, float *m) {
     const uint8_t *dh = row + nb * CODE_BYTES(fmt);
     halves_to_floats(dh + 2 * b, n, d);
@@ -349,10 +350,8 @@ INLINE void accumulate(const vf w[NV], const float *x, int64_t x_s, int64_t k, c
 }
 
 /* The 32 5-bit codes of a Q5_0 / Q5_1 block (split layout: qs[16] low nibbles as Q4's, then qh, 32 high
- * bits, bit j the fifth bit of weight j) as int8, then its weights fma(d, q, m) (Q5_0: m = -16 d, so
- * d (q - 16), exact): the gguf package's floats. */
-INLINE void q5_block_weights(const uint8_t *q, float d, float m, vf w[NV]) {
-    int8_t codes[QB];
+ * bits, bit j the fifth bit of weight j) as int8. */
+INLINE void q5_codes(const uint8_t *q, int8_t codes[QB]) {
     uint32_t qh;
     memcpy(&qh, q + QB / 2, 4);
 #if defined(__AVX2__)
@@ -371,6 +370,12 @@ INLINE void q5_block_weights(const uint8_t *q, float d, float m, vf w[NV]) {
         codes[j + QB / 2] = (int8_t)((q[j] >> 4) | ((qh >> (j + QB / 2)) & 1) << 4);
     }
 #endif
+}
+
+/* A Q5_0 / Q5_1 block's weights fma(d, q, m) (Q5_0: m = -16 d, so d (q - 16), exact): the gguf package's floats. */
+INLINE void q5_block_weights(const uint8_t *q, float d, float m, vf w[NV]) {
+    int8_t codes[QB];
+    q5_codes(q, codes);
     kq_chunk_weights(codes, 5, d, m, w); /* Q5_K's 32-entry table on AVX-512, fmaf elsewhere */
 }
 
@@ -393,7 +398,7 @@ INLINE void linear_rows(const float *x, int64_t x_s, const void *W, const int fm
     const int64_t kv = fmt == 0 ? K / VW * VW : K; /* fp32: vectors past the last whole block, then scalars */
     int8_t codes[Q6K_WEIGHTS]; /* Q4_K / Q5_K / Q6_K: the current superblock, decoded */
     float scale[16], minus[8];
-    float dc[SCALE_CHUNK], mc[SCALE_CHUNK]; /* Q4_0 / Q4_1 / Q8_0: d and m of the row's current chunk of blocks */
+    float dc[SCALE_CHUNK], mc[SCALE_CHUNK]; /* GGUF 32-weight blocks: d and m of the row's current chunk of blocks */
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = (const uint8_t *)W + n * row_bytes;
         vf acc[MAX_ROWS], acc2[MAX_ROWS]; /* even and odd vectors of each row */
@@ -520,13 +525,18 @@ static void unpack_block(const uint8_t *row, int64_t nb, int64_t b, int fmt, flo
         } else {
             block_header(row + b * BLOCK_BYTES(fmt), fmt, &d, &m, &q);
         }
-        uint32_t qh = 0; /* Q5: the fifth bits */
-        if (Q5_FMT(fmt)) memcpy(&qh, q + QB / 2, 4);
-        for (int j = 0; j < QB / 2 && !CODES8(fmt); j++) {
-            w[j] = fmaf(d, (float)((q[j] & 15) | ((qh >> j) & 1) << 4), m);
-            w[j + QB / 2] = fmaf(d, (float)((q[j] >> 4) | ((qh >> (j + QB / 2)) & 1) << 4), m);
+        if (Q5_FMT(fmt)) {
+            int8_t codes[QB];
+            q5_codes(q, codes);
+            for (int j = 0; j < QB; j++) w[j] = fmaf(d, (float)codes[j], m);
+        } else if (CODES8(fmt)) {
+            for (int j = 0; j < QB; j++) w[j] = d * (float)(int8_t)q[j];
+        } else {
+            for (int j = 0; j < QB / 2; j++) {
+                w[j] = fmaf(d, (float)(q[j] & 15), m);
+                w[j + QB / 2] = fmaf(d, (float)(q[j] >> 4), m);
+            }
         }
-        for (int j = 0; j < QB && CODES8(fmt); j++) w[j] = d * (float)(int8_t)q[j];
     }
 }
 
@@ -604,8 +614,8 @@ static int valid_blocks(int64_t fmt, int64_t K) {
     return SUPERBLOCK_FMT(fmt) ? K >= Q6K_WEIGHTS && K % Q6K_WEIGHTS == 0 : BLOCK_FMT(fmt) && K >= QB && K % QB == 0;
 }
 
-/* specache_skinny_linear for a packed weight (fmt 4: affine4, 8: scaled8, P as the packers wrote it; 2, 3, 9:
- * the GGUF's Q4_0, Q4_1, Q8_0 blocks;
+/* specache_skinny_linear for a packed weight (fmt 4: affine4, 8: scaled8, P as the packers wrote it; 2, 3, 9,
+ * 10, 11: the GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 blocks, each row's codes then its scales;
  * 6, 7, 5: the GGUF's Q6_K, Q4_K, Q5_K superblocks, P [N, K / 256 * 210, 144 or 176] bytes). The result equals specache_skinny_linear's
  * on the weight the blocks rebuild (specache_unpack) bit for bit. */
 EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int64_t fmt, int64_t N,
