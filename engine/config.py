@@ -9,6 +9,8 @@ from engine.errors import BadArgument
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (a negative seed wraps around)
 GAMMA_MAX = 16  # exact: most draft tokens per verification
 PREFETCH = ("speculative", "current")
+GROUPS = (32, 64, 128)  # key quantization groups (tokens); values use min(group, head_dim) channels
+OUTLIERS_MAX = 16  # outlier key channels per KV head at most (engine/kvcache/outliers.py)
 ROTATIONS = ("none", "hadamard")  # engine/kvcache/rotation.py (which checks it is the same list)
 # per guide bits, from `specache bench fidelity` on the three shipped documents (README, Results): Hadamard
 # took 1 bit from 0.952 / 0.0168 (top-1 / KL) to 0.981 / 0.0018 and 2 bits at k 128 from 0.974 / 0.0034 to
@@ -49,14 +51,19 @@ class CacheConfig:
     # the guide's orthogonal transform (engine/kvcache/rotation.py): none or hadamard; None: the
     # default for the bits (DEFAULT_ROTATION, chosen from `bench fidelity`; guide_rotation reads it)
     rotation: str | None = None
+    # outlier key channels per KV head held at 4 bits beside the guide (engine/kvcache/outliers.py),
+    # taken out of the keys before the rotation and the 1/2-bit quantizer see them
+    outliers: int = 0
 
     def __post_init__(self) -> None:
         if self.prefetch not in PREFETCH:
             raise BadArgument(f"--prefetch must be one of {', '.join(PREFETCH)}, not {self.prefetch!r}")
         if self.bits not in (1, 2):
             raise BadArgument(f"--bits must be 1 or 2, not {self.bits}")
-        if self.group not in (32, 64):
-            raise BadArgument(f"--group must be 32 or 64, not {self.group}")
+        if self.group not in GROUPS:
+            raise BadArgument(f"--group must be one of {', '.join(map(str, GROUPS))}, not {self.group}")
+        if not 0 <= self.outliers <= OUTLIERS_MAX:
+            raise BadArgument(f"--outliers must be in 0..{OUTLIERS_MAX}, not {self.outliers}")
         if self.k < 0:
             raise BadArgument(f"--k must be >= 0, not {self.k}")
         if self.residual < 1:

@@ -40,7 +40,8 @@ class CacheOptions:
     cache: Annotated[str, typer.Option("--cache", help=f"KV cache mode: {describe()}.")] = "specache"
     bits: Annotated[Optional[int], typer.Option(help="Guide code width, 1 or 2 (default: the model profile's).")] = None
     group: Annotated[Optional[int], typer.Option(
-        help="Quantization group size, 32 or 64 (default: the model profile's).")] = None
+        help="Quantization group size: 32, 64 or 128 tokens of a key channel (values: min(group, head_dim) "
+        "channels of a token) (default: the model profile's).")] = None
     k: Annotated[Optional[int], typer.Option(
         "--k", help="Exact positions fetched per layer and KV head each step (default: the model profile's).")] = None
     residual: Annotated[Optional[int], typer.Option(help="Newest tokens kept exact on the device (default 64).")] = None
@@ -58,6 +59,10 @@ class CacheOptions:
     rotation: Annotated[Optional[str], typer.Option(
         "--rotation", help="Guide transform: none or hadamard (K, V and the queries rotated before the guide "
         "quantizes them; exact parts untouched). Default: the one `bench fidelity` chose for the bits.")] = None
+    outliers: Annotated[Optional[int], typer.Option(
+        "--outliers", help="Outlier key channels per KV head held at 4 bits beside the guide, 0..16 (taken "
+        "out of the keys before they are rotated and quantized). Default: the one `bench fidelity` chose for "
+        "the bits.")] = None
     gamma: Annotated[Optional[int], typer.Option(
         "--gamma", help="exact: draft tokens per verification, 1..16 (default: adapted to the measured acceptance).")] = None
     hit_rate: Annotated[bool, typer.Option(

@@ -143,7 +143,8 @@ def plan_cmd(
     gpu: str = typer.Option("auto", "--gpu", help=GPU_HELP),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
     bits: Optional[int] = typer.Option(None, help="Guide code width, 1 or 2 (default: the model profile's)."),
-    group: Optional[int] = typer.Option(None, help="Quantization group size g, 32 or 64 (default: the model's)."),
+    group: Optional[int] = typer.Option(None, help="Quantization group size g, 32, 64 or 128 (default: the model's)."),
+    outliers: int = typer.Option(0, help="Outlier key channels per KV head at 4 bits beside the guide, 0..16."),
     k: Optional[int] = typer.Option(None, "--k", help="Exact positions fetched per layer per KV head "
                                                       "(default: the model profile's)."),
     residual: int = typer.Option(64, help="Exact recent tokens R."),
@@ -162,10 +163,10 @@ def plan_cmd(
     context = profile.max_context if context is None else context
     check_settings(context, profile.default_bits if bits is None else bits,
                    profile.default_group if group is None else group, residual, sinks,
-                   profile.default_k if k is None else k, host_bytes, None, reference, prefill_chunk)
+                   profile.default_k if k is None else k, host_bytes, None, reference, prefill_chunk, outliers)
     hw = _hardware(gpu, measure)
     result = plan(hw, profile, context, bits, group, residual, sinks, k, host_bytes,
-                  reference=reference, prefill_chunk=prefill_chunk)
+                  reference=reference, prefill_chunk=prefill_chunk, outliers=outliers)
     for text in result.notes:
         note(text)
     if json_out:

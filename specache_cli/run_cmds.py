@@ -143,7 +143,7 @@ class Session:
         self.overrides = dict(bits=cache.bits, group=cache.group, k=cache.k, residual=cache.residual,
                               sinks=cache.sinks, chunk_size=cache.chunk_size, measure_hits=cache.hit_rate or None,
                               prefetch=cache.prefetch, gamma=cache.gamma, rotation=cache.rotation,
-                              correct=cache.correct)
+                              correct=cache.correct, outliers=cache.outliers)
         policy(cache.cache)  # validate now: a registered mode (engine.kvcache.registry) and its settings
         CacheConfig(mode=cache.cache).with_overrides(**self.overrides)
         self.model_opts, self.cache_opts, self.quiet = model, cache, quiet

@@ -18,22 +18,44 @@ TEST_DEVICE = os.environ.get("SPECACHE_TEST_DEVICE", "cpu")
 os.environ.setdefault("SPECACHE_NATIVE_CALIBRATE", "0")
 
 
-def kivi_guide_part(keys, values, qend: int, bits: int, group: int, value_group: int, sinks: int, r=None):
+def kivi_guide_part(keys, values, qend: int, bits: int, group: int, value_group: int, sinks: int, r=None,
+                    outliers: int = 0, chosen_from: int = 0):
     """The KIVI references' guide region: positions [0, qend) of keys / values [b, H_kv, L, D] as
     dequantize(quantize(.)) of K R and V R rotated back by R^T (R [D, D] or None), the first sinks exact.
+    With `outliers` channels: per KV head the channels of largest |k| over the first `chosen_from`
+    positions are min-max quantized at 4 bits per group of g tokens (fp16 scale and zero) and zeroed
+    before the keys are rotated and quantized (outlier_keys_reference), their reconstruction added after R^T.
     -> (keys, values) [b, H_kv, L, D] with the positions from qend on untouched."""
     from engine.kvcache import quant
 
     kr, vr = keys[:, :, :qend], values[:, :, :qend]
+    if outliers:
+        idx, k4 = outlier_keys_reference(kr, outliers, group, chosen_from)
+        kr = kr.scatter(-1, idx, 0.0)
     if r is not None:
         kr, vr = kr @ r, vr @ r
     kq = quant.dequantize_keys(quant.quantize_keys(kr, bits, group))
     vq = quant.dequantize_values(quant.quantize_values(vr, bits, value_group))
     if r is not None:
         kq, vq = kq @ r.T, vq @ r.T
+    if outliers:  # added: with R the rest's reconstruction is not exactly 0 in those channels
+        kq = kq.scatter_add(-1, idx, k4)
     s = min(sinks, qend)
     kq[:, :, :s], vq[:, :, :s] = keys[:, :, :s], values[:, :, :s]
     return torch.cat([kq, keys[:, :, qend:]], dim=2), torch.cat([vq, values[:, :, qend:]], dim=2)
+
+
+def outlier_keys_reference(k, count: int, group: int, chosen_from: int):
+    """k [b, H, n, D] -> (idx [b, H, n, count]: per head the `count` channels of largest |k| over the
+    first chosen_from positions, expanded over the positions; their 4-bit min-max reconstruction
+    [b, H, n, count], groups of `group` positions, scale (max - min) / 15 and zero min rounded to fp16)."""
+    b, h, n, _ = k.shape
+    idx = k[:, :, :chosen_from].abs().amax(2).topk(count, -1).indices[:, :, None, :].expand(-1, -1, n, -1)
+    x = k.gather(-1, idx).reshape(b, h, n // group, group, count)
+    lo, hi = x.amin(3, keepdim=True), x.amax(3, keepdim=True)
+    s, z = ((hi - lo) / 15).half().float(), lo.half().float()
+    codes = torch.round((x - z) / torch.where(s > 0, s, torch.ones_like(s))).clamp(0, 15)
+    return idx, (codes * s + z).reshape(b, h, n, count)
 
 
 def tiny_config(vocab: int = 320, max_pos: int = 2048, layers: int = 3) -> LlamaConfig:

@@ -248,6 +248,7 @@ def test_mode_labels():
     assert parse_mode("specache").config == CacheConfig(mode="specache")
     s = parse_mode("specache-1b-k128-g32-r32-s2")
     assert (s.config.bits, s.config.k, s.config.group, s.config.residual, s.config.sinks) == (1, 128, 32, 32, 2)
+    assert (parse_mode("specache-1b-g128-o4").config.group, parse_mode("specache-1b-g128-o4").config.outliers) == (128, 4)
     assert parse_mode("kivi-2b").config.k == 0 and parse_mode("window-w300").config.window == 300
     assert parse_mode("hf").config is None and parse_mode("specache").is_default_specache
     assert not parse_mode("specache-1b").is_default_specache

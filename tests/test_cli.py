@@ -69,6 +69,10 @@ def test_prefetch_defaults_to_current_on_the_cpu_and_can_be_speculative(cli):
     assert r.exit_code == 0, r.stderr
     cache = json.loads(r.stdout)["cache"]
     assert cache["correct"] is False and cache["rotation"] == "hadamard" and "prefetch_reuse" not in cache
+    r = cli(*args[:-4], "--bits", "1", "--group", "128", "--outliers", "4")
+    assert r.exit_code == 0, r.stderr
+    cache = json.loads(r.stdout)["cache"]
+    assert (cache["bits"], cache["group"], cache["outliers"]) == (1, 128, 4)
 
 
 def test_jsonl_one_line_per_document_and_stdin(cli):
@@ -116,6 +120,8 @@ def test_ask_several_questions(cli):
     (["summarize", str(DATA / "sample.txt"), "--strategy", "nope"], 2, "--strategy"),
     (["summarize", str(DATA / "sample.txt"), "--prefetch", "later"], 2, "--prefetch"),
     (["summarize", str(DATA / "sample.txt"), "--rotation", "fourier"], 2, "--rotation"),
+    (["summarize", str(DATA / "sample.txt"), "--outliers", "17"], 2, "--outliers"),
+    (["summarize", str(DATA / "sample.txt"), "--group", "96"], 2, "--group"),
     (["summarize", str(DATA / "sample.txt"), "--max-tokens", "0"], 2, "--max-tokens"),
     (["ask", "--doc", str(DATA / "sample.txt")], 2, "question"),
 ])

@@ -120,9 +120,10 @@ class KiviWindowReference:
     rotation R the guide part is dequantize(quantize(K R)) R^T (and V likewise): the same scores and
     output as rotating the queries in and the output back."""
 
-    def __init__(self, bits, group, residual, sinks, rotation="none"):
+    def __init__(self, bits, group, residual, sinks, rotation="none", outliers=0, chosen_from=0):
         self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
         self.rotation = rotation
+        self.outliers, self.chosen_from = outliers, chosen_from  # conftest.outlier_keys_reference
         self.k, self.v, self.length = {}, {}, 0
 
     def attention(self, module, q, k, v, mask, scaling=None, sliding_window=None, softcap=None, **kwargs):
@@ -134,7 +135,8 @@ class KiviWindowReference:
         qend = int(quant_boundary(torch.tensor(self.length), self.residual, self.group)) if t == 1 else 0
         if qend and sliding_window is None:
             keys, values = kivi_guide_part(keys, values, qend, self.bits, self.group, min(self.group, values.shape[-1]),
-                                           self.sinks, rotation_matrix(self.rotation, keys.shape[-1]))
+                                           self.sinks, rotation_matrix(self.rotation, keys.shape[-1]),
+                                           self.outliers, self.chosen_from)
         rep = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
         scores = (q @ keys.transpose(-1, -2)) * scaling
@@ -146,15 +148,19 @@ class KiviWindowReference:
         return out.transpose(1, 2), None
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen2-window", "llama"])
-def test_kivi_equals_the_kivi_reference(name):
+@pytest.mark.parametrize("name,bits,outliers", [("gemma2", 2, 0), ("gemma3", 2, 0), ("qwen2-window", 2, 0),
+                                               ("llama", 2, 0), ("gemma3", 1, 4)])
+def test_kivi_equals_the_kivi_reference(name, bits, outliers):
     model, ps, _ = case(name)
     p = ps[0]
     group, residual, sinks, steps = 32, 16, 4, 24
-    config = CacheConfig(mode="kivi", bits=2, group=group, residual=residual, sinks=sinks, chunk_size=64)
+    config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64,
+                         outliers=outliers)
     cache = make_cache(model.config, config, 1, 400, torch.float32, torch.device("cpu"))
     *_, logits = prefill(model, cache, p, 0, 64)
-    ref = KiviWindowReference(2, group, residual, sinks, config.guide_rotation)  # the default rotation
+    chosen_from = int(quant_boundary(torch.tensor(64), residual, group))  # the first chunk's quantized keys
+    ref = KiviWindowReference(bits, group, residual, sinks, config.guide_rotation,  # the default rotation
+                              outliers, chosen_from)
     AttentionInterface.register("kivi_window_reference", ref.attention)
     impl = model.config._attn_implementation
     crossed = 0

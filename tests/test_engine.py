@@ -58,12 +58,14 @@ def test_full_cache_equals_dynamic_cache(tiny_model, reference):
     assert res.tokens == refs
 
 
-@pytest.mark.parametrize("bits,group,chunk,rotation", [(2, 32, 64, "none"), (1, 64, 512, "none"), (2, 64, 16, "none"),
-                                                     (1, 32, 64, "hadamard")])
-def test_specache_with_k_at_least_context_equals_dynamic_cache(tiny_model, reference, bits, group, chunk, rotation):
+@pytest.mark.parametrize("bits,group,chunk,rotation,outliers", [(2, 32, 64, "none", 0), (1, 64, 512, "none", 0),
+                                                              (2, 64, 16, "none", 0), (1, 32, 64, "hadamard", 0),
+                                                              (1, 128, 64, "hadamard", 4)])
+def test_specache_with_k_at_least_context_equals_dynamic_cache(tiny_model, reference, bits, group, chunk, rotation,
+                                                               outliers):
     ps, refs = reference
     config = CacheConfig(mode="specache", k=4096, bits=bits, group=group, residual=16, sinks=4, chunk_size=chunk,
-                         rotation=rotation)
+                         rotation=rotation, outliers=outliers)
     assert run(tiny_model, ps[:1], config).tokens == refs[:1]
     assert run(tiny_model, ps, config).tokens == refs  # batch of different lengths
 
@@ -184,9 +186,11 @@ class KiviReference:
     """Plain KIVI: exact K/V kept per layer; at each decode step positions below the quantization
     boundary are replaced by dequantize(quantize(.)), sinks stay exact, then ordinary attention."""
 
-    def __init__(self, bits, group, residual, sinks, rotation=None):
+    def __init__(self, bits, group, residual, sinks, rotation=None, outliers=0, chosen_from=0):
         self.bits, self.group, self.residual, self.sinks = bits, group, residual, sinks
         self.rotation = rotation  # R [D, D]: KIVI of K R and V R, rotated back (engine/kvcache/rotation.py)
+        # outlier key channels (conftest.outlier_keys_reference), chosen from the first chosen_from positions
+        self.outliers, self.chosen_from = outliers, chosen_from
         self.k, self.v = {}, {}
         self.length = 0
 
@@ -202,24 +206,27 @@ class KiviReference:
         qend = int(quant_boundary(torch.tensor(self.length), self.residual, self.group)) if t == 1 else 0
         if qend:
             keys, values = kivi_guide_part(keys, values, qend, self.bits, self.group, self.group, self.sinks,
-                                           self.rotation)
+                                           self.rotation, self.outliers, self.chosen_from)
         rep = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=t > 1, scale=scaling)
         return out.transpose(1, 2), None
 
 
-@pytest.mark.parametrize("bits,sinks,rotation", [(2, 0, "none"), (1, 4, "none"), (1, 4, "hadamard"), (2, 0, "hadamard")])
-def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks, rotation):
+@pytest.mark.parametrize("bits,sinks,rotation,outliers", [(2, 0, "none", 0), (1, 4, "none", 0), (1, 4, "hadamard", 0),
+                                                   (2, 0, "hadamard", 0), (1, 4, "hadamard", 4), (2, 0, "none", 2)])
+def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks, rotation, outliers):
     (p,) = prompts_of((230,))
     group, residual, steps = 32, 16, 40
     config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64,
-                         rotation=rotation)
+                         rotation=rotation, outliers=outliers)
     cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
     *_, logits = prefill(tiny_model, cache, p, 0, 64)
 
     dev = tiny_model.device
-    ref = KiviReference(bits, group, residual, sinks, rotation_matrix(rotation, tiny_model.config.head_dim))
+    chosen_from = int(quant_boundary(torch.tensor(64), residual, group))  # the first prefill chunk's quantized keys
+    ref = KiviReference(bits, group, residual, sinks, rotation_matrix(rotation, tiny_model.config.head_dim),
+                        outliers, chosen_from)
     AttentionInterface.register("kivi_reference", ref.attention)
     impl = tiny_model.config._attn_implementation
     tiny_model.set_attn_implementation("kivi_reference")

@@ -418,7 +418,7 @@ def test_json_contract():
 @pytest.mark.parametrize("args, message", [
     (["--context", "0"], "--context must be >= 1"),
     (["--context", "1024", "--bits", "3"], "--bits must be 1 or 2"),
-    (["--context", "1024", "--group", "48"], "--group must be 32 or 64"),
+    (["--context", "1024", "--group", "48"], "--group must be one of 32, 64, 128"),
     (["--context", "1024", "--host-ram", "0"], "--host-ram must be > 0"),
     (["--context", "1024", "--reference", "vllm"], "--reference must be one of"),
     (["--context", "1024", "--gpu", "tpu-v9"], "unknown hardware profile"),
@@ -432,9 +432,10 @@ def test_bad_flags(args, message):
 
 # --- the planner and the engine share engine.kvcache.sizes ------------------------------------------
 
-@pytest.mark.parametrize("mode,bits,group,k,sinks", [("full", 2, 64, 0, 4), ("kivi", 1, 32, 0, 0),
-                                                    ("specache", 2, 64, 48, 4), ("specache", 1, 32, 16, 2)])
-def test_planner_bytes_per_sequence_equal_the_built_cache(mode, bits, group, k, sinks):
+@pytest.mark.parametrize("mode,bits,group,k,sinks,outliers", [("full", 2, 64, 0, 4, 0), ("kivi", 1, 32, 0, 0, 0),
+                                                             ("specache", 2, 64, 48, 4, 0), ("specache", 1, 32, 16, 2, 0),
+                                                             ("specache", 1, 128, 16, 4, 4), ("kivi", 2, 64, 0, 4, 3)])
+def test_planner_bytes_per_sequence_equal_the_built_cache(mode, bits, group, k, sinks, outliers):
     """The planner's device bytes per sequence are what a built cache of the same settings allocates
     (tiny GQA model, fp32, a context of whole 64-token blocks), part by part on the device; on a CPU,
     where the host store is device memory too, the planner's host_store part is the store's bytes."""
@@ -447,10 +448,11 @@ def test_planner_bytes_per_sequence_equal_the_built_cache(mode, bits, group, k, 
     config, context, chunk, residual = tiny_config(), 640, 128, 32
     hw = load_hardware("cpu")
     model = P.model_profile_from_config(config)
-    mp = P.plan(hw, model, context, bits, group, residual, sinks, k, prefill_chunk=chunk, element_bytes=4).mode(
-        "kivi" if mode == "kivi" else mode)
+    mp = P.plan(hw, model, context, bits, group, residual, sinks, k, prefill_chunk=chunk, element_bytes=4,
+                outliers=outliers).mode("kivi" if mode == "kivi" else mode)
     cache = make_cache(config, CacheConfig(mode=mode, bits=bits, group=group, k=k, residual=residual, sinks=sinks,
-                                           chunk_size=chunk), 2, context, torch.float32, torch.device("cpu"))
+                                           chunk_size=chunk, outliers=outliers), 2, context, torch.float32,
+                       torch.device("cpu"))
     parts = {n: b for n, b in mp.device_breakdown.items() if n not in ("decode_working_set", "prefill_activations")}
     host = parts.pop("host_store", 0)  # the resident state; the transient working sets are the model's
     assert sum(parts.values()) == cache.allocated_device_bytes()

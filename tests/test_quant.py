@@ -543,3 +543,39 @@ def test_a_rotation_spreads_an_outlier_channel_before_quantizing():
     assert rotation_matrix("none", 64) is None
     with pytest.raises(ValueError):
         rotation_matrix("givens", 64)
+
+
+def test_outlier_channels_are_kept_at_4_bits_beside_the_1_bit_guide():
+    """Keys whose channels 5 and 40 are 20x / +9 the others: the guide with 2 outlier channels chooses
+    them (per KV head, from its first keys), its scores are the main 1-bit guide's of the Hadamard-rotated
+    keys with those channels zeroed before the rotation, plus the 4-bit side guide's (the reference:
+    tests/conftest.kivi_guide_part / outlier_keys_reference), and they are closer to the exact scores
+    than the plain 1-bit guide's of the same keys. Its bytes are what engine.kvcache.sizes counts."""
+    from engine.kvcache.guide import Guide
+    from engine.kvcache.outliers import pack, unpack
+    from engine.kvcache.sizes import guide_bytes, guide_capacity
+    from tests.conftest import kivi_guide_part
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 3, 256, 64, generator=gen)
+    k[..., 5] *= 20
+    k[..., 40] += 9
+    v = torch.randn(1, 3, 256, 64, generator=gen)
+    q = torch.randn(1, 3, 6, 64, generator=gen)
+    side = Guide(1, 3, 300, 64, 1, 32, torch.device("cpu"), "hadamard", outliers=2)
+    plain = Guide(1, 3, 300, 64, 1, 32, torch.device("cpu"), "none")
+    for g in (side, plain):
+        g.add(0, 0, k[:, :, :96], v[:, :, :96])
+        g.add(0, 96, k[:, :, 96:], v[:, :, 96:])
+    assert side.outliers.idx[0].tolist() == [[5, 40]] * 3
+    ref_keys, _ = kivi_guide_part(k, v, 256, 1, 32, 32, 0, rotation_matrix("hadamard", 64), 2, 96)
+    exact = q @ k.transpose(-1, -2)
+    scores = side.scores(q, slice(0, 1), 256)
+    torch.testing.assert_close(scores, q @ ref_keys.transpose(-1, -2), rtol=1e-4, atol=1e-3)
+    assert (scores - exact).norm() < 0.5 * (plain.scores(q, slice(0, 1), 256) - exact).norm()
+    codes = torch.randint(0, 16, (4, 7), generator=gen, dtype=torch.uint8)
+    assert torch.equal(unpack(pack(codes), 7), codes)
+    allocated = sum(t.numel() * t.element_size() for t in side.tensors())
+    layer = type("Shape", (), {"layers": 1, "kv_heads": 3, "head_dim": 64})
+    assert allocated == guide_bytes(layer, guide_capacity(300, 32), 1, 32, outliers=2)
+    assert side.bytes(256) - plain.bytes(256) == 3 * (256 * (1 + 2 * 4 / 32) + 2 * 8)

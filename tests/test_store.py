@@ -302,8 +302,8 @@ def test_export_import_reproduces_the_row_state(tiny_model):
     from engine.generate.steps import prefill
 
     doc = prompt_ids(203, 9)
-    for mode in ("full", "specache", "window"):
-        config = CacheConfig(mode=mode, k=8, group=32, residual=16, chunk_size=64, window=50)
+    for mode, outliers in (("full", 0), ("specache", 0), ("window", 0), ("specache", 4)):
+        config = CacheConfig(mode=mode, k=8, group=32, residual=16, chunk_size=64, window=50, outliers=outliers)
         a = make_cache(tiny_model.config, config, 2, 300, torch.float32, torch.device("cpu"))
         list(prefill(tiny_model, a, doc, 1, 64))
         b = make_cache(tiny_model.config, config, 3, 260, torch.float32, torch.device("cpu"))

@@ -5,7 +5,7 @@ Mode labels (``--modes``): ``<mode>[-<opt>...]`` with mode a registered cache po
 (engine/kvcache/registry.py: full, specache, kivi, window, exact) or ``hf`` (stock transformers
 ``generate`` with DynamicCache, speed and decode benches), options ``<n>b`` guide bits, ``k<n>`` fetched positions, ``g<n>`` group, ``r<n>`` residual
 window, ``s<n>`` sinks, ``w<n>`` window tokens, ``c<n>`` prefill chunk, ``current`` /
-``gamma<n>`` (exact mode's draft tokens per verification; default adaptive), ``speculative`` (prefetch: each pass picks its own fetched set and feeds one token, or the
+``o<n>`` outlier key channels (engine/kvcache/outliers.py), ``gamma<n>`` (exact mode's draft tokens per verification; default adaptive), ``speculative`` (prefetch: each pass picks its own fetched set and feeds one token, or the
 design's two-token speculative steps), ``both`` / ``spec`` (the fetch set is selected with the
 output token's attention as well as the speculative token's, or with the speculative token's
 alone), ``resync`` / ``noresync`` (re-sync a missed speculation by prompt lookup, or keep the
@@ -47,8 +47,9 @@ SCHEMA_VERSION = 1
 HF_MODE = "hf"
 EXAMPLES = Path(str(files("specache_examples")))  # examples/ of the checkout, or its installed copy
 
-_OPTION = re.compile(r"^(?:(?P<bits>\d+)b|(?P<key>[kgrswc])(?P<val>\d+))$")
-_OPTION_FIELDS = {"k": "k", "g": "group", "r": "residual", "s": "sinks", "w": "window", "c": "chunk_size"}
+_OPTION = re.compile(r"^(?:(?P<bits>\d+)b|(?P<key>[kgrswco])(?P<val>\d+))$")
+_OPTION_FIELDS = {"k": "k", "g": "group", "r": "residual", "s": "sinks", "w": "window", "c": "chunk_size",
+                  "o": "outliers"}
 _OPTION_LETTERS = {field: letter for letter, field in _OPTION_FIELDS.items()}
 ROTATION_OPTIONS = {"had": "hadamard", "norot": "none"}
 
@@ -108,7 +109,7 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
             continue
         m = _OPTION.match(opt.lower())
         if not m:
-            raise BadArgument(f"mode {label!r}: unknown option {opt!r} (use e.g. 1b, k256, g64, r64, s4, w512, c512)")
+            raise BadArgument(f"mode {label!r}: unknown option {opt!r} (use e.g. 1b, k256, g64, r64, s4, w512, c512, o4)")
         if m.group("bits"):
             fields["bits"] = int(m.group("bits"))
         else:

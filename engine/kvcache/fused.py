@@ -7,8 +7,9 @@ output back (DecodeArgs.rot), and in the corrected speculative mode (DecodeArgs.
 token picks its own set first, as prefetch "current" does, counting how much of it the prefetch held
 (DecodeArgs.reuse -> SpecacheLayer.count_reuse). Same semantics; results agree to float rounding (the top-k may order
 ties differently). The torch path stays the reference, and runs on CUDA, without the native
-library, for window mode, when the prefetch hit rate is measured, and for a softcapped layer
-(Gemma 2: the native call has no softcap; GuidedLayer.attend_decode decides).
+library, for window mode, when the prefetch hit rate is measured, for a softcapped layer (Gemma 2: the native
+call has no softcap; GuidedLayer.attend_decode decides) and for a guide with outlier key channels
+(engine/kvcache/outliers.py: its side guide's score term is not in the native call).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from engine.kvcache.base import Step
 
 def fused_applies(layer, q: torch.Tensor) -> bool:
     """True when the fused native call can run this layer's decode pass."""
-    return (layer.use_guide and q.device.type == "cpu" and q.dtype == torch.float32
+    return (layer.use_guide and layer.guide.outliers is None and q.device.type == "cpu" and q.dtype == torch.float32
             and layer.res_k.dtype == torch.float32 and not layer.config.measure_hits and native.lib() is not None)
 
 

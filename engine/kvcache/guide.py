@@ -1,6 +1,8 @@
 """The guide of one layer: every quantized position's K and V in 1 or 2 bits (engine.kvcache.quant),
 preallocated for the planned length, filled a group of g tokens at a time, optionally of K R and V R
-for an orthogonal R (engine.kvcache.rotation: queries rotated in, the value output rotated back)."""
+for an orthogonal R (engine.kvcache.rotation: queries rotated in, the value output rotated back),
+optionally with a few outlier key channels at 4 bits beside it (engine.kvcache.outliers: taken out of
+the keys before they are rotated and quantized, scored with the unrotated queries)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -9,6 +11,7 @@ import torch
 
 from engine.kvcache import quant
 from engine.kvcache.base import import_tensors
+from engine.kvcache.outliers import OutlierKeys
 from engine.kvcache.rotation import rotation_matrix
 from engine.kvcache.sizes import guide_bytes, guide_capacity
 
@@ -17,9 +20,12 @@ class Guide:
     """Quantized K [B, H_kv, L, D] (per-channel groups of g tokens) and V (per-token groups)."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, bits: int, group: int,
-                 device: torch.device, rotation: str = "none"):
+                 device: torch.device, rotation: str = "none", outliers: int = 0):
         cap = guide_capacity(max_len, group)
+        if not 0 <= outliers < head_dim:
+            raise ValueError(f"outliers must be in 0..{head_dim - 1} for head_dim {head_dim}, not {outliers}")
         self.rotation = rotation_matrix(rotation, head_dim, device)  # R fp32 [D, D], or None
+        self.outliers = OutlierKeys.empty(batch, kv_heads, cap, outliers, group, device) if outliers else None
         self.keys = quant.empty_keys(batch, kv_heads, cap, head_dim, bits, group, device)
         self.values = quant.empty_values(batch, kv_heads, cap, head_dim, bits, min(group, head_dim), device)
         self.bits, self.group = bits, group
@@ -32,6 +38,8 @@ class Guide:
         values = replace(self.values, codes=self.values.codes[row : row + 1],
                          scale=self.values.scale[row : row + 1], zero=self.values.zero[row : row + 1])
         k, v = k.to(keys.codes.device), v.to(values.codes.device)
+        if self.outliers is not None:  # their channels to the side guide, zero in the main one (before R)
+            k = self.outliers.split(row, start, k)
         if self.rotation is not None:  # [1, H_kv, n, D] @ R
             k, v = k.float() @ self.rotation, v.float() @ self.rotation
         quant.quantize_keys_into(keys, k, start)
@@ -42,13 +50,18 @@ class Guide:
         for q in (self.keys, self.values):
             for t in (q.codes, q.scale, q.zero):
                 t[dst] = t[src]
+        if self.outliers is not None:
+            self.outliers.copy_row(src, dst)
 
     def export_row(self, row: int, n: int) -> dict[str, torch.Tensor]:
         """Row `row`'s guide of its first n quantized tokens (n % g == 0), as views."""
         kg, vb = n // self.group, -(-n // quant.VALUE_BLOCK)
         k, v = self.keys, self.values
-        return {"k_codes": k.codes[row, :, :kg], "k_scale": k.scale[row, :, :kg], "k_zero": k.zero[row, :, :kg],
-                "v_codes": v.codes[row, :, :vb], "v_scale": v.scale[row, :, :n], "v_zero": v.zero[row, :, :n]}
+        out = {"k_codes": k.codes[row, :, :kg], "k_scale": k.scale[row, :, :kg], "k_zero": k.zero[row, :, :kg],
+               "v_codes": v.codes[row, :, :vb], "v_scale": v.scale[row, :, :n], "v_zero": v.zero[row, :, :n]}
+        if self.outliers is not None:
+            out.update(self.outliers.export_row(row, n))
+        return out
 
     def import_row(self, row: int, n: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
         """Make row `row`'s guide hold an export_row() of n tokens (check: only validate)."""
@@ -56,23 +69,31 @@ class Guide:
 
     def scores(self, q: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
         """q [b, H_kv, Q, D] against the first n quantized keys of rows -> [b, H_kv, Q, n] (unscaled)."""
-        if self.rotation is not None:
-            q = q.float() @ self.rotation  # (q R) . (k R) = q . k
-        return quant.guide_scores(q, _rows(self.keys, rows), n)
+        scores = quant.guide_scores(q.float() @ self.rotation if self.rotation is not None else q,
+                                    _rows(self.keys, rows), n)  # (q R) . (k R) = q . k
+        if self.outliers is not None and n:  # + q_O . k4_O, in the model's own coordinates
+            scores = scores + self.outliers.scores(q, rows, n)
+        return scores
 
     def weighted_values(self, p: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
         """p [b, H_kv, Q, n] times the first n quantized values of rows -> [b, H_kv, Q, D]."""
         out = quant.guide_weighted_values(p, _rows(self.values, rows), n)
         return out if self.rotation is None else out @ self.rotation.T  # (p @ V R) R^T
 
-    def bytes(self, tokens: int) -> int:
-        """Storage of `tokens` quantized tokens (K and V, codes + fp16 scale and zero) of this layer."""
-        return guide_bytes(self.shape, tokens, self.bits, self.group, layers=1)
+    def bytes(self, tokens: int, rows: int = 1) -> int:
+        """Storage of `tokens` quantized tokens of `rows` rows (K and V, codes + fp16 scale and zero; the
+        outlier side guide) of this layer."""
+        return guide_bytes(self.shape, tokens, self.bits, self.group, layers=1, outliers=self.outlier_count,
+                           rows=rows)
+
+    @property
+    def outlier_count(self) -> int:
+        return 0 if self.outliers is None else self.outliers.count
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer of the guide (for the allocated-bytes account)."""
         return [self.keys.codes, self.keys.scale, self.keys.zero, self.values.codes, self.values.scale,
-                self.values.zero]
+                self.values.zero] + (self.outliers.tensors() if self.outliers is not None else [])
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ class GuidedLayer(CacheLayer):
         self.sink_k = torch.zeros(batch, h, sink_slots(self.sinks), d, dtype=dtype, device=device)  # [B, H_kv, S, D]
         self.sink_v = torch.zeros_like(self.sink_k)
         self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
-        self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device, config.guide_rotation) if self.use_guide else None
+        self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device, config.guide_rotation,
+                           config.outliers) if self.use_guide else None
         self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
         # Where the store is the compute device's memory (the CPU), the residual window is the store's
         # positions [qend, qend + W) of each row: every new token's K/V is written there, and nothing is
@@ -332,7 +333,7 @@ class GuidedLayer(CacheLayer):
         exact = int((lengths - qend).sum()) + int(torch.minimum(qend, torch.tensor(self.sinks)).sum())
         total = exact * per_token
         if self.guide is not None:
-            total += self.guide.bytes(int(qend.sum()))
+            total += self.guide.bytes(int(qend.sum()), rows=int((qend > 0).sum()))
         if self.topk:  # the fetched set holds at most k exact positions of the guided region
             total += int((qend - self.sinks).clamp(min=0).clamp(max=self.topk).sum()) * per_token
         return total
@@ -350,15 +351,19 @@ class GuidedLayer(CacheLayer):
         return sum(t.numel() * t.element_size() for t in tensors) // self.sink_k.shape[0]
 
     def store_key(self) -> dict:
-        """A stored row depends on the window, the group, the sinks and the guide's width and rotation
-        (None: no guide; a guide without one keeps the key it had before rotations existed)."""
+        """A stored row depends on the window, the group, the sinks and the guide's width, rotation and
+        outlier channels (None: no guide; a guide without a rotation or outliers keeps the key it had
+        before those existed)."""
         key = {"residual": self.residual, "group": self.group, "sinks": self.sinks,
                "bits": self.config.bits if self.guide is not None else None}
         if self.guide is not None and self.guide.rotation is not None:
             key["rotation"] = self.config.guide_rotation
+        if self.guide is not None and self.guide.outliers is not None:
+            key["outliers"] = self.guide.outlier_count
         return key
 
     def run_stats(self, layers: list["GuidedLayer"]) -> dict:
         """Settings for --json."""
         return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,
-                "sinks": self.sinks, "rotation": self.config.guide_rotation if self.use_guide else None}
+                "sinks": self.sinks, "rotation": self.config.guide_rotation if self.use_guide else None,
+                "outliers": self.guide.outlier_count if self.use_guide else None}

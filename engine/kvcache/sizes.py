@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 FETCH_BUFFERS = 1  # exact fetched sets per layer on the device (the next set is written after this one was read)
+OUTLIER_BITS = 4  # code width of the guide's outlier key channels (engine/kvcache/outliers.py)
+OUTLIER_INDEX_BYTES = 8  # one int64 channel index per outlier channel, KV head, layer and row
 
 
 def kv_elements_per_token(shape) -> int:
@@ -33,14 +35,21 @@ def guide_bits_per_element(bits: int, group: int) -> float:
     return bits + 32 / group
 
 
-def guide_bytes(shape, tokens: int, bits: int, group: int, layers: int | None = None) -> int:
-    """Bytes of the quantized guide of `tokens` tokens over `layers` layers (default all): bit-packed
-    codes + fp16 scale and zero per group (keys in groups of g tokens, values in groups of
-    min(g, head_dim) channels; engine.kvcache.quant)."""
+def guide_bytes(shape, tokens: int, bits: int, group: int, layers: int | None = None, outliers: int = 0,
+                rows: int = 1) -> int:
+    """Bytes of the quantized guide of `tokens` tokens (over `rows` rows) and `layers` layers (default
+    all): bit-packed codes + fp16 scale and zero per group (keys in groups of g tokens, values in
+    groups of min(g, head_dim) channels; engine.kvcache.quant), and with `outliers` channels the
+    side guide of 4-bit codes + fp16 scale and zero per g tokens, and its channel indices per row
+    (engine.kvcache.outliers)."""
     layers = shape.layers if layers is None else layers
     key_bits = guide_bits_per_element(bits, group)
     value_bits = guide_bits_per_element(bits, min(group, shape.head_dim))
-    return math.ceil(tokens * layers * shape.kv_heads * shape.head_dim * (key_bits + value_bits) / 8)
+    total = tokens * layers * shape.kv_heads * shape.head_dim * (key_bits + value_bits) / 8
+    if outliers:
+        total += tokens * layers * shape.kv_heads * (-(-outliers // 2) + outliers * 4 / group)
+        total += rows * layers * shape.kv_heads * outliers * OUTLIER_INDEX_BYTES
+    return math.ceil(total)
 
 
 def quant_boundary(length: torch.Tensor, residual: int, group: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.config import CacheConfig
+from engine.config import GROUPS, OUTLIERS_MAX, CacheConfig
 from engine.errors import BadArgument, DoesNotFit
 from engine.kvcache.registry import POLICIES
 from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of this module's API)
@@ -259,6 +259,7 @@ class Plan:
     host_ram_bytes: int | None
     modes: tuple[ModePlan, ...]
     notes: tuple[str, ...]
+    outliers: int = 0  # outlier key channels per KV head beside the guide
 
     def mode(self, name: str) -> ModePlan:
         """The plan of one mode by name."""
@@ -291,7 +292,7 @@ class Plan:
             "settings": {
                 "bits": self.bits, "group": self.group, "residual": self.residual, "sinks": self.sinks,
                 "k": self.k, "reference": self.reference, "prefill_chunk": self.prefill_chunk,
-                "element_bytes": self.element_bytes,
+                "element_bytes": self.element_bytes, "outliers": self.outliers,
             },
             "budget": {
                 "device_memory_bytes": hw.device_memory_bytes,
@@ -350,7 +351,7 @@ class _Sizing:
 
 
 def _sizing(policy: type, hw: HardwareProfile, m: ModelProfile, context: int, bits: int, group: int, residual: int,
-            sinks: int, k: int, reference: str, chunk: int, eb: int) -> _Sizing:
+            sinks: int, k: int, reference: str, chunk: int, eb: int, outliers: int = 0) -> _Sizing:
     """How a policy's column occupies the device, from its flags (the module docstring)."""
     gm = global_part(m)  # the layers of the policy; the sliding-window layers keep only their window
     kvb = kv_bytes_per_token(gm, eb)
@@ -369,11 +370,11 @@ def _sizing(policy: type, hw: HardwareProfile, m: ModelProfile, context: int, bi
                        context * kvb + window_read, 1)
     tail = min(context, exact_tail_tokens(residual, group))
     if paper:  # the paper's figures: what is in use at `context` tokens
-        state = {"guide": guide_bytes(gm, context, bits, group), "residual_window": tail * kvb,
+        state = {"guide": guide_bytes(gm, context, bits, group, outliers=outliers), "residual_window": tail * kvb,
                  "sinks": min(sinks, context) * kvb}
     else:  # the engine's preallocated buffers (engine.kvcache: allocated_device_bytes() equals this); where
         # the exact store is device memory (a CPU) the residual window is the store's positions, no buffer
-        state = {"guide": guide_bytes(gm, guide_capacity(context, group), bits, group),
+        state = {"guide": guide_bytes(gm, guide_capacity(context, group), bits, group, outliers=outliers),
                  "residual_window": 0 if hw.unified_memory else residual_slots(residual, group, chunk) * kvb,
                  "sinks": sink_slots(sinks) * kvb}
     queries, read = 1, state["guide"] + (tail + min(sinks, context)) * kvb + window_read
@@ -475,14 +476,16 @@ def max_hidden_k(hw: HardwareProfile, m: ModelProfile, s: _Sizing, batch: int, k
 
 def check_settings(context: int, bits: int = 1, group: int = 64, residual: int = 64, sinks: int = 4, k: int = 0,
                    host_ram_bytes: int | None = None, batch_limit: int | None = None, reference: str = "engine",
-                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK, outliers: int = 0) -> None:
     """Raise BadArgument on a setting the planner cannot plan for."""
     if context < 1:
         raise BadArgument(f"--context must be >= 1 token, not {context}")
     if bits not in (1, 2):
         raise BadArgument(f"--bits must be 1 or 2, not {bits}")
-    if group not in (32, 64):
-        raise BadArgument(f"--group must be 32 or 64, not {group}")
+    if group not in GROUPS:
+        raise BadArgument(f"--group must be one of {', '.join(map(str, GROUPS))}, not {group}")
+    if not 0 <= outliers <= OUTLIERS_MAX:
+        raise BadArgument(f"--outliers must be in 0..{OUTLIERS_MAX}, not {outliers}")
     if residual < 1:
         raise BadArgument(f"--residual must be >= 1, not {residual}")
     if sinks < 0:
@@ -502,7 +505,7 @@ def check_settings(context: int, bits: int = 1, group: int = 64, residual: int =
 def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int | None = None,
          group: int | None = None, residual: int = 64, sinks: int = 4, k: int | None = None,
          host_ram_bytes: int | None = None, batch_limit: int | None = None, *, reference: str = "engine",
-         prefill_chunk: int = DEFAULT_PREFILL_CHUNK, element_bytes: int | None = None) -> Plan:
+         prefill_chunk: int = DEFAULT_PREFILL_CHUNK, element_bytes: int | None = None, outliers: int = 0) -> Plan:
     """Plan full cache, KIVI and SpeCache for `context` tokens per sequence.
 
     bits / group / k default to the model profile's defaults (k: its k for the prefetch the engine
@@ -518,7 +521,8 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     if k is None:  # the k of the prefetch the engine uses on this device
         k = model.k_for(device_prefetch(hardware.kind))
     host_ram_bytes = hardware.host_ram_bytes if host_ram_bytes is None else host_ram_bytes
-    check_settings(context, bits, group, residual, sinks, k, host_ram_bytes, batch_limit, reference, prefill_chunk)
+    check_settings(context, bits, group, residual, sinks, k, host_ram_bytes, batch_limit, reference, prefill_chunk,
+                   outliers)
     eb = element_bytes or hardware.element_bytes
     notes: list[str] = []
     if context > model.max_context:
@@ -534,7 +538,7 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     for policy in plan_columns().values():
         mode_k = k if policy.fetches else 0
         s = _sizing(policy, hardware, model, context, bits, group, residual, sinks, mode_k, reference,
-                    prefill_chunk, eb)
+                    prefill_chunk, eb, outliers)
         modes.append(_plan_mode(policy, hardware, model, s, available, context, mode_k, bits, group, eb,
                                 host_ram_bytes, batch_limit))
     full_tps = modes[0].tokens_per_second
@@ -547,7 +551,7 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
         notes.append("on a CPU specache runs with --prefetch current by default: the chosen rows are read in place "
                      "from the store, so the transfer row (the speculative prefetch's copy) does not apply")
     return Plan(hardware, model, context, bits, group, residual, sinks, k, reference, prefill_chunk, eb, budget,
-                host_ram_bytes, tuple(modes), tuple(notes))
+                host_ram_bytes, tuple(modes), tuple(notes), outliers)
 
 
 def _plan_mode(policy: type, hw: HardwareProfile, m: ModelProfile, s: _Sizing, available: int, context: int, k: int,
@@ -613,7 +617,7 @@ def plan_for_run(model_config: Any, context: int, mode: str = "specache", *, bit
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, batch_limit: int | None = None,
                  hardware: HardwareProfile | None = None, parameters: int | None = None,
                  weights_resident: bool = False, element_bytes: int | None = None,
-                 held_weight_bytes: int | None = None) -> ModePlan:
+                 held_weight_bytes: int | None = None, outliers: int = 0) -> ModePlan:
     """Pick the batch size and k for a run: `plan.max_batch`, `plan.k` of the returned ModePlan.
 
     model_config: a ModelProfile, a transformers PretrainedConfig or a config dict.
@@ -634,7 +638,7 @@ def plan_for_run(model_config: Any, context: int, mode: str = "specache", *, bit
         free = min(hw.device_memory_bytes, hw.free_memory_bytes + weight_bytes(model, eb))
         hw = replace(hw, free_memory_bytes=free)
     result = plan(hw, model, context, bits, group, residual, sinks, k, batch_limit=batch_limit,
-                  prefill_chunk=prefill_chunk, element_bytes=eb).mode(mode)
+                  prefill_chunk=prefill_chunk, element_bytes=eb, outliers=outliers).mode(mode)
     if not result.fits:
         raise DoesNotFit(f"{mode} cache: one sequence of {context} tokens needs "
                          f"{result.device_bytes_per_sequence / GIB:.2f} GiB on {hw.display_name} "

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from engine.config import GROUPS
 from engine.errors import BadArgument, ProfileError
 from engine.model.embedded import EMBEDDED_NAME
 from engine.model.gguf_files import ensure_converted, estimate_held_bytes, read_header
@@ -137,8 +138,8 @@ class ModelProfile:
         _check(self.default_k_current is None or self.default_k_current > 0, self.source, "default_k_current",
                f"must be > 0, not {self.default_k_current}")
         _check(self.default_bits in (1, 2), self.source, "default_bits", f"must be 1 or 2, not {self.default_bits}")
-        _check(self.default_group in (32, 64), self.source, "default_group",
-               f"must be 32 or 64, not {self.default_group}")
+        _check(self.default_group in GROUPS, self.source, "default_group",
+               f"must be one of {', '.join(map(str, GROUPS))}, not {self.default_group}")
         _check(0 <= self.sliding_window_layers <= self.layers, self.source, "sliding_window_layers",
                f"must be in 0..layers ({self.layers}), not {self.sliding_window_layers}")
         _check(self.sliding_window_layers == 0 or (self.sliding_window or 0) > 0, self.source, "sliding_window",
