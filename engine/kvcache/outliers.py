@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.kvcache.quant import _codes as quant_codes
+from engine.kvcache.quant import _params as quant_params
 from engine.kvcache.sizes import OUTLIER_BITS
-
-_LEVELS = (1 << OUTLIER_BITS) - 1
 
 
 def choose_channels(k: Tensor, count: int) -> Tensor:
@@ -39,11 +39,8 @@ def quantize(x: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
     Min-max at 4 bits; scale and zero rounded to fp16 before the codes are chosen (as quant.py)."""
     h, n, o = x.shape
     xg = x.float().reshape(h, n // group, group, o)
-    lo, hi = xg.amin(2), xg.amax(2)  # [H, J, O]
-    s16, z16 = ((hi - lo) / _LEVELS).to(torch.float16), lo.to(torch.float16)
-    s = s16.float()
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.round((xg - z16.float()[:, :, None]) / s[:, :, None]).clamp_(0, _LEVELS).to(torch.uint8)
+    s16, z16 = quant_params(xg.amin(2), xg.amax(2), OUTLIER_BITS)  # [H, J, O]
+    codes = quant_codes(xg, s16[:, :, None], z16[:, :, None], OUTLIER_BITS)
     return codes.reshape(h, n, o), s16, z16
 
 

@@ -154,10 +154,10 @@ def _slice_weights(rows: int, device: torch.device) -> Tensor:
 def _params(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     """Group min/max (fp32) -> (scale, zero) rounded to fp16."""
     rng = hi - lo
-    if bits == 2:
-        s, z = rng / 3, lo
-    else:
+    if bits == 1:
         s, z = rng / 2, lo + rng / 4  # z = (3 min + max) / 4
+    else:  # plain min-max (2 bits; 4 for the outlier channels, engine/kvcache/outliers.py)
+        s, z = rng / ((1 << bits) - 1), lo
     return s.to(torch.float16), z.to(torch.float16)
 
 
