@@ -139,7 +139,10 @@ import sys, time, torch
 from pathlib import Path
 import engine.docstore.store as S
 real = S.write
-S.write = lambda path, tensors, meta, on_piece=None: real(path, tensors, meta, on_piece=lambda: time.sleep(0.02))
+def piece():  # after the first piece: tell the test, then stay mid-write until the signal comes
+    Path(sys.argv[1], "writing").touch()
+    time.sleep(60)
+S.write = lambda path, tensors, meta, on_piece=None: real(path, tensors, meta, on_piece=piece)
 store = S.DocStore(Path(sys.argv[1]))
 ids = list(range(40))
 store.save(S.make_key({"model": "m"}, ids), ids, {"x": torch.randn(400, 16, 1024)[:, :, :512]})
@@ -155,7 +158,7 @@ def test_killed_writer_leaves_no_valid_looking_entry(tmp_path, sig):
     deadline = time.time() + 60
     while time.time() < deadline:
         parts = list(root.glob(".part-*")) if root.exists() else []
-        if parts and parts[0].stat().st_size > 100_000:
+        if (root / "writing").exists() and parts:
             break
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
@@ -165,6 +168,7 @@ def test_killed_writer_leaves_no_valid_looking_entry(tmp_path, sig):
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
     assert "finished" not in out
+    (root / "writing").unlink()
     store = DocStore(root)
     ids = list(range(40))
     key = make_key({"model": "m"}, ids)

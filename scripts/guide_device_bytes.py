@@ -1,0 +1,41 @@
+"""Device bytes of guided 1-bit settings against today's 1-bit k 512, at fixed lengths, by the formula of
+GuidedLayer.device_bytes (exact tail + sinks + fetched set + guide, engine.kvcache.sizes) on SmolLM2's
+shape, with 16-bit exact parts (as on a GPU) and 32-bit ones (what `bench fidelity` measures on a CPU).
+
+    python scripts/guide_device_bytes.py [--lengths 2232,6421,8058]
+"""
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import torch
+
+from engine.kvcache.sizes import guide_bytes, layer_kv_bytes_per_token, quant_boundary
+
+SHAPE = SimpleNamespace(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M
+SETTINGS = {"o4-k512": dict(k=512, outliers=4), "o4-k472": dict(k=472, outliers=4),
+            "o4-k440": dict(k=440, outliers=4), "o2-k476": dict(k=476, outliers=2),
+            "g128-k512": dict(k=512, group=128), "g128-o4-k512": dict(k=512, group=128, outliers=4)}
+
+
+def device_bytes(length: int, k: int, group: int = 64, outliers: int = 0, element_bytes: int = 2, bits: int = 1,
+                 residual: int = 64, sinks: int = 4) -> int:
+    qend = int(quant_boundary(torch.tensor(length), residual, group))
+    exact = (length - qend) + min(qend, sinks) + min(k, max(qend - sinks, 0))
+    return exact * layer_kv_bytes_per_token(SHAPE, element_bytes) * SHAPE.layers + \
+        guide_bytes(SHAPE, qend, bits, group, outliers=outliers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="2232,6421,8058")
+    for length in map(int, ap.parse_args().lengths.split(",")):
+        base = {eb: device_bytes(length, 512, element_bytes=eb) for eb in (2, 4)}
+        print(f"{length} tokens: " + " | ".join(
+            f"{name} fp16 {device_bytes(length, element_bytes=2, **kw) / base[2]:.3f} "
+            f"fp32 {device_bytes(length, element_bytes=4, **kw) / base[4]:.3f}" for name, kw in SETTINGS.items()))
+
+
+if __name__ == "__main__":
+    main()
