@@ -406,6 +406,9 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
                "vz": guide.values.zero}
     if guide.rotation is not None:  # R [D, D] (DecodeArgs.rot; absent: no rotation)
         buffers["rot"] = guide.rotation
+    if guide.outliers is not None:  # the outlier channels' side guide (DecodeArgs.O > 0)
+        side = guide.outliers
+        buffers.update({"oidx": side.idx, "oc": side.codes, "os": side.scale, "oz": side.zero})
     for field, tensor in buffers.items():
         assert tensor.is_contiguous()
         c[field] = tensor.clone()
@@ -450,7 +453,10 @@ def fused_cases() -> list[Case]:
                         slice(0, 2), 2, 1, seed=605),
             _fused_case("fused:current_hadamard", base,
                         dataclasses.replace(spec, prefetch="current", rotation="hadamard"), slice(0, 2), 1, None,
-                        seed=606)]
+                        seed=606),
+            _fused_case("fused:current_1bit_outliers", base,
+                        dataclasses.replace(spec, bits=1, prefetch="current", rotation="hadamard", outliers=3),
+                        slice(0, 2), 1, None, seed=607)]
 
 
 # -------------------------------------------------------------------------------- main

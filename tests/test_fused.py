@@ -101,14 +101,18 @@ CONFIGS = [CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, ch
            CacheConfig(mode="kivi", bits=1, group=32, residual=16, sinks=0, chunk_size=64, rotation="hadamard"),
            CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current",
                        rotation="hadamard"),
-           CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, correct=False)]
+           CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, correct=False),
+           CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current",
+                       rotation="hadamard", outliers=4),
+           CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=4, chunk_size=64, outliers=3)]
 
 
 @pytest.mark.kernels
 @needs_native
 @pytest.mark.parametrize("config", CONFIGS, ids=["specache-2b", "specache-1b", "kivi", "select-both", "current",
                                                  "specache-1b-hadamard", "kivi-1b-hadamard", "current-hadamard",
-                                                 "speculative-uncorrected"])
+                                                 "speculative-uncorrected", "current-1b-hadamard-outliers",
+                                                 "specache-1b-outliers"])
 def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     (prompt,) = prompts_of((300,))
     forced = prompts_of((40,), seed=9)[0]  # forced tokens cross quantization boundaries as they go

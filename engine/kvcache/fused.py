@@ -7,9 +7,9 @@ output back (DecodeArgs.rot), and in the corrected speculative mode (DecodeArgs.
 token picks its own set first, as prefetch "current" does, counting how much of it the prefetch held
 (DecodeArgs.reuse -> SpecacheLayer.count_reuse). Same semantics; results agree to float rounding (the top-k may order
 ties differently). The torch path stays the reference, and runs on CUDA, without the native
-library, for window mode, when the prefetch hit rate is measured, for a softcapped layer (Gemma 2: the native
-call has no softcap; GuidedLayer.attend_decode decides) and for a guide with outlier key channels
-(engine/kvcache/outliers.py: its side guide's score term is not in the native call).
+library, for window mode, when the prefetch hit rate is measured, and for a softcapped layer (Gemma 2: the native
+call has no softcap; GuidedLayer.attend_decode decides). A guide's outlier key channels
+(engine/kvcache/outliers.py) add their score term in the native call too (DecodeArgs.O).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from engine.kvcache.base import Step
 
 def fused_applies(layer, q: torch.Tensor) -> bool:
     """True when the fused native call can run this layer's decode pass."""
-    return (layer.use_guide and layer.guide.outliers is None and q.device.type == "cpu" and q.dtype == torch.float32
+    return (layer.use_guide and q.device.type == "cpu" and q.dtype == torch.float32
             and layer.res_k.dtype == torch.float32 and not layer.config.measure_hits and native.lib() is not None)
 
 
@@ -57,8 +57,14 @@ class FusedDecode:
         a.vs, a.vz = values.scale.data_ptr(), values.zero.data_ptr()
         a.vs_sb, a.vs_sh = values.scale.stride(0), values.scale.stride(1)
         a.rot = guide.rotation.data_ptr() if guide.rotation is not None else None  # the Guide keeps it alive
+        side = guide.outliers  # engine/kvcache/outliers.py: its score term, or O = 0
+        if side is not None:
+            a.O, a.oidx, a.oi_sb, a.oi_sh = side.count, side.idx.data_ptr(), side.idx.stride(0), side.idx.stride(1)
+            a.oc, a.oc_sb, a.oc_sh = side.codes.data_ptr(), side.codes.stride(0), side.codes.stride(1)
+            a.os, a.oz, a.os_sb, a.os_sh = side.scale.data_ptr(), side.zero.data_ptr(), side.scale.stride(0), \
+                side.scale.stride(1)
         for t in (layer.fidx, layer.fvalid, store.fk, store.fv, store.k, store.v, layer.sink_k, layer.res_k,
-                  keys.codes, keys.scale, values.codes, values.scale):
+                  keys.codes, keys.scale, values.codes, values.scale, *(side.tensors() if side is not None else ())):
             if not t.is_contiguous():
                 raise ValueError("fused decode needs contiguous cache buffers")
         if layer.fidx.dtype != torch.long or layer.fvalid.dtype != torch.bool:

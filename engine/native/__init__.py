@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
            Path(__file__).with_name("attention_kernels.c"))
 HEADERS = (Path(__file__).with_name("simd.h"),)
-ABI_VERSION = 8
+ABI_VERSION = 9
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_ARCH = "SPECACHE_NATIVE_ARCH"
@@ -74,7 +74,9 @@ class DecodeArgs(ctypes.Structure):
                    ("store_k", _P), ("store_v", _P), ("st_sb", _I64), ("st_sh", _I64),
                    ("kc", _P), ("kc_sb", _I64), ("kc_sh", _I64), ("ks", _P), ("kz", _P), ("ks_sb", _I64), ("ks_sh", _I64),
                    ("vc", _P), ("vc_sb", _I64), ("vc_sh", _I64), ("vs", _P), ("vz", _P), ("vs_sb", _I64), ("vs_sh", _I64),
-                   ("out", _P), ("rot", _P), ("correct", _I64), ("reuse", _P), ("res_at_qend", _I64)])
+                   ("out", _P), ("rot", _P), ("correct", _I64), ("reuse", _P), ("res_at_qend", _I64),
+                   ("O", _I64), ("oidx", _P), ("oi_sb", _I64), ("oi_sh", _I64), ("oc", _P), ("oc_sb", _I64),
+                   ("oc_sh", _I64), ("os", _P), ("oz", _P), ("os_sb", _I64), ("os_sh", _I64)])
 
 
 class PrefillArgs(ctypes.Structure):

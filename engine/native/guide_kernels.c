@@ -56,7 +56,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 8; }
+EXPORT int specache_guide_abi_version(void) { return 9; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -1123,6 +1123,14 @@ typedef struct {
     int64_t *reuse;   /* NULL, or [B, H, 2]: of the set token 0 picked, the positions the prefetch held, and all */
     int64_t res_at_qend; /* the residual window is the host store (res_k = store_k, same strides): a row's
                           * window starts at its position qend, not at slot 0 */
+    int64_t O; /* outlier key channels beside the guide (engine/kvcache/outliers.py), 0: none. Their term
+                * q_O . k4_O (unrotated queries) is added to the guide scores */
+    const int64_t *oidx; /* [rows, H, O] the channels */
+    int64_t oi_sb, oi_sh;
+    const uint8_t *oc; /* [rows, H, L, ceil(O/2)] 4-bit codes, channel 2i in the low nibble of byte i */
+    int64_t oc_sb, oc_sh;
+    const uint16_t *os, *oz; /* fp16 [rows, H, L/g, O] scale and zero */
+    int64_t os_sb, os_sh;
 } DecodeArgs;
 
 /* The target's own vector width (VW floats, simd.h) as GCC vectors with int32 lanes beside them:
@@ -1413,6 +1421,34 @@ static void fetch_top(const DecodeArgs *a, int64_t r, int64_t h, const float *ag
     }
 }
 
+/* scores[i][l] += sum_o q[i][idx_o] * (s[l/g][o] c[l][o] + z[l/g][o]) for l < n: the outlier channels'
+ * side guide (engine/kvcache/outliers.py OutlierKeys.scores), q the scaled, unrotated queries [Q][D]. */
+static void outlier_scores(const DecodeArgs *a, int64_t r, int64_t h, const float *q, int64_t Q, int64_t D, int64_t n,
+                           float *scores, int64_t Lmax) {
+    const int64_t O = a->O, g = a->g, bytes = (O + 1) / 2;
+    const int64_t *idx = a->oidx + r * a->oi_sb + h * a->oi_sh;
+    const uint8_t *codes = a->oc + r * a->oc_sb + h * a->oc_sh;
+    const uint16_t *sc = a->os + r * a->os_sb + h * a->os_sh, *zc = a->oz + r * a->os_sb + h * a->os_sh;
+    float w[16], bias;
+    for (int64_t i = 0; i < Q; i++) {
+        float *row = scores + i * Lmax;
+        for (int64_t j = 0; j < n / g; j++) {
+            bias = 0.0f;
+            for (int64_t o = 0; o < O; o++) {
+                const float qo = q[i * D + idx[o]];
+                w[o] = qo * half_to_float(sc[j * O + o]);
+                bias += qo * half_to_float(zc[j * O + o]);
+            }
+            for (int64_t l = j * g; l < (j + 1) * g; l++) {
+                const uint8_t *c = codes + l * bytes;
+                float acc = bias;
+                for (int64_t o = 0; o < O; o++) acc += w[o] * (float)((c[o / 2] >> (4 * (o % 2))) & 15);
+                row[l] += acc;
+            }
+        }
+    }
+}
+
 static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratch, int64_t Lmax) {
     const int64_t Q = a->G * a->T, D = a->D, T = a->T, r = a->row0 + b;
     const int64_t n = a->qend[r], start = a->start[b], nres = start + T - n, L = n + nres;
@@ -1464,6 +1500,8 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
                       a->kz + r * a->ks_sb + h * a->ks_sh, scores + q0 * Lmax, Lmax, 0, n / g, (int)D, (int)g,
                       (int)a->bits, work, keys_words(work, D, g));
         }
+        if (a->O > 0)
+            outlier_scores(a, r, h, q, Q, D, n, scores, Lmax);
     }
     for (int64_t i = 0; i < Q; i++) {
         float *row = scores + i * Lmax;
@@ -1592,7 +1630,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
 EXPORT int specache_decode_attention(const DecodeArgs *a) {
     if (a->B <= 0 || a->H <= 0) return 0;
     if (a->D % 8 || a->D > 64 * MAX_WORDS || a->g % 8 || a->gv <= 0 || a->D % a->gv || (a->bits != 1 && a->bits != 2)
-        || a->T < 1 || a->G < 1)
+        || a->T < 1 || a->G < 1 || a->O < 0 || a->O > 16 || (a->O > 0 && !(a->oidx && a->oc && a->os && a->oz)))
         return -1;
     int64_t Lmax = 1;
     for (int64_t b = 0; b < a->B; b++) {

@@ -85,6 +85,14 @@ typedef struct {
     int64_t *reuse;   /* NULL, or [B, H, 2]: of the set token 0 picked, the positions the prefetch held, and all */
     int64_t res_at_qend; /* the residual window is the host store (res_k = store_k, same strides): a row's
                           * window starts at its position qend, not at slot 0 */
+    int64_t O; /* outlier key channels beside the guide (engine/kvcache/outliers.py), 0: none. Their term
+                * q_O . k4_O (unrotated queries) is added to the guide scores */
+    const int64_t *oidx; /* [rows, H, O] the channels */
+    int64_t oi_sb, oi_sh;
+    const uint8_t *oc; /* [rows, H, L, ceil(O/2)] 4-bit codes, channel 2i in the low nibble of byte i */
+    int64_t oc_sb, oc_sh;
+    const uint16_t *os, *oz; /* fp16 [rows, H, L/g, O] scale and zero */
+    int64_t os_sb, os_sh;
 } DecodeArgs;
 int specache_decode_attention(const DecodeArgs *a);
 
@@ -447,7 +455,7 @@ static void check_guide(const char *cas, int values) {
     X(B) X(H) X(G) X(T) X(D) X(S) X(K) X(bits) X(g) X(gv) X(row0) X(select) X(keep) X(residual) X(select_both)        \
     X(current) X(q_sb) X(q_sh) X(sk_sb) X(sk_sh) X(rk_sb) X(rk_sh) X(fk_sb) X(fk_sh) X(fi_sb) X(fi_sh) X(st_sb)       \
     X(st_sh) X(kc_sb) X(kc_sh) X(ks_sb) X(ks_sh) X(vc_sb) X(vc_sh) X(vs_sb) X(vs_sh) X(correct)      \
-    X(res_at_qend)
+    X(res_at_qend) X(O) X(oi_sb) X(oi_sh) X(oc_sb) X(oc_sh) X(os_sb) X(os_sh)
 
 typedef struct { float *fk, *fv, *out; int64_t *fidx; uint8_t *fvalid; } DecodeRun;
 
@@ -552,6 +560,8 @@ static void check_fused(const char *cas) {
     const Blob *sel = find(cas, "ref_sel_w"), *ref_fidx = find(cas, "ref_fidx"),
                *ref_fvalid = find(cas, "ref_fvalid"), *rot = find(cas, "rot"), *ref_reuse = find(cas, "ref_reuse");
     if (rot) a.rot = F32(rot);
+    const Blob *oidx = find(cas, "oidx"), *oc = find(cas, "oc"), *os_ = find(cas, "os"), *oz = find(cas, "oz");
+    if (oidx && oc && os_ && oz) a.oidx = oidx->data, a.oc = oc->data, a.os = os_->data, a.oz = oz->data;
     a.scaling = *F32(scaling);
     a.q = F32(q), a.start = start->data, a.qend = qend->data, a.sink_k = F32(sink_k), a.sink_v = F32(sink_v);
     a.res_k = F32(res_k), a.res_v = F32(res_v), a.store_k = F32(store_k), a.store_v = F32(store_v);
@@ -563,9 +573,9 @@ static void check_fused(const char *cas) {
         return;
     }
     char msg[512], what[512];
-    snprintf(what, sizeof what, "%s decode_attention %s%s%s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
+    snprintf(what, sizeof what, "%s decode_attention %s%s%s%s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
              a.current ? "prefetch current" : "speculative", a.select_both ? " select_both" : "",
-             a.correct ? " corrected" : "", a.rot ? " rotated" : "", (long long)a.bits,
+             a.correct ? " corrected" : "", a.rot ? " rotated" : "", a.O ? " outliers" : "", (long long)a.bits,
              (long long)a.row0, (long long)(a.row0 + a.B - 1), (long long)a.T);
     DecodeRun run[2];
     for (int t = 0; t < 2; t++) {
