@@ -135,9 +135,11 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 KILLED_WRITER = r"""
-import sys, time, torch
+import signal, sys, time, torch
 from pathlib import Path
 import engine.docstore.store as S
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal (a job started in the
+# background of a script inherits SIGINT ignored: the writer would then finish, or sleep out the test)
 real = S.write
 def piece():  # after the first piece: tell the test, then stay mid-write until the signal comes
     Path(sys.argv[1], "writing").touch()
