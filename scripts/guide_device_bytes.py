@@ -16,7 +16,8 @@ from engine.kvcache.sizes import guide_bytes, layer_kv_bytes_per_token, quant_bo
 SHAPE = SimpleNamespace(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M
 SETTINGS = {"o4-k512": dict(k=512, outliers=4), "o4-k472": dict(k=472, outliers=4),
             "o4-k440": dict(k=440, outliers=4), "o2-k476": dict(k=476, outliers=2),
-            "g128-k512": dict(k=512, group=128), "g128-o4-k512": dict(k=512, group=128, outliers=4)}
+            "g128-k512": dict(k=512, group=128), "g128-o4-k512": dict(k=512, group=128, outliers=4),
+            "o4-k496-r16": dict(k=496, outliers=4, residual=16), "o4-k456-r48": dict(k=456, outliers=4, residual=48)}
 
 
 def device_bytes(length: int, k: int, group: int = 64, outliers: int = 0, element_bytes: int = 2, bits: int = 1,
