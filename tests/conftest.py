@@ -18,6 +18,15 @@ TEST_DEVICE = os.environ.get("SPECACHE_TEST_DEVICE", "cpu")
 os.environ.setdefault("SPECACHE_NATIVE_CALIBRATE", "0")
 
 
+def sigint_as_in_a_terminal() -> None:
+    """Popen(preexec_fn=...) of a child that a test interrupts: SIGINT back to its default, as a
+    terminal's foreground job has it (a suite started in a script's background inherits SIGINT ignored,
+    and the child would not see the Ctrl-C the test sends)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def kivi_guide_part(keys, values, qend: int, bits: int, group: int, value_group: int, sinks: int, r=None,
                     outliers: int = 0, chosen_from: int = 0):
     """The KIVI references' guide region: positions [0, qend) of keys / values [b, H_kv, L, D] as

@@ -23,6 +23,7 @@ from engine.docstore.store import DocStore, make_key
 from engine.generate.engine import Engine, Finished, Progress
 from engine.generate.prefixes import DocStoreUse, store_settings
 from engine.kvcache import make_cache
+from tests.conftest import sigint_as_in_a_terminal
 
 ROOT = Path(__file__).parent.parent
 DATA = Path(__file__).parent / "data"
@@ -135,11 +136,9 @@ def test_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 KILLED_WRITER = r"""
-import signal, sys, time, torch
+import sys, time, torch
 from pathlib import Path
 import engine.docstore.store as S
-signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal (a job started in the
-# background of a script inherits SIGINT ignored: the writer would then finish, or sleep out the test)
 real = S.write
 def piece():  # after the first piece: tell the test, then stay mid-write until the signal comes
     Path(sys.argv[1], "writing").touch()
@@ -156,7 +155,7 @@ print("finished", flush=True)
 def test_killed_writer_leaves_no_valid_looking_entry(tmp_path, sig):
     root = tmp_path / "kv"
     proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
     deadline = time.time() + 60
     while time.time() < deadline:
         parts = list(root.glob(".part-*")) if root.exists() else []

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from engine.jobs.workers import Task, group_size, start_local_ray, summarize_tasks
 from specache_cli.app import app
+from tests.conftest import sigint_as_in_a_terminal
 
 ROOT = Path(__file__).parent.parent
 DATA = Path(__file__).parent / "data"
@@ -120,7 +121,8 @@ def test_ctrl_c_leaves_whole_lines_and_resume_finishes_without_duplicates(ray_ru
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "specache_cli", "summarize", *docs, "--model", str(tiny_model_dir), *COMMON,
            "--max-tokens", "24", "--workers", "2", "--batch", "1", "--ray-address", ray_runtime]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     first = proc.stdout.readline()
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=120)
