@@ -1,19 +1,21 @@
-"""Device bytes of guided 1-bit settings against today's 1-bit k 512, at fixed lengths, by the formula of
-GuidedLayer.device_bytes (exact tail + sinks + fetched set + guide, engine.kvcache.sizes) on SmolLM2's
-shape, with 16-bit exact parts (as on a GPU) and 32-bit ones (what `bench fidelity` measures on a CPU).
+"""Device bytes of guided 1-bit settings against today's 1-bit k 512, at fixed lengths: the engine's own
+GuidedLayer.device_bytes (exact tail + sinks + fetched set + guide) of a cache built for SmolLM2's shape,
+with 16-bit exact parts (as on a GPU) and 32-bit ones (what `bench fidelity` measures on a CPU).
 
     python scripts/guide_device_bytes.py [--lengths 2232,6421,8058]
 """
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 import torch
+from transformers import LlamaConfig
 
-from engine.kvcache.sizes import guide_bytes, layer_kv_bytes_per_token, quant_boundary
+from engine.config import CacheConfig
+from engine.kvcache import make_cache
 
-SHAPE = SimpleNamespace(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M
+SHAPE = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, intermediate_size=1536, vocab_size=64)  # SmolLM2-135M's KV shape
 SETTINGS = {"o4-k512": dict(k=512, outliers=4), "o4-k472": dict(k=472, outliers=4),
             "o4-k440": dict(k=440, outliers=4), "o2-k476": dict(k=476, outliers=2),
             "g128-k512": dict(k=512, group=128), "g128-o4-k512": dict(k=512, group=128, outliers=4),
@@ -22,10 +24,15 @@ SETTINGS = {"o4-k512": dict(k=512, outliers=4), "o4-k472": dict(k=472, outliers=
 
 def device_bytes(length: int, k: int, group: int = 64, outliers: int = 0, element_bytes: int = 2, bits: int = 1,
                  residual: int = 64, sinks: int = 4) -> int:
-    qend = int(quant_boundary(torch.tensor(length), residual, group))
-    exact = (length - qend) + min(qend, sinks) + min(k, max(qend - sinks, 0))
-    return exact * layer_kv_bytes_per_token(SHAPE, element_bytes) * SHAPE.layers + \
-        guide_bytes(SHAPE, qend, bits, group, outliers=outliers)
+    """One row of `length` tokens: the sum of the built cache's layers' device_bytes."""
+    config = CacheConfig(mode="specache", bits=bits, group=group, k=k, residual=residual, sinks=sinks,
+                         outliers=outliers, prefetch="current")
+    dtype = torch.float16 if element_bytes == 2 else torch.float32
+    cache = make_cache(SHAPE, config, 1, length, dtype, torch.device("cpu"))
+    try:
+        return sum(layer.device_bytes(torch.tensor([length])) for layer in cache.layers)
+    finally:
+        cache.close()
 
 
 def main() -> None:

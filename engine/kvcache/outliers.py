@@ -2,8 +2,8 @@
 (layer, KV head) a few channels carry keys far larger than the rest, and a 1-bit code of the whole
 head spends its range on them. With ``outliers`` = O > 0 the guide keeps those O channels in a side
 guide of 4-bit codes (min-max per channel over groups of g tokens, fp16 scale and zero, like the
-main key guide at 4 bits) and quantizes the head's keys with those channels set to zero (a constant
-group reconstructs exactly to 0), so
+main key guide at 4 bits) and quantizes the head's keys with those channels set to zero (without a
+rotation a constant group reconstructs exactly to 0), so
 
     q . k_hat = q . k1_hat (main guide, kernels unchanged) + q_O . k4_hat_O (this side guide).
 

@@ -47,7 +47,8 @@ def guide_bytes(shape, tokens: int, bits: int, group: int, layers: int | None = 
     value_bits = guide_bits_per_element(bits, min(group, shape.head_dim))
     total = tokens * layers * shape.kv_heads * shape.head_dim * (key_bits + value_bits) / 8
     if outliers:
-        total += tokens * layers * shape.kv_heads * (-(-outliers // 2) + outliers * 4 / group)
+        code_bytes = -(-outliers * OUTLIER_BITS // 8)  # per token: the channels' codes packed in bytes
+        total += tokens * layers * shape.kv_heads * (code_bytes + outliers * 4 / group)  # + fp16 scale, zero
         total += rows * layers * shape.kv_heads * outliers * OUTLIER_INDEX_BYTES
     return math.ceil(total)
 
