@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.bench.common import (
+    HF_MODE,
     EXAMPLES,
     BenchProgress,
     BenchResult,
@@ -83,7 +84,9 @@ THREADS = typer.Option(None, "--threads", help="torch CPU threads (default: torc
 DOCS_HELP = "Document(s) to build prompts from (PDF, .txt, .md); repeat for several."
 
 
-def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optional[int]):
+def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optional[int], classes: str = "auto"):
+    """classes: engine.model.loading.load_model's ("transformers" where a bench times the hf baseline in
+    the same process: transformers' generate and module code, not engine.model.llama's)."""
     import torch
 
     if threads is not None:
@@ -92,7 +95,7 @@ def _load_model(model: Optional[str], device: str, quiet: bool, threads: Optiona
         torch.set_num_threads(threads)
 
     status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False, soft_wrap=True))
-    lm = load_model(model, device=device, on_status=status)
+    lm = load_model(model, device=device, on_status=status, classes=classes)
     if not quiet:
         err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}), window {lm.max_context} tokens, "
                           f"loaded in {lm.load_seconds:.1f} s[/]", highlight=False, soft_wrap=True)
@@ -336,7 +339,7 @@ def decode_cmd(
     if length is not None and length < 16:
         raise BadArgument("--length must be >= 16")
     texts = _texts(doc, "long-report.pdf")
-    lm = _load_model(model, device, quiet, threads)
+    lm = _load_model(model, device, quiet, threads, "transformers" if any(s.mode == HF_MODE for s in specs) else "auto")
     specs = _with_model_defaults(specs, lm)
     ctx = min(length or (256 if quick else 6500), lm.max_context - n_burst * n_repeats - 8)
     result = _drive(run_decode(lm, texts, specs, ctx, batch_list, n_burst, n_repeats, quick), quiet)

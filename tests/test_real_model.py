@@ -64,18 +64,20 @@ def test_ask_finds_planted_passkey(lm, report_text, depth, key):
 
 
 def test_specache_with_k_at_least_context_equals_dynamic_cache_on_real_text(lm, report_text):
-    from engine.model.loading import prepare_model, resolve_dtype
+    """The engine on its own Llama classes (engine.model.llama, what a run loads) against transformers'
+    generate on transformers' LlamaForCausalLM with the same weights, DynamicCache and SDPA."""
+    from engine.model.llama import LlamaForCausalLM
+    from engine.model.loading import load_model, prepare_model, resolve_dtype
 
     prompt = build_prompt(lm.tokenizer, first_tokens(lm.tokenizer, report_text, 1500), SUMMARIZE).ids
+    stock = prepare_model(load_model(None, device="cpu", classes="transformers").model)
+    assert isinstance(lm.model, LlamaForCausalLM) and not isinstance(stock, LlamaForCausalLM)
+    stock.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        ref = stock.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    ref = ref[0, len(prompt):].tolist()
     model = prepare_model(lm.model)  # the exact fp32 path (what --dtype float32 loads); auto may prefill in bf16
     try:
-        model.set_attn_implementation("sdpa")
-        try:
-            with torch.inference_mode():
-                ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        finally:
-            model.set_attn_implementation("specache")
-        ref = ref[0, len(prompt):].tolist()
         config = CacheConfig(mode="specache", k=8192, bits=2, group=64, chunk_size=256)
         fin = next(e for e in Engine(model, config).generate([prompt], GenerationConfig(max_tokens=24))
                    if isinstance(e, Finished))

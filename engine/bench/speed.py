@@ -202,7 +202,8 @@ def worker_main(spec_path: str, out_path: str) -> int:
         spec = replace(spec, config=CacheConfig(**job["config"]))
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
-    lm = load_model(job["model"], device=job["device"], dtype=job["dtype"])
+    lm = load_model(job["model"], device=job["device"], dtype=job["dtype"],  # hf: transformers' own classes
+                    classes="transformers" if spec.mode == HF_MODE else "auto")
     corpus = job["corpus"]
     say = lambda m: print(PROGRESS + m, file=sys.stderr, flush=True)  # noqa: E731
     load_start = _load_average()

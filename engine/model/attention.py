@@ -1,4 +1,5 @@
-"""The attention function registered with transformers under the name "specache".
+"""The attention function the engine's models attend with, registered with transformers under the name
+"specache" for models in transformers' own classes (engine.model.llama looks it up without transformers).
 
 Stock attention modules (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3: engine.model.support) project
 and rotate q/k/v, call `cache.update(...)`, then call this function with their own arguments; it
@@ -8,7 +9,7 @@ softcap, sliding_window) or refused (UnsupportedModel): the engine never silentl
 differently from the model."""
 from __future__ import annotations
 
-from transformers import AttentionInterface
+import sys
 
 from engine.errors import UnsupportedModel
 
@@ -58,4 +59,13 @@ def specache_attention(module, query, key, value, attention_mask, scaling=None, 
     return layer.attend(query, scale, step, softcap=softcap), None
 
 
-AttentionInterface.register(ATTENTION_NAME, specache_attention)
+def register_with_transformers() -> None:
+    """Register specache_attention with transformers' attention registry (importing transformers'
+    modeling_utils: done only for a model in transformers' own classes; engine.model.llama needs none)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, specache_attention)
+
+
+if "transformers.modeling_utils" in sys.modules:  # already paid for: models built by a caller find it
+    register_with_transformers()

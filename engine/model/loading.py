@@ -15,7 +15,7 @@ import torch
 import gguf
 import numpy as np
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     LlamaTensorProcessor,
@@ -24,7 +24,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 from transformers.utils import logging as hf_logging
 
 from engine.errors import BadArgument, ModelLoadError
-from engine.model.attention import ATTENTION_NAME
+from engine.model.attention import ATTENTION_NAME, register_with_transformers
 from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
 from engine.model.gguf_files import (
     HELD_ARCHITECTURES,
@@ -37,6 +37,7 @@ from engine.model.gguf_files import (
     held_from_file,
     read_header,
 )
+from engine.model.llama import LlamaForCausalLM, llama_config, why_not_own
 from engine.model.linears import HeldEmbedding, SkinnyLinear, cpu_has_native_bf16, use_skinny_linears
 from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
 from engine.model.support import attention_modules, check_supported
@@ -104,19 +105,27 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     on_status: Callable[[str], None] | None = None,
+    classes: str = "auto",
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from local files only, with our attention function."""
+    """Load a causal LM and its tokenizer from local files only, with our attention function. classes:
+    "auto" builds a llama-architecture GGUF in engine.model.llama (no transformers modeling import),
+    everything else in transformers' classes; "transformers" always in transformers' (the `hf` baseline,
+    which needs their generate, and the tests that compare the two)."""
     hf_logging.disable_progress_bar()  # stderr is for our own progress
     start = time.perf_counter()
     source = resolve_source(spec)
     dev = pick_device(device)
     torch_dtype, prefill_dtype = resolve_dtype(dtype, dev)
     path = source.folder if source.gguf is None else ensure_converted(source.gguf, source.name, on_status)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    own = own_config(path) if source.gguf is not None and classes == "auto" else None
+    try:  # given our config, AutoTokenizer does not build transformers' (engine.model.llama: why)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **({"config": own} if own else {}))
         if source.gguf is not None:
-            model = load_gguf_model(source.gguf, path, torch_dtype, held=holds_blocks(dev, dtype))
+            model = load_gguf_model(source.gguf, path, torch_dtype, held=holds_blocks(dev, dtype), config=own)
         else:
+            from transformers import AutoModelForCausalLM
+
+            register_with_transformers()
             model = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, dtype=torch_dtype, attn_implementation=ATTENTION_NAME
             )
@@ -149,18 +158,41 @@ def holds_blocks(device: torch.device, dtype: str) -> bool:
     return device.type == "cpu" and dtype == "auto"
 
 
-def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: bool) -> torch.nn.Module:
+def own_config(folder: Path):
+    """The config engine.model.llama runs this converted GGUF folder with, None when it does not (a model
+    type other than llama, ...: engine.model.llama.why_not_own) and transformers' classes load it."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("model_type") != "llama":
+        return None
+    own = llama_config(config)
+    return own if why_not_own(own) is None else None
+
+
+def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: bool,
+                    config=None) -> torch.nn.Module:
     """The model of a GGUF file: built without weights, then filled tensor by tensor from the file;
     held=True keeps the linears and the embedding in their blocks (no fp32 copy). Architectures outside
-    gguf_files.HELD_ARCHITECTURES load through transformers (dequantized)."""
+    gguf_files.HELD_ARCHITECTURES load through transformers (dequantized). config: own_config's, to
+    build engine.model.llama's model; None: transformers' class."""
     tensors = TensorFile(gguf_path)
     if tensors.arch not in HELD_ARCHITECTURES:
+        from transformers import AutoModelForCausalLM
+
         check_architecture(tensors.arch, gguf_path)
+        register_with_transformers()
         return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
                                                     attn_implementation=ATTENTION_NAME)
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    if config is not None:
+        config.dtype = dtype
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        register_with_transformers()
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     fill_from_gguf(model, tensors, dtype, held)
     model.specache_held = held
     release_freed_memory()
@@ -275,6 +307,8 @@ def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = No
     the model's own (exact). Called again, it replaces the previous choice. Raises UnsupportedModel
     (engine.model.support) for a model whose attention the engine does not reproduce."""
     check_supported(model)
+    if not isinstance(model, LlamaForCausalLM):
+        register_with_transformers()
     model.set_attn_implementation(ATTENTION_NAME)
     use_skinny_linears(model, prefill_dtype)
     model.specache_prefill_dtype = prefill_dtype  # read by the Engine: it keys the document store

@@ -1,0 +1,225 @@
+"""A Llama decoder of our own, for the run path: the same modules, parameter names and floating-point
+operations as transformers' LlamaForCausalLM (tests/test_llama.py checks the logits bit for bit), without
+importing transformers' modeling_utils, which brings torch._dynamo, torch.distributed and sympy (~90 MB
+of a run's RSS, ~1 s of its start). GGUF models of the llama architecture load into it (engine.model.
+loading); every other model, and the `hf` bench baseline (it needs transformers' generate), loads into
+transformers' own classes. Attention is looked up by config._attn_implementation as transformers does:
+the engine's function without importing transformers, anything else (sdpa, eager, the fidelity probe)
+from transformers' registry."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.configuration_utils import PreTrainedConfig
+
+from engine.model.attention import ATTENTION_NAME, specache_attention
+
+# rope types whose tables depend on the sequence (transformers' dynamic_rope_update rewrites them)
+DYNAMIC_ROPE = frozenset({"dynamic", "longrope"})
+
+
+# transformers' LlamaConfig defaults, for keys a config.json leaves out (tests/test_llama.py compares)
+LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=None, hidden_act="silu",
+                      max_position_embeddings=2048, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
+                      pad_token_id=None, bos_token_id=1, eos_token_id=2, pretraining_tp=1,
+                      tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0, mlp_bias=False,
+                      head_dim=None)
+
+
+def llama_config(values: dict) -> PreTrainedConfig:
+    """A llama config.json's values -> a config with LlamaConfig's attributes, built on transformers'
+    base class (LlamaConfig itself imports transformers' activations and, through them, the model
+    loading machinery). rope_theta / rope_scaling of older files become rope_parameters."""
+    values = {**LLAMA_DEFAULTS, **values}
+    values["head_dim"] = values["head_dim"] or values["hidden_size"] // values["num_attention_heads"]
+    values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
+    if not values.get("rope_parameters"):
+        rope = dict(values.pop("rope_scaling", None) or {})
+        rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
+        rope["rope_theta"] = values.pop("rope_theta", 10000.0)
+        values["rope_parameters"] = rope
+    config = PreTrainedConfig(**values)
+    config.use_cache = values["use_cache"]  # the base class keeps no use_cache of its own
+    return config
+
+
+def why_not_own(config) -> str | None:
+    """Why this config cannot run in our Llama (None: it can): another model type, an activation other
+    than SiLU, a rope whose tables change with the sequence."""
+    if getattr(config, "model_type", None) != "llama":
+        return f"model type {getattr(config, 'model_type', None)!r}"
+    if config.hidden_act != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in DYNAMIC_ROPE:
+        return f"rope type {rope!r}"
+    return None
+
+
+def attention_function(name: str):
+    """The attention function registered under name (transformers' registry, imported only when needed)."""
+    if name == ATTENTION_NAME:
+        return specache_attention
+    if name == "eager":
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq [D/2] fp32, attention scaling), as transformers' LlamaRotaryEmbedding computes them."""
+    rope = config.rope_parameters
+    with torch.device("cpu"):  # also inside the loader's meta-device build: these are values
+        if rope.get("rope_type", "default") == "default":
+            dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+
+
+def rope_tables(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype):
+    """positions [b, T] -> (cos, sin) [b, T, D] in dtype."""
+    freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, H, T, D], cos/sin [b, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx, self.is_causal = config, layer_idx, True
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        heads, kv, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, mask, cos: torch.Tensor, sin: torch.Tensor, cache, kwargs: dict) -> torch.Tensor:
+        shape = (*x.shape[:-1], -1, self.head_dim)  # x [b, T, hidden] -> q/k/v [b, H, T, D]
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        attend = attention_function(self.config._attn_implementation)
+        out, _ = attend(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, **kwargs)  # [b, T, H, D]
+        return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        size, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(size, inner, bias=bias)
+        self.up_proj = nn.Linear(size, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, mask, cos, sin, cache, kwargs: dict) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin, cache, kwargs)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id,  # no init
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size, device="meta"))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: model.{embed_tokens, layers, norm} and lm_head, named as transformers names them;
+    built on the meta device (`with torch.device("meta")`), its parameters then given by the loader.
+    forward takes what the engine's steps pass (input_ids, position_ids, cache, logits_to_keep; other
+    keyword arguments go on to the attention function, as in transformers) -> Output(logits)."""
+
+    def __init__(self, config):
+        super().__init__()
+        config._attn_implementation = config._attn_implementation or ATTENTION_NAME
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        inv_freq, self.rope_scaling = rope_inverse_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_attn_implementation(self, name: str) -> None:
+        attention_function(name)  # an unknown name fails here, not at the next forward
+        self.config._attn_implementation = name
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache=None,
+                logits_to_keep: int = 0, use_cache: bool | None = None, attention_mask=None, **kwargs) -> Output:
+        x = self.model.embed_tokens(input_ids)  # [b, T, hidden]
+        if position_ids is None:
+            start = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(x.shape[1], device=x.device) + start)[None]
+        cos, sin = rope_tables(self.inv_freq, self.rope_scaling, position_ids, x.dtype)
+        mask = None  # the engine's cache layers mask by each row's length; transformers' functions need theirs
+        if self.config._attn_implementation != ATTENTION_NAME:
+            from transformers.masking_utils import create_causal_mask
+
+            mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
+                                      cache=cache, position_ids=position_ids)
+        kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
+        for layer in self.model.layers:
+            x = layer(x, mask, cos, sin, cache, kwargs)
+        x = self.model.norm(x)
+        return Output(self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x))
