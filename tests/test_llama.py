@@ -11,39 +11,49 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig
-from transformers import LlamaForCausalLM as StockLlama
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
-from engine.model.llama import LLAMA_DEFAULTS, LlamaForCausalLM, llama_config, why_not_own
+from engine.model.llama import LLAMA_DEFAULTS, CausalLM, family_config, why_not_own
 from engine.model.loading import own_config, prepare_model
 
-BASE = dict(model_type="llama", vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+BASE = dict(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
             bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-VARIANTS = {
-    "gqa": {},
-    "llama3-rope": {"rope_parameters": LLAMA3_ROPE},
-    "linear-rope-tied-biases": {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-                                "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
-    "mha": {"num_key_value_heads": 6},
+WINDOWED = {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1}  # layer 1 slides
+VARIANTS = {  # name -> (transformers' class name prefix, config values beyond BASE)
+    "llama-gqa": ("Llama", {}),
+    "llama-llama3-rope": ("Llama", {"rope_parameters": LLAMA3_ROPE}),
+    "llama-linear-rope-tied-biases": ("Llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0,
+                                                                   "factor": 2.0}, "tie_word_embeddings": True,
+                                                "attention_bias": True, "mlp_bias": True}),
+    "llama-mha": ("Llama", {"num_key_value_heads": 6}),
+    "mistral": ("Mistral", {"sliding_window": None}),
+    "mistral-window": ("Mistral", {"sliding_window": 32}),
+    "qwen2": ("Qwen2", {}),
+    "qwen2-window": ("Qwen2", WINDOWED),
+    "qwen3": ("Qwen3", {}),
+    "qwen3-biases-window": ("Qwen3", {"attention_bias": True, **WINDOWED}),
 }
 
 
 def pair(variant: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(transformers' model, ours) with the same random weights (parameters cast to dtype)."""
-    values = {**BASE, **VARIANTS[variant]}
+    """(transformers' model, ours from its config.json's values, as a converted GGUF folder holds them)
+    with the same random weights (every parameter moved off its initial value, cast to dtype)."""
+    prefix, values = VARIANTS[variant]
     torch.manual_seed(0)
-    stock = StockLlama(LlamaConfig(**values)).eval()
+    config = getattr(transformers, f"{prefix}Config")(**{**BASE, **values})
+    stock = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():
         for p in stock.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # biases and norms away from their 0 / 1 initialisation
             p.data = p.data.to(dtype)
     with torch.device("meta"):
-        own = LlamaForCausalLM(llama_config(values))
+        own = CausalLM(family_config(config.to_dict()))
     own.load_state_dict(stock.state_dict(), assign=True)
     return stock, own.eval()
 
@@ -63,7 +73,7 @@ def test_logits_equal_transformers_bit_for_bit(variant, attention):
 
 
 def test_bf16_logits_equal_transformers():
-    stock, own = pair("llama3-rope", torch.bfloat16)
+    stock, own = pair("llama-llama3-rope", torch.bfloat16)
     ids = torch.randint(3, 320, (1, 40))
     stock.set_attn_implementation("sdpa")
     own.set_attn_implementation("sdpa")
@@ -73,7 +83,8 @@ def test_bf16_logits_equal_transformers():
 
 
 @pytest.mark.parametrize("mode", ["full", "specache"])
-@pytest.mark.parametrize("variant", ["gqa", "llama3-rope", "linear-rope-tied-biases"])
+@pytest.mark.parametrize("variant", ["llama-llama3-rope", "llama-linear-rope-tied-biases", "mistral-window",
+                                     "qwen2-window", "qwen3-biases-window"])
 def test_engine_tokens_equal_on_both_classes(variant, mode):
     """The engine's attention through either class: the same greedy tokens, batched, chunked prefill."""
     stock, own = pair(variant)
@@ -88,7 +99,7 @@ def test_engine_tokens_equal_on_both_classes(variant, mode):
 
 
 @pytest.mark.parametrize("values", [
-    {**BASE, **VARIANTS["linear-rope-tied-biases"]},
+    {"model_type": "llama", **BASE, **VARIANTS["llama-linear-rope-tied-biases"][1]},
     {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8, "num_hidden_layers": 2},  # defaults
     {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8, "rope_theta": 500000.0,  # older files
      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -96,7 +107,7 @@ def test_engine_tokens_equal_on_both_classes(variant, mode):
 ], ids=["full", "sparse", "legacy-rope"])
 def test_config_has_llama_configs_values(values):
     """Every field of transformers' LlamaConfig (defaults included) has the same value in ours."""
-    ours, theirs = llama_config(dict(values)), LlamaConfig(**values)
+    ours, theirs = family_config(dict(values)), LlamaConfig(**values)
     names = [f.name for f in dataclasses.fields(LlamaConfig)] if dataclasses.is_dataclass(LlamaConfig) \
         else list(LLAMA_DEFAULTS)
     assert set(LLAMA_DEFAULTS) <= set(names) | {"head_dim"}
@@ -106,16 +117,17 @@ def test_config_has_llama_configs_values(values):
 
 
 @pytest.mark.parametrize("change,why", [
-    ({"model_type": "mistral"}, "model type 'mistral'"),
+    ({"model_type": "phi3"}, "model type 'phi3'"),
+    ({"model_type": "mistral"}, "config.json lacks hidden_act, tie_word_embeddings, rope_parameters, sliding_window"),
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "rope type 'dynamic'"),
 ])
 def test_what_our_llama_does_not_run_loads_in_transformers_classes(tmp_path, change, why):
-    values = {**BASE, **change}
-    assert why_not_own(llama_config(values)) == why
+    values = {"model_type": "llama", **BASE, **change}
+    assert why_not_own(family_config(values)) == why
     (tmp_path / "config.json").write_text(json.dumps(values))
     assert own_config(tmp_path) is None  # the loader then builds transformers' class
-    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **BASE}))
     assert own_config(tmp_path) is not None
 
 

@@ -66,12 +66,12 @@ def test_ask_finds_planted_passkey(lm, report_text, depth, key):
 def test_specache_with_k_at_least_context_equals_dynamic_cache_on_real_text(lm, report_text):
     """The engine on its own Llama classes (engine.model.llama, what a run loads) against transformers'
     generate on transformers' LlamaForCausalLM with the same weights, DynamicCache and SDPA."""
-    from engine.model.llama import LlamaForCausalLM
+    from engine.model.llama import CausalLM
     from engine.model.loading import load_model, prepare_model, resolve_dtype
 
     prompt = build_prompt(lm.tokenizer, first_tokens(lm.tokenizer, report_text, 1500), SUMMARIZE).ids
     stock = prepare_model(load_model(None, device="cpu", classes="transformers").model)
-    assert isinstance(lm.model, LlamaForCausalLM) and not isinstance(stock, LlamaForCausalLM)
+    assert isinstance(lm.model, CausalLM) and not isinstance(stock, CausalLM)
     stock.set_attn_implementation("sdpa")
     with torch.inference_mode():
         ref = stock.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)

@@ -1,14 +1,15 @@
-"""A Llama decoder of our own, for the run path: the same modules, parameter names and floating-point
-operations as transformers' LlamaForCausalLM (tests/test_llama.py checks the logits bit for bit), without
-importing transformers' modeling_utils, which brings torch._dynamo, torch.distributed and sympy (~90 MB
-of a run's RSS, ~1 s of its start). GGUF models of the llama architecture load into it (engine.model.
-loading); every other model, and the `hf` bench baseline (it needs transformers' generate), loads into
-transformers' own classes. Attention is looked up by config._attn_implementation as transformers does:
-the engine's function without importing transformers, anything else (sdpa, eager, the fidelity probe)
-from transformers' registry."""
+"""Llama-family decoders of our own, for the run path: the same modules, parameter names and floating-point
+operations as transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM
+(tests/test_llama.py checks the logits bit for bit), without importing transformers' modeling_utils, which
+brings torch._dynamo, torch.distributed and sympy (~90 MB of a run's RSS, ~1 s of its start). GGUF models of
+those architectures load into them (engine.model.loading); every other model, and the `hf` bench baseline (it
+needs transformers' generate), loads into transformers' own classes. Attention is looked up by
+config._attn_implementation as transformers does: the engine's function without importing transformers,
+anything else (sdpa, eager, the fidelity probe) from transformers' registry."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -20,7 +21,36 @@ from engine.model.attention import ATTENTION_NAME, specache_attention
 DYNAMIC_ROPE = frozenset({"dynamic", "longrope"})
 
 
-# transformers' LlamaConfig defaults, for keys a config.json leaves out (tests/test_llama.py compares)
+@dataclass(frozen=True)
+class Family:
+    """How one model type's decoder differs from Llama's (transformers' modeling_<type>.py)."""
+
+    qkv_bias: Callable[[PreTrainedConfig], bool]
+    o_bias: Callable[[PreTrainedConfig], bool]
+    mlp_bias: Callable[[PreTrainedConfig], bool]
+    head_norms: bool = False  # Qwen3: an RMSNorm over each head's q and k before RoPE
+    windows: str = "none"  # sliding windows: "none"; "config": config.sliding_window on every layer (Mistral);
+    #                        "layer_types": on the layers layer_types calls sliding_attention (Qwen2 / 3)
+    required: tuple[str, ...] = ()  # config.json keys without which transformers' classes load it instead
+
+
+def _flag(name: str) -> Callable[[PreTrainedConfig], bool]:
+    return lambda config: bool(getattr(config, name))
+
+
+_NO, _YES = (lambda config: False), (lambda config: True)
+_STRUCTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "rope_parameters")
+FAMILIES = {
+    "llama": Family(_flag("attention_bias"), _flag("attention_bias"), _flag("mlp_bias")),  # family_config's defaults
+    "mistral": Family(_NO, _NO, _NO, windows="config", required=_STRUCTURE + ("head_dim", "sliding_window")),
+    "qwen2": Family(_YES, _NO, _NO, windows="layer_types", required=_STRUCTURE + ("sliding_window", "layer_types")),
+    "qwen3": Family(_flag("attention_bias"), _flag("attention_bias"), _NO, head_norms=True, windows="layer_types",
+                    required=_STRUCTURE + ("head_dim", "attention_bias", "sliding_window", "layer_types")),
+}
+
+# transformers' LlamaConfig defaults, for keys a config.json leaves out (tests/test_llama.py compares); the other
+# families take a config.json only with every key they read (what transformers writes, as for a converted GGUF)
 LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=None, hidden_act="silu",
                       max_position_embeddings=2048, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
@@ -29,33 +59,49 @@ LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=1100
                       head_dim=None)
 
 
-def llama_config(values: dict) -> PreTrainedConfig:
-    """A llama config.json's values -> a config with LlamaConfig's attributes, built on transformers'
-    base class (LlamaConfig itself imports transformers' activations and, through them, the model
-    loading machinery). rope_theta / rope_scaling of older files become rope_parameters."""
-    values = {**LLAMA_DEFAULTS, **values}
-    values["head_dim"] = values["head_dim"] or values["hidden_size"] // values["num_attention_heads"]
-    values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
-    if not values.get("rope_parameters"):
-        rope = dict(values.pop("rope_scaling", None) or {})
-        rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
-        rope["rope_theta"] = values.pop("rope_theta", 10000.0)
-        values["rope_parameters"] = rope
+def family_config(values: dict) -> PreTrainedConfig:
+    """A config.json's values -> a config with the attributes of transformers' config class, built on
+    transformers' base class (the model types' own config classes import transformers' activations and,
+    through them, the model loading machinery). A llama file's missing keys take LlamaConfig's defaults,
+    and its rope_theta / rope_scaling (older files) become rope_parameters; other model types as given."""
+    values = dict(values)
+    if values.get("model_type") == "llama":
+        values = {**LLAMA_DEFAULTS, **values}
+        values["head_dim"] = values["head_dim"] or values["hidden_size"] // values["num_attention_heads"]
+        values["num_key_value_heads"] = values["num_key_value_heads"] or values["num_attention_heads"]
+        if not values.get("rope_parameters"):
+            rope = dict(values.pop("rope_scaling", None) or {})
+            rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
+            rope["rope_theta"] = values.pop("rope_theta", 10000.0)
+            values["rope_parameters"] = rope
     config = PreTrainedConfig(**values)
-    config.use_cache = values["use_cache"]  # the base class keeps no use_cache of its own
+    config.use_cache = values.get("use_cache", True)  # the base class keeps no use_cache of its own
     return config
 
 
 def why_not_own(config) -> str | None:
-    """Why this config cannot run in our Llama (None: it can): another model type, an activation other
-    than SiLU, a rope whose tables change with the sequence."""
-    if getattr(config, "model_type", None) != "llama":
+    """Why this config cannot run in our decoders (None: it can): a model type not in FAMILIES, a key
+    its family reads missing, an activation other than SiLU, a rope whose tables change with the sequence."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None:
         return f"model type {getattr(config, 'model_type', None)!r}"
+    missing = [key for key in family.required if not hasattr(config, key)]
+    if missing:
+        return f"config.json lacks {', '.join(missing)}"
     if config.hidden_act != "silu":
         return f"activation {config.hidden_act!r}"
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope in DYNAMIC_ROPE:
         return f"rope type {rope!r}"
+    return None
+
+
+def layer_window(config, family: Family, layer: int) -> int | None:
+    """The sliding window layer `layer` attends with (None: the whole past), as the model type's module sets it."""
+    if family.windows == "config":
+        return getattr(config, "sliding_window", None)
+    if family.windows == "layer_types" and config.layer_types[layer] == "sliding_attention":
+        return config.sliding_window
     return None
 
 
@@ -116,35 +162,42 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, family: Family, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx, self.is_causal = config, layer_idx, True
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim ** -0.5
-        heads, kv, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        self.window = layer_window(config, family, layer_idx)
+        self.passes_window = family.windows != "none"  # transformers' module passes sliding_window=...
+        heads, kv, bias = config.num_attention_heads, config.num_key_value_heads, family.qkv_bias(config)
         self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=family.o_bias(config))
+        if family.head_norms:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, mask, cos: torch.Tensor, sin: torch.Tensor, cache, kwargs: dict) -> torch.Tensor:
-        shape = (*x.shape[:-1], -1, self.head_dim)  # x [b, T, hidden] -> q/k/v [b, H, T, D]
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        shape = (*x.shape[:-1], -1, self.head_dim)  # x [b, T, hidden] -> q/k/v [b, T, H, D] -> [b, H, T, D]
+        q, k = self.q_proj(x).view(shape), self.k_proj(x).view(shape)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), self.v_proj(x).view(shape).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attend = attention_function(self.config._attn_implementation)
-        out, _ = attend(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, **kwargs)  # [b, T, H, D]
+        window = {"sliding_window": self.window} if self.passes_window else {}
+        out, _ = attend(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, **window, **kwargs)  # [b, T, H, D]
         return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, family: Family):
         super().__init__()
-        size, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        size, inner, bias = config.hidden_size, config.intermediate_size, family.mlp_bias(config)
         self.gate_proj = nn.Linear(size, inner, bias=bias)
         self.up_proj = nn.Linear(size, inner, bias=bias)
         self.down_proj = nn.Linear(inner, size, bias=bias)
@@ -154,24 +207,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, family: Family, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, family, layer_idx)
+        self.mlp = MLP(config, family)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, mask, cos, sin, cache, kwargs: dict) -> torch.Tensor:
+    def forward(self, x, masks: dict, cos, sin, cache, kwargs: dict) -> torch.Tensor:
+        mask = masks["sliding" if self.self_attn.window else "full"]
         x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin, cache, kwargs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config):
+class DecoderModel(nn.Module):
+    def __init__(self, config, family: Family):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id,  # no init
                                          _weight=torch.empty(config.vocab_size, config.hidden_size, device="meta"))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, family, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -180,17 +234,18 @@ class Output:
     logits: torch.Tensor
 
 
-class LlamaForCausalLM(nn.Module):
-    """The causal LM: model.{embed_tokens, layers, norm} and lm_head, named as transformers names them;
-    built on the meta device (`with torch.device("meta")`), its parameters then given by the loader.
-    forward takes what the engine's steps pass (input_ids, position_ids, cache, logits_to_keep; other
-    keyword arguments go on to the attention function, as in transformers) -> Output(logits)."""
+class CausalLM(nn.Module):
+    """The causal LM of a FAMILIES model type: model.{embed_tokens, layers, norm} and lm_head, named as
+    transformers names them; built on the meta device (`with torch.device("meta")`), its parameters then
+    given by the loader. forward takes what the engine's steps pass (input_ids, position_ids, cache,
+    logits_to_keep; other keyword arguments go on to the attention function, as in transformers)
+    -> Output(logits)."""
 
     def __init__(self, config):
         super().__init__()
         config._attn_implementation = config._attn_implementation or ATTENTION_NAME
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = DecoderModel(config, FAMILIES[config.model_type])
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq, self.rope_scaling = rope_inverse_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -212,14 +267,17 @@ class LlamaForCausalLM(nn.Module):
             start = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(x.shape[1], device=x.device) + start)[None]
         cos, sin = rope_tables(self.inv_freq, self.rope_scaling, position_ids, x.dtype)
-        mask = None  # the engine's cache layers mask by each row's length; transformers' functions need theirs
-        if self.config._attn_implementation != ATTENTION_NAME:
-            from transformers.masking_utils import create_causal_mask
+        masks = {"full": None, "sliding": None}  # the engine's cache layers mask by each row's length
+        if self.config._attn_implementation != ATTENTION_NAME:  # transformers' functions need their masks
+            from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-            mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                                      cache=cache, position_ids=position_ids)
+            given = dict(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+                         position_ids=position_ids)
+            masks["full"] = create_causal_mask(**given)
+            if any(layer.self_attn.window for layer in self.model.layers):
+                masks["sliding"] = create_sliding_window_causal_mask(**given)
         kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
         for layer in self.model.layers:
-            x = layer(x, mask, cos, sin, cache, kwargs)
+            x = layer(x, masks, cos, sin, cache, kwargs)
         x = self.model.norm(x)
         return Output(self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x))

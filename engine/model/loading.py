@@ -37,7 +37,7 @@ from engine.model.gguf_files import (
     held_from_file,
     read_header,
 )
-from engine.model.llama import LlamaForCausalLM, llama_config, why_not_own
+from engine.model.llama import FAMILIES, CausalLM, family_config, why_not_own
 from engine.model.linears import HeldEmbedding, SkinnyLinear, cpu_has_native_bf16, use_skinny_linears
 from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
 from engine.model.support import attention_modules, check_supported
@@ -108,7 +108,7 @@ def load_model(
     classes: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from local files only, with our attention function. classes:
-    "auto" builds a llama-architecture GGUF in engine.model.llama (no transformers modeling import),
+    "auto" builds a llama, mistral, qwen2 or qwen3 GGUF in engine.model.llama (no transformers modeling import),
     everything else in transformers' classes; "transformers" always in transformers' (the `hf` baseline,
     which needs their generate, and the tests that compare the two)."""
     hf_logging.disable_progress_bar()  # stderr is for our own progress
@@ -160,11 +160,11 @@ def holds_blocks(device: torch.device, dtype: str) -> bool:
 
 def own_config(folder: Path):
     """The config engine.model.llama runs this converted GGUF folder with, None when it does not (a model
-    type other than llama, ...: engine.model.llama.why_not_own) and transformers' classes load it."""
+    type outside its FAMILIES, ...: engine.model.llama.why_not_own) and transformers' classes load it."""
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if config.get("model_type") != "llama":
+    if config.get("model_type") not in FAMILIES:
         return None
-    own = llama_config(config)
+    own = family_config(config)
     return own if why_not_own(own) is None else None
 
 
@@ -185,7 +185,7 @@ def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: boo
     if config is not None:
         config.dtype = dtype
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+            model = CausalLM(config)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -307,7 +307,7 @@ def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = No
     the model's own (exact). Called again, it replaces the previous choice. Raises UnsupportedModel
     (engine.model.support) for a model whose attention the engine does not reproduce."""
     check_supported(model)
-    if not isinstance(model, LlamaForCausalLM):
+    if not isinstance(model, CausalLM):
         register_with_transformers()
     model.set_attn_implementation(ATTENTION_NAME)
     use_skinny_linears(model, prefill_dtype)
