@@ -89,7 +89,7 @@ def test_engine_tokens_equal_on_both_classes(variant, mode):
     """The engine's attention through either class: the same greedy tokens, batched, chunked prefill."""
     stock, own = pair(variant)
     prompts = [torch.randint(3, 320, (150,)).tolist(), torch.randint(3, 320, (120,)).tolist()]
-    config = CacheConfig(mode=mode, k=24, chunk_size=64) if mode == "specache" else CacheConfig(mode=mode, chunk_size=64)
+    config = CacheConfig(mode=mode, chunk_size=64, **({"k": 24} if mode == "specache" else {}))
     runs = []
     for model in (prepare_model(stock), prepare_model(own)):
         fin = next(e for e in Engine(model, config).generate(prompts, GenerationConfig(max_tokens=12))
