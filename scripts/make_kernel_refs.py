@@ -59,8 +59,8 @@ from engine.kvcache.base import Step, grouped_query
 from engine.kvcache.fused import FusedDecode
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
 from engine.model.gguf_files import split_block_rows
-from engine.model.linears import (FORMATS, MIN_FMTS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT, Q5K_FMT, Q6K_FMT,
-                                  Q80_FMT, SUPERBLOCK_BYTES, KQuantWeight, PackedWeight, Q6KWeight)
+from engine.model.linears import (BF16_FMT, F16_FMT, FORMATS, MIN_FMTS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT,
+                                  Q5K_FMT, Q6K_FMT, Q80_FMT, SUPERBLOCK_BYTES, KQuantWeight, PackedWeight, Q6KWeight)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "kernels"
@@ -284,10 +284,23 @@ def linear_cases() -> list[Case]:
         cases.append(_random_block_case(name, fmt, KQuantWeight, 8, k, 256, SUPERBLOCK_BYTES[fmt], (0, 2), 2))
     # Q4_0 (fmt 2), Q4_1 (fmt 3), Q8_0 (fmt 9), Q5_0 (fmt 10), Q5_1 (fmt 11): K 64 (2 blocks a row), random codes,
     # fp16 d (and m) of either sign, the first block's d subnormal and the second's zero (small: the files stay
-    # under 1 MB)
+    # near 1 MB)
     for fmt, name in ((Q40_FMT, "q4_0"), (Q41_FMT, "q4_1"), (Q80_FMT, "q8_0"), (Q50_FMT, "q5_0"), (Q51_FMT, "q5_1")):
         cases.append(_random_block_case(name, fmt, PackedWeight, 32, 64, 32, FORMATS[fmt],
                                         (0, 2) if fmt in MIN_FMTS else (0,), 0))
+    # bf16 (fmt 12) and fp16 (fmt 13) weights as they are: K 64, random 16-bit patterns (every bit random:
+    # subnormals and infinities too; NaNs replaced, they would not compare), 8 rows
+    for fmt, name, dtype in ((BF16_FMT, "bf16", torch.bfloat16), (F16_FMT, "f16", torch.float16)):
+        g = gen(1000 + fmt)
+        raw = torch.randint(-32768, 32768, (8, 64), generator=g, dtype=torch.int32).to(torch.int16).view(dtype)
+        raw = torch.where(torch.isfinite(raw.float()), raw, torch.zeros((), dtype=dtype)).view(torch.int16)
+        raw = torch.where(raw.view(dtype).float().abs() < 4.0, raw, (raw & 0x00FF).to(torch.int16))  # mostly moderate
+        c = Case(f"packed:{name}")
+        w = raw.view(dtype).to(torch.float32)
+        x, bias = torch.randn(8, 64, generator=g), torch.randn(8, generator=g)
+        c["fmt"], c["w"], c["packed"], c["x"], c["bias"] = fmt, w, raw.view(torch.uint8).reshape(8, -1), x, bias
+        _linear_refs(c, x, w, bias)
+        cases.append(c)
     return cases
 
 

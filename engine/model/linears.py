@@ -31,7 +31,10 @@ ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
 BLOCK = 32
 Q40_FMT, Q41_FMT, Q80_FMT, Q50_FMT, Q51_FMT = 2, 3, 9, 10, 11  # a GGUF's own 32-weight blocks (linear_kernels.c)
 GGUF_BLOCK_FMTS = (Q40_FMT, Q41_FMT, Q80_FMT, Q50_FMT, Q51_FMT)  # fp16 scales; rows split into codes, then scales
-FORMATS = {4: 24, 8: 36, Q40_FMT: 18, Q41_FMT: 20, Q80_FMT: 34, Q50_FMT: 22, Q51_FMT: 24}  # bytes per 32 weights
+BF16_FMT, F16_FMT = 12, 13  # 16-bit weights as they are, K % 32 == 0 (linear_kernels.c)
+HALF_FMTS = {torch.bfloat16: BF16_FMT, torch.float16: F16_FMT}
+FORMATS = {4: 24, 8: 36, Q40_FMT: 18, Q41_FMT: 20, Q80_FMT: 34, Q50_FMT: 22, Q51_FMT: 24,  # bytes per 32 weights
+           BF16_FMT: 64, F16_FMT: 64}
 CODE_BYTES = {Q40_FMT: 16, Q41_FMT: 16, Q80_FMT: 32, Q50_FMT: 20, Q51_FMT: 20}  # a block's codes (Q5: qs, qh)
 MIN_FMTS = (Q41_FMT, Q51_FMT)  # a stored fp16 m; Q4_0 / Q5_0: m = -8 d / -16 d
 
@@ -93,6 +96,9 @@ class PackedWeight:
                 bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [n, nb, 32]
                 low = torch.cat((q[..., :16] & 15, q[..., :16] >> 4), dim=-1).to(torch.int32)
                 return (low | (bits << 4)).to(torch.float32).mul_(d).add_(m).view(n, -1)
+        elif self.fmt in (BF16_FMT, F16_FMT):  # 16-bit weights: converted exactly
+            dtype = torch.bfloat16 if self.fmt == BF16_FMT else torch.float16
+            return self.data[n0:n1].contiguous().view(dtype).to(torch.float32)
         else:  # affine4 / scaled8 records: fp32 d (and m), then the codes
             rec = self.data[n0:n1].view(n, nb, FORMATS[self.fmt])
             d = rec[..., 0:4].contiguous().view(torch.float32)  # [n, nb, 1]
@@ -121,8 +127,8 @@ class PackedWeight:
 
 Q6K_FMT, Q4K_FMT, Q5K_FMT = 6, 7, 5  # the native kernels' format numbers of GGUF superblocks (linear_kernels.c)
 FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q40_FMT: "q4_0", Q41_FMT: "q4_1", Q80_FMT: "q8_0", Q50_FMT: "q5_0",
-                Q51_FMT: "q5_1", Q6K_FMT: "q6_k",
-                Q4K_FMT: "q4_k", Q5K_FMT: "q5_k"}
+                Q51_FMT: "q5_1", Q6K_FMT: "q6_k", Q4K_FMT: "q4_k", Q5K_FMT: "q5_k", BF16_FMT: "bfloat16",
+                F16_FMT: "float16"}
 SUPERBLOCK_BYTES = {Q6K_FMT: 210, Q4K_FMT: 144, Q5K_FMT: 176}  # bytes per 256 weights (linear_kernels.c)
 PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -155,9 +161,16 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 @dataclass(frozen=True)
 class DenseWeight:
-    """A weight [N, K] held as it is in the file: fp32, or fp16 / bf16 (rebuilt to fp32 exactly)."""
+    """A weight [N, K] held as it is in the file: fp32, or fp16 / bf16 (rebuilt to fp32 exactly; decode rows
+    by the native kernel on the 16-bit bytes, fmt 12 / 13, where K % 32 == 0: the fp32 kernel's result on the
+    converted weight bit for bit)."""
 
     w: torch.Tensor
+
+    def __post_init__(self) -> None:
+        fmt = HALF_FMTS.get(self.w.dtype)
+        half = fmt is not None and self.w.dim() == 2 and self.w.shape[1] % BLOCK == 0 and self.w.is_contiguous()
+        object.__setattr__(self, "_half", PackedWeight(fmt, self.w.view(torch.uint8), self.shape) if half else None)
 
     @property
     def kind(self) -> str:
@@ -172,6 +185,8 @@ class DenseWeight:
         return self.w.numel() * self.w.element_size()
 
     def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if self._half is not None:
+            return self._half(x, bias)
         return native_linear(x, self.w, bias) if self.w.dtype == torch.float32 else None
 
     def rows(self, n0: int, n1: int) -> torch.Tensor:

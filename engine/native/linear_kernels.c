@@ -56,7 +56,9 @@ EXPORT const char *specache_native_isa(void) { return SIMD_ISA; }
  *   Q5_0 (fmt 10), Q5_1 (fmt 11): row = nb x (16 bytes of low nibbles as Q4's + 4 bytes qh, the fifth bits),
  *                 nb x fp16 d, (Q5_1) nb x fp16 m; w[j] = fma(d, q[j], m), Q5_0's m = -16 d
  * (18, 20, 34, 22 and 24 bytes a block, as in the file; d * q is exact for an fp16 d and a 4- or 8-bit q, so each
- * weight is the gguf package's float.) */
+ * weight is the gguf package's float.)
+ * 16-bit weights as they are (a GGUF's F16 / BF16 tensors, a folder's 16-bit safetensors), K % 32 == 0:
+ *   bf16 (fmt 12), f16 (fmt 13): row = K x 2 bytes; each weight converted to fp32 exactly (bf16: its bits << 16) */
 #define QB 32
 #define NV (QB / VW) /* vectors per block */
 #define A4_BYTES 24
@@ -67,10 +69,14 @@ EXPORT const char *specache_native_isa(void) { return SIMD_ISA; }
 #define Q50_FMT 10
 #define Q51_FMT 11
 #define Q5_FMT(f) ((f) == Q50_FMT || (f) == Q51_FMT)
+#define BF16_FMT 12
+#define F16_FMT 13
+#define HALF_FMT(f) ((f) == BF16_FMT || (f) == F16_FMT)
 /* bytes of one 32-weight block record (fmt 0: 32 fp32 weights) */
 #define BLOCK_BYTES(f) ((f) == 0 ? QB * 4 : (f) == 4 ? A4_BYTES : (f) == 8 ? S8_BYTES : (f) == Q40_FMT ? 18 \
-                        : (f) == Q41_FMT ? 20 : (f) == Q50_FMT ? 22 : (f) == Q51_FMT ? 24 : 34)
-#define BLOCK_FMT(f) ((f) == 4 || (f) == 8 || (f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT || Q5_FMT(f))
+                        : (f) == Q41_FMT ? 20 : (f) == Q50_FMT ? 22 : (f) == Q51_FMT ? 24 : HALF_FMT(f) ? QB * 2 : 34)
+#define BLOCK_FMT(f) ((f) == 4 || (f) == 8 || (f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT || Q5_FMT(f) \
+                      || HALF_FMT(f))
 #define CODES8(f) ((f) == 8 || (f) == Q80_FMT) /* 32 int8 codes, w = d * q; the others: 4-bit, w = fma(d, q, m) */
 #define GGUF_BLOCK_FMT(f) ((f) == Q40_FMT || (f) == Q41_FMT || (f) == Q80_FMT || Q5_FMT(f)) /* fp16 scales */
 #define SCALE_CHUNK 64 /* GGUF blocks whose scales are converted at a time */
@@ -118,12 +124,32 @@ INLINE void gguf_block_scales(const uint8_t *row, const int fmt, int64_t nb, int
         for (int i = 0; i < n; i++) m[i] = (fmt == Q40_FMT ? -8.0f : -16.0f) * d[i]; /* exact */
 }
 
+/* 32 bf16 or fp16 weights at h as floats (exact conversions). */
+INLINE void half_weights(const uint8_t *h, const int fmt, float out[QB]) {
+    if (fmt == F16_FMT) {
+        halves_to_floats(h, QB, out);
+        return;
+    }
+    for (int j = 0; j < QB; j++) {
+        uint16_t b;
+        memcpy(&b, h + 2 * j, 2);
+        const uint32_t u = (uint32_t)b << 16;
+        memcpy(out + j, &u, 4);
+    }
+}
+
 /* The 32 weights of the block record at p as NV vectors (fmt a compile-time constant after
  * inlining; fmt 0 reads 32 fp32 weights). Every target rebuilds the same floats: fma(d, q, m)
  * rounded once (an AVX-512 table of the 16 values fma(d, i, m) is the same numbers) and d * q. */
 INLINE void block_weights(const void *src, const int fmt, vf w[NV], const float *dc, const float *mc) {
     if (fmt == 0) {
         for (int v = 0; v < NV; v++) w[v] = vf_load((const float *)src + v * VW);
+        return;
+    }
+    if (HALF_FMT(fmt)) { /* 16-bit weights, converted exactly: then as fp32's */
+        float f[QB];
+        half_weights((const uint8_t *)src, fmt, f);
+        for (int v = 0; v < NV; v++) w[v] = vf_load(f + v * VW);
         return;
     }
     float d, m;
@@ -516,6 +542,8 @@ static void unpack_block(const uint8_t *row, int64_t nb, int64_t b, int fmt, flo
         float scale[8], minus[8];
         kq_superblock(row + b * SUPERBLOCK_BYTES(fmt), fmt, codes, scale, minus);
         for (int i = 0; i < Q6K_WEIGHTS; i++) w[i] = fmaf(scale[i / QB], (float)codes[i], minus[i / QB]);
+    } else if (HALF_FMT(fmt)) {
+        half_weights(row + b * BLOCK_BYTES(fmt), fmt, w);
     } else {
         float d, m;
         const uint8_t *q;
@@ -555,7 +583,9 @@ static void linear_columns_of(const float *x, int64_t x_s, int64_t R, const void
     case r * 16 + 3: linear_rows(x, x_s, W, 3, K, bias, y, y_s, n0, n1, r); break; \
     case r * 16 + 9: linear_rows(x, x_s, W, 9, K, bias, y, y_s, n0, n1, r); break; \
     case r * 16 + 10: linear_rows(x, x_s, W, 10, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 11: linear_rows(x, x_s, W, 11, K, bias, y, y_s, n0, n1, r); break;
+    case r * 16 + 11: linear_rows(x, x_s, W, 11, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 12: linear_rows(x, x_s, W, 12, K, bias, y, y_s, n0, n1, r); break; \
+    case r * 16 + 13: linear_rows(x, x_s, W, 13, K, bias, y, y_s, n0, n1, r); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     default: break;
@@ -609,13 +639,14 @@ EXPORT int specache_skinny_linear(const float *x, int64_t x_s, int64_t R, const 
     return 0;
 }
 
-/* Whether fmt is a block format and K a row length it takes: 2, 3, 4, 8, 9, 10, 11 (K % 32 == 0), 5, 6, 7 (K % 256 == 0). */
+/* Whether fmt is a block format and K a row length it takes: 2, 3, 4, 8, 9, 10, 11, 12, 13 (K % 32 == 0), 5, 6, 7
+ * (K % 256 == 0). */
 static int valid_blocks(int64_t fmt, int64_t K) {
     return SUPERBLOCK_FMT(fmt) ? K >= Q6K_WEIGHTS && K % Q6K_WEIGHTS == 0 : BLOCK_FMT(fmt) && K >= QB && K % QB == 0;
 }
 
 /* specache_skinny_linear for a packed weight (fmt 4: affine4, 8: scaled8, P as the packers wrote it; 2, 3, 9,
- * 10, 11: the GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 blocks, each row's codes then its scales;
+ * 10, 11: the GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 blocks, each row's codes then its scales; 12, 13: bf16 / fp16 [N, K];
  * 6, 7, 5: the GGUF's Q6_K, Q4_K, Q5_K superblocks, P [N, K / 256 * 210, 144 or 176] bytes). The result equals specache_skinny_linear's
  * on the weight the blocks rebuild (specache_unpack) bit for bit. */
 EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int64_t fmt, int64_t N,

@@ -294,7 +294,8 @@ static void linear_refs(const char *cas, const float *x, const float *w, const u
     const char *kname = !P ? "skinny_linear" : fmt == 4 ? "packed_linear(affine4)" : fmt == 8 ? "packed_linear(scaled8)"
                       : fmt == 6 ? "packed_linear(q6k)" : fmt == 7 ? "packed_linear(q4k)" : fmt == 5 ? "packed_linear(q5k)"
                       : fmt == 2 ? "packed_linear(q4_0)" : fmt == 3 ? "packed_linear(q4_1)" : fmt == 9 ? "packed_linear(q8_0)"
-                      : fmt == 10 ? "packed_linear(q5_0)" : "packed_linear(q5_1)";
+                      : fmt == 10 ? "packed_linear(q5_0)" : fmt == 11 ? "packed_linear(q5_1)"
+                      : fmt == 12 ? "packed_linear(bf16)" : "packed_linear(f16)";
     for (int i = 0; i < nblobs; i++) {
         const Blob *ref = &blobs[i];
         const size_t cl = strlen(cas);
@@ -350,7 +351,8 @@ static void check_skinny(const char *cas) {
 }
 
 /* packed:*  fmt 4 / 8 (packed by the packers, checked against the packing rule's bytes) or 6 / 7 / 5 (GGUF
- * Q6_K / Q4_K / Q5_K blocks: nothing packs them), 2 / 3 / 9 / 10 / 11 (GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 blocks); w the fp32 weight
+ * Q6_K / Q4_K / Q5_K blocks: nothing packs them), 2 / 3 / 9 / 10 / 11 (GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 blocks),
+ * 12 / 13 (bf16 / fp16 weights as they are); w the fp32 weight
  * torch rebuilds, packed its blocks [N, row bytes]. */
 /* specache_unpack rebuilds the weight w [N, K] from the blocks P bit for bit: all rows, and rows 3..6. */
 static void check_unpack(const char *cas, const Blob *w, const Blob *P, int64_t fmt) {
@@ -374,10 +376,11 @@ static void check_packed(const char *cas) {
     const int64_t fmt = geti(cas, "fmt");
     if (missing) return;
     const int64_t N = w->shape[0], K = w->shape[1];
-    if (fmt == 6 || fmt == 7 || fmt == 5 || fmt == 2 || fmt == 3 || fmt == 9 || fmt == 10 || fmt == 11) {
+    if (fmt == 6 || fmt == 7 || fmt == 5 || fmt == 2 || fmt == 3 || fmt == 9 || fmt == 10 || fmt == 11 || fmt == 12
+        || fmt == 13) {
         const int64_t per = fmt == 5 || fmt == 6 || fmt == 7 ? 256 : 32;
         const int64_t size = fmt == 6 ? 210 : fmt == 7 ? 144 : fmt == 5 ? 176 : fmt == 2 ? 18 : fmt == 3 ? 20 : fmt == 9 ? 34
-                           : fmt == 10 ? 22 : 24;
+                           : fmt == 10 ? 22 : fmt == 11 ? 24 : 64;
         check(P->shape[0] == N && P->shape[1] == K / per * size, "%s: blocks of %lld bytes per %lld weights", cas,
               (long long)size, (long long)per);
         check_unpack(cas, w, P, fmt);
