@@ -80,6 +80,27 @@ def test_packed_kernel_equals_fp32_kernel_bit_for_bit(make, rows):
             torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_16bit_weights_decode_natively_as_the_fp32_kernel_on_their_floats(dtype, rows):
+    """A bf16 / fp16 weight held as it is (a GGUF's F16 / BF16 tensor, a folder's 16-bit safetensors): the
+    native kernel reads its 2-byte weights (fmt 12 / 13) and gives the fp32 kernel's result on the converted
+    weight bit for bit, subnormals and the extremes of the range included; K % 32 != 0 declines (tiles)."""
+    from engine.model.linears import DenseWeight
+
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(300, 576, generator=g) * 0.05).to(dtype)
+    w[0, :8] = torch.tensor([torch.finfo(dtype).tiny / 4, -torch.finfo(dtype).tiny / 8, torch.finfo(dtype).max,
+                             -torch.finfo(dtype).max, 0.0, -0.0, 1.0, torch.finfo(dtype).eps], dtype=dtype)
+    x, bias = torch.randn(rows, 576, generator=g) * 1e-3, torch.randn(300, generator=g)
+    held = DenseWeight(w)
+    assert held.nbytes == w.numel() * 2
+    for b in (None, bias):
+        got = held.decode(x, b)
+        assert got is not None and torch.equal(got, native_linear(x, w.float(), b))
+    assert DenseWeight(w[:, :100].contiguous()).decode(x[:, :100], None) is None
+
+
 def test_weights_that_are_not_exact_blocks_stay_unpacked():
     assert pack_weight(torch.randn(64, 128)) is None  # ordinary float weights
     w = affine4_weight(64, 128)
