@@ -12,14 +12,14 @@ once at this machine's read bandwidth, measured as torch.sum over 512 MiB on the
 With --superblocks N (--q6k N) it times instead one decode call of a random GGUF weight [N, 4096] of
 --kind Q6_K (the default; an output layer: N 128256 for a Llama 3 vocabulary), Q5_K, Q4_K, Q4_0, Q4_1,
 Q8_0, Q5_0 or Q5_1 (N 14336: a Llama-3-8B MLP projection) held in the file's own blocks (engine.model.linears.Q6KWeight,
-KQuantWeight, PackedWeight fmt 2 / 3 / 9 / 10 / 11), three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
+KQuantWeight, PackedWeight fmt 2 / 3 / 9 / 10 / 11), or F16 / BF16 held as they are (DenseWeight, fmt 13 / 12), three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
 tiles rebuilt by the native specache_unpack and multiplied, and the native decode kernel on the
 blocks; medians in ms and GB/s of block bytes, and whether the kernel gives the fp32 kernel's floats.
 Q4_K, Q4_0, Q4_1 and Q8_0 add a fourth: the kernel on the affine4 / scaled8 records (fp32 scales) these
 were held in before their own blocks (the same floats, 0.75 / 1.125 bytes a weight).
 
     python scripts/bench_linears.py [--rows 1 2 4 8] [--repeats 7] [--threads 1]
-                                    [--superblocks 128256 [--kind Q6_K|Q5_K|Q4_K|Q4_0|Q4_1|Q8_0|Q5_0|Q5_1]]
+                                    [--superblocks 128256 [--kind Q6_K|Q5_K|Q4_K|Q4_0|Q4_1|Q8_0|Q5_0|Q5_1|F16|BF16]]
 """
 from __future__ import annotations
 
@@ -62,6 +62,10 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 def random_superblocks(kind: str, n: int, k: int, seed: int = 0) -> PackedWeight:
     """A Q4_K / Q5_K / Q6_K weight [n, k] of random blocks, as scripts/make_random_gguf.py writes them."""
     q = GGMLQuantizationType[kind]
+    if kind in ("F16", "BF16"):  # 16-bit weights as they are (a GGUF's F16 / BF16, a folder's safetensors)
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
+        raw = w.to(torch.float16 if kind == "F16" else torch.bfloat16).view(torch.uint8).numpy()
+        return held_from_raw(raw, q, n, k)
     return held_from_raw(random_blocks(q, n, k, np.random.default_rng(seed)), q, n, k)
 
 
@@ -140,7 +144,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--superblocks", "--q6k", type=int, metavar="N",
                     help="time a random GGUF superblock weight [N, 4096] instead (see above)")
-    ap.add_argument("--kind", default="Q6_K", choices=("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"),
+    ap.add_argument("--kind", default="Q6_K", choices=("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1",
+                                                       "F16", "BF16"),
                     help="its format (--superblocks)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

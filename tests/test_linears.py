@@ -99,6 +99,15 @@ def test_16bit_weights_decode_natively_as_the_fp32_kernel_on_their_floats(dtype,
         got = held.decode(x, b)
         assert got is not None and torch.equal(got, native_linear(x, w.float(), b))
     assert DenseWeight(w[:, :100].contiguous()).decode(x[:, :100], None) is None
+    lin = SkinnyLinear(576, 300)  # a prefill chunk in bf16: a bf16 weight multiplies as it is (no tiles)
+    lin.weight, lin.held, lin.bias = None, held, torch.nn.Parameter(bias, requires_grad=False)
+    chunk = torch.randn(80, 576, generator=g)
+    want = torch.nn.functional.linear(chunk.bfloat16(), w.bfloat16() if dtype == torch.bfloat16 else w.float().bfloat16())
+    got = lin.tiled_forward(chunk, torch.bfloat16)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want.float() + bias, rtol=0, atol=0, equal_nan=True)  # row 0: inf - inf
+    else:  # fp16 tiles rebuilt and rounded to bf16
+        torch.testing.assert_close(got, want.float() + bias, rtol=2e-2, atol=2e-2)
 
 
 def test_weights_that_are_not_exact_blocks_stay_unpacked():

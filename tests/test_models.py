@@ -168,3 +168,51 @@ def test_planner_counts_a_gguf_as_held():
     assert weight_bytes(profile, 2) == held["total"] == profile.held_weight_bytes
     assert set(held["by_format"]) == {"q4_1", "q8_0", "float32"}  # the file's own blocks, no fp32 copy of a linear
     assert held["total"] < 0.2 * profile.parameters * 4  # 135M parameters in 97 MB (the file's bytes), not 540
+
+
+@pytest.mark.parametrize("dtype,tied", [("bfloat16", False), ("float16", True)])
+def test_a_16bit_folder_is_held_as_it_is_and_gives_the_fp32_output(tmp_path, embedded_dir, dtype, tied):
+    """A folder of 16-bit safetensors (a Llama here) runs in engine.model.llama's classes with its linears and
+    embedding held as they are (2 bytes a weight, no fp32 copy; the memory check counts that), and gives what
+    transformers' fp32 load of it gives, token for token (decode and <= 64-row prefill chunks take the native
+    kernels, the 16-bit one the fp32 one's result bit for bit)."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from conftest import make_tiny_model
+    from engine.config import CacheConfig, GenerationConfig
+    from engine.generate.engine import Engine, Finished
+    from engine.model.linears import SkinnyLinear, held_bytes
+    from engine.model.llama import CausalLM
+    from engine.model.loading import estimate_weight_bytes, load_model, prepare_model
+
+    tok = AutoTokenizer.from_pretrained(embedded_dir)
+    model = make_tiny_model(vocab=len(tok), max_pos=1024, layers=2)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.bos_token_id, model.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    model.to(getattr(torch, dtype)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    shutil.copy(embedded_dir / "chat_template.jinja", tmp_path / "chat_template.jinja")
+
+    held = load_model(str(tmp_path), device="cpu")
+    ref = load_model(str(tmp_path), device="cpu", dtype="float32", classes="transformers")
+    assert isinstance(held.model, CausalLM) and not isinstance(ref.model, CausalLM)
+    linears = [m for m in held.model.modules() if isinstance(m, SkinnyLinear)]
+    assert linears and all(m.weight is None and m.held.kind == dtype for m in linears)
+    by = held_bytes(held.model)["by_format"]
+    weights = sum(p.numel() for n, p in ref.model.named_parameters() if "norm" not in n)
+    assert by[dtype] == 2 * weights and by["float32"] < 0.01 * by[dtype]  # the norms only
+    assert estimate_weight_bytes(resolve_source(str(tmp_path))) == pytest.approx(held_bytes(held.model)["total"], rel=0.02)
+    assert held.fingerprint.endswith("-held") and not ref.fingerprint.endswith("-held")
+
+    prompt = torch.randint(3, 400, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = []
+    for lm in (held, ref):
+        engine = Engine(prepare_model(lm.model), CacheConfig(mode="full", chunk_size=32))  # exact fp32 prefill
+        runs.append(next(e for e in engine.generate([prompt], GenerationConfig(max_tokens=12))
+                         if isinstance(e, Finished)).tokens[0])
+    assert runs[0] == runs[1] and len(runs[0]) == 12

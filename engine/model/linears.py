@@ -192,6 +192,8 @@ class DenseWeight:
     def rows(self, n0: int, n1: int) -> torch.Tensor:
         return self.w[n0:n1].to(torch.float32)
 
+    torch_rows = rows  # torch's rebuild is its only one (PackedWeight's name for it)
+
     def unpack(self) -> torch.Tensor:
         return self.rows(0, self.shape[0])
 
@@ -355,7 +357,12 @@ class SkinnyLinear(torch.nn.Linear):
         return self.tiled_forward(flat, self.prefill_dtype if fast else None)
 
     def tiled_forward(self, flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        """flat [R, K] @ W^T (+ bias), W rebuilt TILE_ELEMENTS weights at a time (never whole)."""
+        """flat [R, K] @ W^T (+ bias), W rebuilt TILE_ELEMENTS weights at a time (never whole); a weight
+        held in the prefill dtype itself (a bf16 folder's) multiplies as it is, as prefill_forward does."""
+        w16 = getattr(self.held, "w", None)
+        if dtype is not None and w16 is not None and w16.dtype == dtype:
+            y = torch.nn.functional.linear(flat.to(dtype), w16).to(flat.dtype)
+            return y + self.bias if self.bias is not None else y
         n, k = self.held.shape
         step = max(16, self.TILE_ELEMENTS // k // 16 * 16)
         x = flat.to(dtype) if dtype is not None else flat

@@ -38,7 +38,7 @@ from engine.model.gguf_files import (
     read_header,
 )
 from engine.model.llama import FAMILIES, CausalLM, family_config, why_not_own
-from engine.model.linears import HeldEmbedding, SkinnyLinear, cpu_has_native_bf16, use_skinny_linears
+from engine.model.linears import DenseWeight, HeldEmbedding, SkinnyLinear, cpu_has_native_bf16, use_skinny_linears
 from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
 from engine.model.support import attention_modules, check_supported
 from engine.native import release_freed_memory
@@ -117,12 +117,14 @@ def load_model(
     dev = pick_device(device)
     torch_dtype, prefill_dtype = resolve_dtype(dtype, dev)
     path = source.folder if source.gguf is None else ensure_converted(source.gguf, source.name, on_status)
-    own = own_config(path) if source.gguf is not None and classes == "auto" else None
+    own = own_config(path, gguf=source.gguf is not None) if classes == "auto" else None
     try:  # given our config, AutoTokenizer does not build transformers' (engine.model.llama: why)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **({"config": own} if own else {}))
         if source.gguf is not None:
             model = load_gguf_model(source.gguf, path, torch_dtype, held=holds_blocks(dev, dtype), config=own)
         else:
+            model = load_folder_model(path, own, torch_dtype, holds_blocks(dev, dtype)) if own else None
+        if model is None:
             from transformers import AutoModelForCausalLM
 
             register_with_transformers()
@@ -141,7 +143,8 @@ def load_model(
 
 def estimate_weight_bytes(source: ModelSource, dtype: str = "auto") -> int:
     """The weights' bytes once loaded on the CPU, before loading: a GGUF's blocks as held (fp32 with
-    --dtype float32), a folder's weights in fp32 (16-bit files double)."""
+    --dtype float32), a folder's weights as held (16-bit safetensors of engine.model.llama's families as
+    they are, else in fp32: 16-bit files double)."""
     if source.gguf is not None:
         header = read_header(source.gguf)
         if holds_blocks(torch.device("cpu"), dtype) and header.arch in HELD_ARCHITECTURES:
@@ -149,6 +152,8 @@ def estimate_weight_bytes(source: ModelSource, dtype: str = "auto") -> int:
         return sum(int(np.prod(t.ne)) for t in header.tensors.values()) * 4
     config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
     sixteen = str(config.get("torch_dtype") or config.get("dtype") or "").endswith(("float16", "bfloat16"))
+    if sixteen and holds_blocks(torch.device("cpu"), dtype) and own_config(source.folder, gguf=False) is not None:
+        return source.size_bytes  # held as they are (load_folder_model)
     return source.size_bytes * (2 if sixteen else 1)
 
 
@@ -158,14 +163,55 @@ def holds_blocks(device: torch.device, dtype: str) -> bool:
     return device.type == "cpu" and dtype == "auto"
 
 
-def own_config(folder: Path):
-    """The config engine.model.llama runs this converted GGUF folder with, None when it does not (a model
-    type outside its FAMILIES, ...: engine.model.llama.why_not_own) and transformers' classes load it."""
+def own_config(folder: Path, gguf: bool = True):
+    """The config engine.model.llama runs this folder with (a converted GGUF's, or a folder of safetensors
+    files), None when it does not (a model type outside its FAMILIES, ...: engine.model.llama.why_not_own;
+    a folder with .bin weights) and transformers' classes load it."""
+    if not gguf and (not any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
+        return None
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if config.get("model_type") not in FAMILIES:
         return None
     own = family_config(config)
     return own if why_not_own(own) is None else None
+
+
+def load_folder_model(folder: Path, config, dtype: torch.dtype, held: bool) -> torch.nn.Module | None:
+    """A folder's safetensors into engine.model.llama's classes: with held, 16-bit linears and embedding stay
+    as they are (no fp32 copy; DenseWeight, decoded by the native 16-bit kernel), everything else in dtype.
+    None when the files' tensor names are not the model's (transformers' classes load it then)."""
+    from safetensors import safe_open
+
+    config.dtype = dtype
+    with torch.device("meta"):
+        model = CausalLM(config)
+    files = sorted(folder.glob("*.safetensors"))
+    names = {n for f in files for n in safe_open(str(f), "pt").keys()}
+    names -= {n for n in names if n.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    expected = {n for n, _ in model.named_parameters()} - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if names != expected:
+        return None
+    embedding, kept = model.get_input_embeddings(), False
+    for f in files:
+        with safe_open(str(f), "pt") as tensors:
+            for name in sorted(names & set(tensors.keys())):
+                value = tensors.get_tensor(name)
+                module_name, _, attr = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                half = held and attr == "weight" and value.dtype in (torch.bfloat16, torch.float16)
+                if half and module is embedding:
+                    hold_embedding(model, module_name, DenseWeight(value.contiguous()))
+                elif half and isinstance(module, torch.nn.Linear):
+                    hold_linear(module, DenseWeight(value.contiguous()))
+                else:
+                    setattr(module, attr, torch.nn.Parameter(value.to(dtype), requires_grad=False))
+                kept |= half
+    tie_head(model, isinstance(model.get_input_embeddings(), HeldEmbedding))
+    model.specache_held = kept
+    release_freed_memory()
+    return model
 
 
 def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: bool,

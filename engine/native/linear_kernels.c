@@ -124,13 +124,24 @@ INLINE void gguf_block_scales(const uint8_t *row, const int fmt, int64_t nb, int
         for (int i = 0; i < n; i++) m[i] = (fmt == Q40_FMT ? -8.0f : -16.0f) * d[i]; /* exact */
 }
 
-/* 32 bf16 or fp16 weights at h as floats (exact conversions). */
+/* 32 bf16 or fp16 weights at h as floats (exact conversions: a bf16's bits are a float's upper half). */
 INLINE void half_weights(const uint8_t *h, const int fmt, float out[QB]) {
     if (fmt == F16_FMT) {
         halves_to_floats(h, QB, out);
         return;
     }
-    for (int j = 0; j < QB; j++) {
+    int j = 0;
+#if defined(__AVX512F__)
+    for (; j < QB; j += 16)
+        _mm512_storeu_si512(out + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + 2 * j))), 16));
+#elif defined(__AVX2__)
+    for (; j < QB; j += 8)
+        _mm256_storeu_si256((__m256i *)(out + j),
+                            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + 2 * j))), 16));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    for (; j < QB; j += 4) vst1q_u32((uint32_t *)(out + j), vshll_n_u16(vld1_u16((const uint16_t *)(h + 2 * j)), 16));
+#endif
+    for (; j < QB; j++) {
         uint16_t b;
         memcpy(&b, h + 2 * j, 2);
         const uint32_t u = (uint32_t)b << 16;
