@@ -121,6 +121,8 @@ def test_config_has_llama_configs_values(values):
     ({"model_type": "mistral"}, "config.json lacks hidden_act, tie_word_embeddings, rope_parameters, sliding_window"),
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "rope type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "a partial rotary factor"),
 ])
 def test_what_our_llama_does_not_run_loads_in_transformers_classes(tmp_path, change, why):
     values = {"model_type": "llama", **BASE, **change}

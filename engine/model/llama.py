@@ -90,9 +90,11 @@ def why_not_own(config) -> str | None:
         return f"config.json lacks {', '.join(missing)}"
     if config.hidden_act != "silu":
         return f"activation {config.hidden_act!r}"
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope in DYNAMIC_ROPE:
-        return f"rope type {rope!r}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") in DYNAMIC_ROPE:
+        return f"rope type {rope['rope_type']!r}"
+    if rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        return "a partial rotary factor"  # rope_tables rotates every channel
     return None
 
 
