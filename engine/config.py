@@ -16,6 +16,11 @@ ROTATIONS = ("none", "hadamard")  # engine/kvcache/rotation.py (which checks it 
 # took 1 bit from 0.952 / 0.0168 (top-1 / KL) to 0.981 / 0.0018 and 2 bits at k 128 from 0.974 / 0.0034 to
 # 0.978 / 0.0009 (at k 512 0.997 / 0.0004 -> 0.992 / 0.0001: one token in 242, KL 4x lower)
 DEFAULT_ROTATION = {1: "hadamard", 2: "hadamard"}
+# outlier key channels per guide bits, from the same bench (bench-results/fidelity-2bit-k512-outliers.md,
+# fidelity-2bit-k128-outliers.md): 2 bits with 2 took k 512 from 0.992 / 9.0e-5 to 0.997 / 8.8e-5 and k 128 (the
+# CPU default) from 0.978 / 0.0009 to 0.997 / 0.0008, for ~1% more device bytes; 1 bit with 4 helped at k 512
+# (0.981 / 0.0018 -> 0.987 / 0.0015, +2% bytes) but not at k 128 (0.956 / 0.0089 -> 0.952 / 0.0075), so 0
+DEFAULT_OUTLIERS = {1: 0, 2: 2}
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,9 @@ class CacheConfig:
     # default for the bits (DEFAULT_ROTATION, chosen from `bench fidelity`; guide_rotation reads it)
     rotation: str | None = None
     # outlier key channels per KV head held at 4 bits beside the guide (engine/kvcache/outliers.py),
-    # taken out of the keys before the rotation and the 1/2-bit quantizer see them
-    outliers: int = 0
+    # taken out of the keys before the rotation and the 1/2-bit quantizer see them; None: the default for
+    # the bits (DEFAULT_OUTLIERS; guide_outliers reads it)
+    outliers: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefetch not in PREFETCH:
@@ -62,7 +68,7 @@ class CacheConfig:
             raise BadArgument(f"--bits must be 1 or 2, not {self.bits}")
         if self.group not in GROUPS:
             raise BadArgument(f"--group must be one of {', '.join(map(str, GROUPS))}, not {self.group}")
-        if not 0 <= self.outliers <= OUTLIERS_MAX:
+        if self.outliers is not None and not 0 <= self.outliers <= OUTLIERS_MAX:
             raise BadArgument(f"--outliers must be in 0..{OUTLIERS_MAX}, not {self.outliers}")
         if self.k < 0:
             raise BadArgument(f"--k must be >= 0, not {self.k}")
@@ -83,6 +89,11 @@ class CacheConfig:
     def guide_rotation(self) -> str:
         """The guide's rotation: the one set, else the default for the bits."""
         return self.rotation if self.rotation is not None else DEFAULT_ROTATION[self.bits]
+
+    @property
+    def guide_outliers(self) -> int:
+        """The guide's outlier key channels: the number set, else the default for the bits."""
+        return self.outliers if self.outliers is not None else DEFAULT_OUTLIERS[self.bits]
 
     def with_overrides(self, **overrides) -> "CacheConfig":
         """A copy with the given fields replaced (None values are ignored)."""

@@ -451,7 +451,7 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
 
 def fused_cases() -> list[Case]:
     spec = CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=16,
-                       rotation="none")  # the rotations: their own cases below
+                       rotation="none", outliers=0)  # the rotations and the outliers: their own cases below
     base = _fused_case("fused:spec_2bit", None, spec, slice(0, 2), 2, 1, seed=600)
     return [base,
             _fused_case("fused:spec_select_both", base, dataclasses.replace(spec, select_both=True), slice(0, 2), 2, 1,

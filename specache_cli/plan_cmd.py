@@ -144,7 +144,8 @@ def plan_cmd(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
     bits: Optional[int] = typer.Option(None, help="Guide code width, 1 or 2 (default: the model profile's)."),
     group: Optional[int] = typer.Option(None, help="Quantization group size g, 32, 64 or 128 (default: the model's)."),
-    outliers: int = typer.Option(0, help="Outlier key channels per KV head at 4 bits beside the guide, 0..16."),
+    outliers: Optional[int] = typer.Option(None, help="Outlier key channels per KV head at 4 bits beside the guide, "
+                                           "0..16 (default: 2 with 2-bit guides, 0 with 1-bit)."),
     k: Optional[int] = typer.Option(None, "--k", help="Exact positions fetched per layer per KV head "
                                                       "(default: the model profile's)."),
     residual: int = typer.Option(64, help="Exact recent tokens R."),

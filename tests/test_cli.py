@@ -60,6 +60,7 @@ def test_prefetch_defaults_to_current_on_the_cpu_and_can_be_speculative(cli):
     r = cli(*args)
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["cache"]["prefetch"] == "current"  # the host store is this device's own RAM
+    assert json.loads(r.stdout)["cache"]["outliers"] == 2  # the 2-bit default (engine.config.DEFAULT_OUTLIERS)
     r = cli(*args, "--prefetch", "speculative")
     assert r.exit_code == 0, r.stderr
     cache = json.loads(r.stdout)["cache"]
@@ -73,6 +74,9 @@ def test_prefetch_defaults_to_current_on_the_cpu_and_can_be_speculative(cli):
     assert r.exit_code == 0, r.stderr
     cache = json.loads(r.stdout)["cache"]
     assert (cache["bits"], cache["group"], cache["outliers"]) == (1, 128, 4)
+    r = cli(*args[:-4], "--bits", "1")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["cache"]["outliers"] == 0  # the 1-bit default
 
 
 def test_jsonl_one_line_per_document_and_stdin(cli):

@@ -434,7 +434,8 @@ def test_bad_flags(args, message):
 
 @pytest.mark.parametrize("mode,bits,group,k,sinks,outliers", [("full", 2, 64, 0, 4, 0), ("kivi", 1, 32, 0, 0, 0),
                                                              ("specache", 2, 64, 48, 4, 0), ("specache", 1, 32, 16, 2, 0),
-                                                             ("specache", 1, 128, 16, 4, 4), ("kivi", 2, 64, 0, 4, 3)])
+                                                             ("specache", 1, 128, 16, 4, 4), ("kivi", 2, 64, 0, 4, 3),
+                                                             ("specache", 2, 64, 48, 4, None)])  # None: the default
 def test_planner_bytes_per_sequence_equal_the_built_cache(mode, bits, group, k, sinks, outliers):
     """The planner's device bytes per sequence are what a built cache of the same settings allocates
     (tiny GQA model, fp32, a context of whole 64-token blocks), part by part on the device; on a CPU,

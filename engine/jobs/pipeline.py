@@ -166,7 +166,7 @@ class Runner:
                           group=self.cache.group, k=self.cache.k if policy.fetches else None, residual=self.cache.residual,
                           sinks=self.cache.sinks, prefill_chunk=self.cache.chunk_size, batch_limit=rows,
                           parameters=held_parameters(self.lm.model), weights_resident=True,
-                          held_weight_bytes=held_bytes(self.lm.model)["total"], outliers=self.cache.outliers)
+                          held_weight_bytes=held_bytes(self.lm.model)["total"], outliers=self.cache.guide_outliers)
         self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
                      "max_batch_for_context": mp.max_batch, "context": context}
         if policy.fetches:

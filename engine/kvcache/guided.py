@@ -67,7 +67,7 @@ class GuidedLayer(CacheLayer):
         self.sink_v = torch.zeros_like(self.sink_k)
         self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
         self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device, config.guide_rotation,
-                           config.outliers) if self.use_guide else None
+                           config.guide_outliers) if self.use_guide else None
         self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
         # Where the store is the compute device's memory (the CPU), the residual window is the store's
         # positions [qend, qend + W) of each row: every new token's K/V is written there, and nothing is

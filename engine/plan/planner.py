@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.config import GROUPS, OUTLIERS_MAX, CacheConfig
+from engine.config import DEFAULT_OUTLIERS, GROUPS, OUTLIERS_MAX, CacheConfig
 from engine.errors import BadArgument, DoesNotFit
 from engine.kvcache.registry import POLICIES
 from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of this module's API)
@@ -476,7 +476,7 @@ def max_hidden_k(hw: HardwareProfile, m: ModelProfile, s: _Sizing, batch: int, k
 
 def check_settings(context: int, bits: int = 1, group: int = 64, residual: int = 64, sinks: int = 4, k: int = 0,
                    host_ram_bytes: int | None = None, batch_limit: int | None = None, reference: str = "engine",
-                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK, outliers: int = 0) -> None:
+                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK, outliers: int | None = 0) -> None:
     """Raise BadArgument on a setting the planner cannot plan for."""
     if context < 1:
         raise BadArgument(f"--context must be >= 1 token, not {context}")
@@ -484,7 +484,7 @@ def check_settings(context: int, bits: int = 1, group: int = 64, residual: int =
         raise BadArgument(f"--bits must be 1 or 2, not {bits}")
     if group not in GROUPS:
         raise BadArgument(f"--group must be one of {', '.join(map(str, GROUPS))}, not {group}")
-    if not 0 <= outliers <= OUTLIERS_MAX:
+    if outliers is not None and not 0 <= outliers <= OUTLIERS_MAX:  # None: the default for the bits
         raise BadArgument(f"--outliers must be in 0..{OUTLIERS_MAX}, not {outliers}")
     if residual < 1:
         raise BadArgument(f"--residual must be >= 1, not {residual}")
@@ -505,7 +505,8 @@ def check_settings(context: int, bits: int = 1, group: int = 64, residual: int =
 def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int | None = None,
          group: int | None = None, residual: int = 64, sinks: int = 4, k: int | None = None,
          host_ram_bytes: int | None = None, batch_limit: int | None = None, *, reference: str = "engine",
-         prefill_chunk: int = DEFAULT_PREFILL_CHUNK, element_bytes: int | None = None, outliers: int = 0) -> Plan:
+         prefill_chunk: int = DEFAULT_PREFILL_CHUNK, element_bytes: int | None = None,
+         outliers: int | None = None) -> Plan:
     """Plan full cache, KIVI and SpeCache for `context` tokens per sequence.
 
     bits / group / k default to the model profile's defaults (k: its k for the prefetch the engine
@@ -518,6 +519,7 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     """
     bits = model.default_bits if bits is None else bits
     group = model.default_group if group is None else group
+    outliers = DEFAULT_OUTLIERS.get(bits, 0) if outliers is None else outliers  # as CacheConfig.guide_outliers
     if k is None:  # the k of the prefetch the engine uses on this device
         k = model.k_for(device_prefetch(hardware.kind))
     host_ram_bytes = hardware.host_ram_bytes if host_ram_bytes is None else host_ram_bytes
@@ -617,7 +619,7 @@ def plan_for_run(model_config: Any, context: int, mode: str = "specache", *, bit
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, batch_limit: int | None = None,
                  hardware: HardwareProfile | None = None, parameters: int | None = None,
                  weights_resident: bool = False, element_bytes: int | None = None,
-                 held_weight_bytes: int | None = None, outliers: int = 0) -> ModePlan:
+                 held_weight_bytes: int | None = None, outliers: int | None = None) -> ModePlan:
     """Pick the batch size and k for a run: `plan.max_batch`, `plan.k` of the returned ModePlan.
 
     model_config: a ModelProfile, a transformers PretrainedConfig or a config dict.
