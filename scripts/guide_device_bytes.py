@@ -1,8 +1,9 @@
-"""Device bytes of guided 1-bit settings against today's 1-bit k 512, at fixed lengths: the engine's own
-GuidedLayer.device_bytes (exact tail + sinks + fetched set + guide) of a cache built for SmolLM2's shape,
-with 16-bit exact parts (as on a GPU) and 32-bit ones (what `bench fidelity` measures on a CPU).
+"""Device bytes of guided settings against the plain guide at k 512 (no outlier channels) of the same bits, at
+fixed lengths: the engine's own GuidedLayer.device_bytes (exact tail + sinks + fetched set + guide) of a cache
+built for SmolLM2's shape, with 16-bit exact parts (as on a GPU) and 32-bit ones (what `bench fidelity` measures
+on a CPU).
 
-    python scripts/guide_device_bytes.py [--lengths 2232,6421,8058]
+    python scripts/guide_device_bytes.py [--lengths 2232,6421,8058] [--bits 1|2]
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ SETTINGS = {"o4-k512": dict(k=512, outliers=4), "o4-k472": dict(k=472, outliers=
             "o4-k440": dict(k=440, outliers=4), "o2-k476": dict(k=476, outliers=2),
             "g128-k512": dict(k=512, group=128), "g128-o4-k512": dict(k=512, group=128, outliers=4),
             "o4-k496-r16": dict(k=496, outliers=4, residual=16), "o4-k456-r48": dict(k=456, outliers=4, residual=48)}
+SETTINGS_2BIT = {"o2-k512 (the default)": dict(k=512, outliers=2), "o2-k476": dict(k=476, outliers=2),
+                 "o0-k560-r16": dict(k=560, residual=16)}
 
 
 def device_bytes(length: int, k: int, group: int = 64, outliers: int = 0, element_bytes: int = 2, bits: int = 1,
@@ -38,11 +41,15 @@ def device_bytes(length: int, k: int, group: int = 64, outliers: int = 0, elemen
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2232,6421,8058")
-    for length in map(int, ap.parse_args().lengths.split(",")):
-        base = {eb: device_bytes(length, 512, element_bytes=eb) for eb in (2, 4)}
+    ap.add_argument("--bits", type=int, default=1, choices=(1, 2))
+    args = ap.parse_args()
+    settings = SETTINGS if args.bits == 1 else SETTINGS_2BIT
+    for length in map(int, args.lengths.split(",")):
+        base = {eb: device_bytes(length, 512, element_bytes=eb, bits=args.bits) for eb in (2, 4)}
         print(f"{length} tokens: " + " | ".join(
-            f"{name} fp16 {device_bytes(length, element_bytes=2, **kw) / base[2]:.3f} "
-            f"fp32 {device_bytes(length, element_bytes=4, **kw) / base[4]:.3f}" for name, kw in SETTINGS.items()))
+            f"{name} fp16 {device_bytes(length, element_bytes=2, bits=args.bits, **kw) / base[2]:.3f} "
+            f"fp32 {device_bytes(length, element_bytes=4, bits=args.bits, **kw) / base[4]:.3f}"
+            for name, kw in settings.items()))
 
 
 if __name__ == "__main__":
