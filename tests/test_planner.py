@@ -315,8 +315,8 @@ def test_paper_validation_a6000_mistral_32k(a6000, mistral):
 def test_plan_defaults_and_limits(a6000):
     smol = load_model_profile("smollm2-135m")
     p = P.plan(a6000, smol, 4096)
-    assert (p.bits, p.k) == (2, 512)  # the model profile's defaults
-    assert p.mode("specache").k == 512 and p.mode("kivi").k == 0 and p.mode("full").k == 0
+    assert (p.bits, p.k) == (2, 476)  # the model profile's defaults
+    assert p.mode("specache").k == 476 and p.mode("kivi").k == 0 and p.mode("full").k == 0
     assert P.plan(a6000, smol, 4096, batch_limit=5).mode("kivi").max_batch == 5
     assert P.plan(a6000, smol, 4096, batch_limit=5).mode("kivi").limited_by == "batch_limit"
     small = P.plan(a6000, smol, 100, k=1000)
