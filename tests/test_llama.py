@@ -17,7 +17,8 @@ from transformers import LlamaConfig
 from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
 from engine.model.llama import LLAMA_DEFAULTS, CausalLM, family_config, why_not_own
-from engine.model.loading import own_config, prepare_model
+from engine.model.filling import own_config
+from engine.model.loading import prepare_model
 
 BASE = dict(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
