@@ -267,8 +267,13 @@ def _decode_args_text(path: Path) -> str:
 
 
 def test_the_check_declares_the_kernels_decode_args():
-    """kernel_check.c copies guide_kernels.c's DecodeArgs (separate translation units): same fields."""
-    assert _decode_args_text(CHECK) == _decode_args_text(ROOT / "engine" / "native" / "guide_kernels.c")
+    """kernel_check.c and guide_kernels.c take DecodeArgs from the one header (no copy of their own), and the
+    header declares it."""
+    header = ROOT / "engine" / "native" / "decode_args.h"
+    assert _decode_args_text(header)
+    for path in (CHECK, ROOT / "engine" / "native" / "guide_kernels.c"):
+        assert re.search(r'#include "[./]*(engine/native/)?decode_args\.h"', path.read_text()), path
+        assert not re.search(r"\} DecodeArgs;", path.read_text()), f"{path}: a DecodeArgs of its own"
 
 
 def test_reference_files_are_what_the_script_makes(tmp_path):

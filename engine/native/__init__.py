@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
            Path(__file__).with_name("attention_kernels.c"))
-HEADERS = (Path(__file__).with_name("simd.h"),)
+HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("decode_args.h"))
 ABI_VERSION = 9
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
@@ -62,7 +62,7 @@ _PACKED_LINEAR_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64]
 
 
 class DecodeArgs(ctypes.Structure):
-    """Mirror of the C struct DecodeArgs (guide_kernels.c, fused decode attention)."""
+    """Mirror of the C struct DecodeArgs (decode_args.h; guide_kernels.c's fused decode attention)."""
 
     _fields_ = ([(n, _I64) for n in ("B", "H", "G", "T", "D", "S", "K", "bits", "g", "gv", "row0", "select", "keep",
                                      "residual", "nthreads", "select_both", "current")]
