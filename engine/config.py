@@ -23,6 +23,12 @@ DEFAULT_ROTATION = {1: "hadamard", 2: "hadamard"}
 DEFAULT_OUTLIERS = {1: 0, 2: 2}
 
 
+def outliers_for(bits: int, outliers: int | None) -> int:
+    """The outlier key channels a guide of `bits` keeps: `outliers`, else the bits' default (0 for bits that
+    have none: a bad --bits is refused by whoever checks it)."""
+    return outliers if outliers is not None else DEFAULT_OUTLIERS.get(bits, 0)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How the KV cache is kept.
@@ -93,7 +99,7 @@ class CacheConfig:
     @property
     def guide_outliers(self) -> int:
         """The guide's outlier key channels: the number set, else the default for the bits."""
-        return self.outliers if self.outliers is not None else DEFAULT_OUTLIERS[self.bits]
+        return outliers_for(self.bits, self.outliers)
 
     def with_overrides(self, **overrides) -> "CacheConfig":
         """A copy with the given fields replaced (None values are ignored)."""

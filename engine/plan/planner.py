@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.config import DEFAULT_OUTLIERS, GROUPS, OUTLIERS_MAX, CacheConfig
+from engine.config import GROUPS, OUTLIERS_MAX, CacheConfig, outliers_for
 from engine.errors import BadArgument, DoesNotFit
 from engine.kvcache.registry import POLICIES
 from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of this module's API)
@@ -519,7 +519,7 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, bits: int
     """
     bits = model.default_bits if bits is None else bits
     group = model.default_group if group is None else group
-    outliers = DEFAULT_OUTLIERS.get(bits, 0) if outliers is None else outliers  # as CacheConfig.guide_outliers
+    outliers = outliers_for(bits, outliers)  # as CacheConfig.guide_outliers
     if k is None:  # the k of the prefetch the engine uses on this device
         k = model.k_for(device_prefetch(hardware.kind))
     host_ram_bytes = hardware.host_ram_bytes if host_ram_bytes is None else host_ram_bytes
