@@ -40,17 +40,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def limit_tests() -> dict:
-    """tests/test_engine.py and tests/test_verify_stream.py on CUDA; returns pytest's summary line and exit code."""
+def limit_tests(out: Path, timeout: float) -> dict:
+    """The engine's tests that run on CUDA (SPECACHE_TEST_DEVICE=cuda), their output written to
+    out/tests.log as they run; stopped after `timeout` seconds. -> pytest's last line and exit code."""
     env = dict(os.environ, SPECACHE_TEST_DEVICE="cuda")
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_engine.py", "tests/test_verify_stream.py",
-                           "-p", "no:cacheprovider"],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.strip()]
-    if proc.returncode:
-        print(proc.stdout[-4000:], proc.stderr[-2000:], file=sys.stderr)
-    return {"exit_code": proc.returncode, "summary": lines[-1] if lines else "", "seconds": time.perf_counter() - t}
+    log = out / "tests.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
+                                 "tests/test_transfer.py", "tests/test_verify_stream.py", "tests/test_engine.py"],
+                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "timeout"
+    lines = [x for x in log.read_text().splitlines() if x.strip()]
+    return {"exit_code": code, "summary": lines[-1] if lines else "", "seconds": round(time.perf_counter() - t, 1),
+            "failed": [x for x in lines if x.startswith("FAILED")]}
 
 
 def llama3_8b_shape(context: int):
@@ -96,29 +103,40 @@ def prefill_random(engine, cache, batch: int, context: int) -> tuple[list[torch.
     return last, time.perf_counter() - t0
 
 
-def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
-    """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps."""
+def decode_setup(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int):
+    """A cache of `batch` rows prefilled with `context` random tokens, its step loop past the warm-up
+    (T1, pre-decoding, one steady step). -> (cache, step iterator, prefill seconds)."""
     from engine.config import CacheConfig
     from engine.generate.engine import Engine
     from engine.generate.steps import greedy
-    from engine.kvcache.transfer import overlap_share
 
     config = CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
     engine = Engine(model, config)
-    cache = engine.new_cache(batch, context + steps + 4)
+    cache = engine.new_cache(batch, context + steps + 8)
     last, prefill_s = prefill_random(engine, cache, batch, context)
     steps_it = engine.steps(cache, torch.stack(last), greedy)
-    for _ in range(3):  # T1, pre-decoding and one steady step: warm-up
+    for _ in range(3):
         next(steps_it)
     torch.cuda.synchronize()
+    return cache, steps_it, prefill_s
+
+
+def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
+    """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps."""
+    from engine.kvcache.transfer import overlap_share
+
+    cache, steps_it, prefill_s = decode_setup(model, mode, batch, context, steps, chunk, bits, k)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    wall = time.perf_counter()
     start.record()
     for _ in range(steps):
         next(steps_it)
     end.record()
     torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
     step_ms = start.elapsed_time(end) / steps
     steps_it.close()
+    stats = cache.stats()
     cache.close()
     stores = [layer.store for layer in cache.layers if getattr(layer, "store", None) is not None]
     per_step = 0
@@ -126,10 +144,44 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
         shape = cache.shape
         per_step = batch * shape.layers * shape.kv_heads * k * shape.head_dim * 2 * 2  # K and V, fp16
     return {"mode": mode, "batch": batch, "context": context, "prefill_seconds": round(prefill_s, 2),
-            "step_ms": round(step_ms, 2), "tokens_per_second": round(batch * 1000 / step_ms, 2),
+            "prefill_seconds_per_row": round(prefill_s / batch, 2),
+            "step_ms": round(step_ms, 2), "wall_step_ms": round(1000 * wall / steps, 2),
+            "tokens_per_second": round(batch * 1000 / step_ms, 2),
             "overlap_share": overlap_share(stores), "transfer_bytes_per_step": per_step,
+            "prefetch_reuse": stats.get("prefetch_reuse"),
             "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes()}
+            "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes(),
+            "host_bytes_allocated": cache.transfer.host_bytes_allocated()}
+
+
+def profiled_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
+    """torch.profiler over `steps` decode steps: device events (kernels, copies, fills) per step, their
+    summed device time against the wall time of a step, and the most frequent kernels."""
+    from collections import Counter
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cache, steps_it, _ = decode_setup(model, mode, batch, context, steps, chunk, bits, k)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = time.perf_counter()
+        for _ in range(steps):
+            next(steps_it)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - wall
+    steps_it.close()
+    cache.close()
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in device)
+    names = Counter(e.name[:80] for e in device)
+    cpu_ops = Counter(e.name for e in prof.events() if e.device_type == DeviceType.CPU and e.name.startswith("aten::"))
+    return {"mode": mode, "batch": batch, "context": context, "steps": steps,
+            "device_events_per_step": round(len(device) / steps, 1),
+            "device_ms_per_step": round(busy_us / 1000 / steps, 2), "wall_ms_per_step": round(1000 * wall / steps, 2),
+            "device_busy_share": round(busy_us / 1e6 / wall, 3),
+            "top_device_events": [[n, round(c / steps, 1)] for n, c in names.most_common(12)],
+            "top_aten_ops_per_step": [[n, round(c / steps, 1)] for n, c in cpu_ops.most_common(15)],
+            "local_scalar_dense_per_step": round(cpu_ops.get("aten::_local_scalar_dense", 0) / steps, 1)}
 
 
 def exact_equals_full(device: torch.device, lengths: tuple[int, ...] = (300, 517, 1000), new: int = 48) -> dict:
@@ -248,39 +300,34 @@ def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
         "k": p.mode("specache").k, "exact_transfer_per_row": per_row, "hardware": hw.display_name}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-results"))
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--context", type=int, default=None)
-    ap.add_argument("--budget-gb", type=float, default=48.0)
-    ap.add_argument("--bits", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--skip-exact", action="store_true")
-    ap.add_argument("--gamma", type=int, default=4, help="exact mode's draft tokens per verification (timed run)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to do", file=sys.stderr)
-        return 2
-    context = args.context or (4096 if args.quick else 32768)
-    steps = args.steps or (8 if args.quick else 16)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": context,
-              "budget_gb": args.budget_gb, "bits": args.bits}
-    if not args.skip_tests:
-        report["limit_tests"] = limit_tests()
-        print("limit tests:", report["limit_tests"]["summary"], file=sys.stderr)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 1e9 / total))
-    batches = plan_batches(context, args.budget_gb, args.bits, args.chunk)
-    if args.quick:
-        batches |= {"full": min(batches["full"], 2), "specache": min(batches["specache"], 4)}
-    report["planned"] = batches
-    print("planned batches:", batches, file=sys.stderr)
-    model = random_model(llama3_8b_shape(context), torch.device("cuda"))
+STAGES = ("profile", "quick", "paper", "exact", "tests")
+
+
+def save(report: dict, out: Path) -> None:
+    """Write the report so far (a killed run keeps every stage it finished)."""
+    tmp = out / "gpu_check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, out / "gpu_check.json")
+
+
+def stage(report: dict, out: Path, name: str, run) -> None:
+    """Run one stage, keep what it returned (or its error) under report[name], save, say so on stderr."""
+    t = time.perf_counter()
+    try:
+        report[name] = run()
+    except Exception as exc:  # a failed stage is a finding: the next ones still run
+        import traceback
+
+        report[name] = {"error": f"{type(exc).__name__}: {exc}"[:500], "traceback": traceback.format_exc()[-3000:]}
+    report.setdefault("stage_seconds", {})[name] = round(time.perf_counter() - t, 1)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    save(report, out)
+    print(f"[{name}] {json.dumps(report[name])[:1500]}", file=sys.stderr, flush=True)
+
+
+def compare(model, context: int, batches: dict, steps: int, args) -> dict:
+    """full and specache timed at the given batches; specache's tokens/s over full's."""
     runs = []
     for mode in ("full", "specache"):
         try:
@@ -289,31 +336,79 @@ def main() -> int:
             runs.append({"mode": mode, "batch": batches[mode], "error": f"out of memory: {str(exc)[:200]}"})
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        print(runs[-1], file=sys.stderr)
-    report["runs"] = runs
-    if not args.skip_exact:
-        report["exact"] = exact_section(model, batches, context, runs, args)
-    ok = [r for r in runs if "error" not in r]
-    if len(ok) == 2:
-        report["speedup_specache_vs_full"] = round(ok[1]["tokens_per_second"] / ok[0]["tokens_per_second"], 2)
-    tmp = out / "gpu_check.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, out / "gpu_check.json")
-    print(f"\n{'mode':<10}{'batch':>7}{'step ms':>10}{'tok/s':>10}{'overlap':>9}{'MiB/step':>10}{'peak GiB':>10}")
-    for r in runs:
-        if "error" in r:
-            print(f"{r['mode']:<10}{r['batch']:>7}  {r['error'][:60]}")
+        print(runs[-1], file=sys.stderr, flush=True)
+    out = {"planned": batches, "runs": runs}
+    if all("error" not in r for r in runs):
+        out["speedup_specache_vs_full"] = round(runs[1]["tokens_per_second"] / runs[0]["tokens_per_second"], 2)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-results"))
+    ap.add_argument("--context", type=int, default=32768, help="the paper stage's context")
+    ap.add_argument("--budget-gb", type=float, default=48.0)
+    ap.add_argument("--bits", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
+    ap.add_argument("--tests-timeout", type=float, default=150.0)
+    ap.add_argument("--gamma", type=int, default=4, help="exact mode's draft tokens per verification (timed run)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; nothing to do", file=sys.stderr)
+        return 2
+    stages = [x for x in args.stages.split(",") if x]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "budget_gb": args.budget_gb,
+              "bits": args.bits, "stages": stages}
+    save(report, out)
+    total = torch.cuda.get_device_properties(0).total_memory
+    quick_ctx = 4096
+    model = random_model(llama3_8b_shape(max(args.context, quick_ctx)), torch.device("cuda"))
+    quick = {"full": 2, "specache": 4, "exact": 2,
+             "k": plan_batches(quick_ctx, args.budget_gb, args.bits, args.chunk)["k"]}
+    runs = {
+        "tests": lambda: limit_tests(out, args.tests_timeout),
+        "profile": lambda: [profiled_decode(model, mode, 2, quick_ctx, 4, args.chunk, args.bits, quick["k"])
+                            for mode in ("full", "specache")],
+        "quick": lambda: compare(model, quick_ctx, quick, 8, args),
+        "paper": lambda: compare(model, args.context, plan_batches(args.context, args.budget_gb, args.bits, args.chunk),
+                                 args.steps, args),
+        "exact": lambda: exact_section(model, quick | {"exact_transfer_per_row": 0}, quick_ctx,
+                                       report.get("quick", {}).get("runs", []), args),
+    }
+    for name in stages:
+        limit = 1.0 if name == "tests" else min(1.0, args.budget_gb * 1e9 / total)  # the budget: benchmarks only
+        torch.cuda.set_per_process_memory_fraction(limit)
+        stage(report, out, name, runs[name])
+    print_summary(report)
+    return 0
+
+
+def print_summary(report: dict) -> None:
+    """A short table of what ran (stdout)."""
+    for name in ("quick", "paper"):
+        section = report.get(name)
+        if not section or "runs" not in section:
             continue
-        ov = "-" if r["overlap_share"] is None else f"{r['overlap_share']:.3f}"
-        print(f"{r['mode']:<10}{r['batch']:>7}{r['step_ms']:>10.1f}{r['tokens_per_second']:>10.1f}{ov:>9}"
-              f"{r['transfer_bytes_per_step'] / 2**20:>10.1f}{r['peak_device_gib']:>10.1f}")
-    if "speedup_specache_vs_full" in report:
-        print(f"specache / full decode throughput: {report['speedup_specache_vs_full']}x (paper: 4.6x)")
-    exact_ok = True
-    if "exact" in report:
-        exact_ok = print_exact(report["exact"])
-    tests_ok = report.get("limit_tests", {}).get("exit_code", 0) == 0
-    return 0 if tests_ok and len(ok) == 2 and exact_ok else 1
+        print(f"\n{name}: {'mode':<10}{'batch':>7}{'step ms':>10}{'wall ms':>10}{'tok/s':>10}{'overlap':>9}"
+              f"{'prefill/row s':>15}")
+        for r in section["runs"]:
+            if "error" in r:
+                print(f"{'':<7}{r['mode']:<10}{r['batch']:>7}  {r['error'][:60]}")
+                continue
+            ov = "-" if r["overlap_share"] is None else f"{r['overlap_share']:.3f}"
+            print(f"{'':<7}{r['mode']:<10}{r['batch']:>7}{r['step_ms']:>10.1f}{r['wall_step_ms']:>10.1f}"
+                  f"{r['tokens_per_second']:>10.1f}{ov:>9}{r['prefill_seconds_per_row']:>15.2f}")
+        if "speedup_specache_vs_full" in section:
+            print(f"specache / full decode throughput: {section['speedup_specache_vs_full']}x (paper: 4.6x)")
+    for p in report.get("profile", []) if isinstance(report.get("profile"), list) else []:
+        print(f"profile {p['mode']} b{p['batch']} at {p['context']}: {p['device_events_per_step']} device events/step,"
+              f" {p['device_ms_per_step']} ms device in {p['wall_ms_per_step']} ms wall")
+    if isinstance(report.get("exact"), dict) and "equals_full" in report["exact"]:
+        print_exact(report["exact"])
 
 
 def exact_section(model, batches: dict, context: int, runs: list[dict], args) -> dict:
@@ -322,12 +417,12 @@ def exact_section(model, batches: dict, context: int, runs: list[dict], args) ->
     full run above had another batch)."""
     out = {"equals_full": exact_equals_full(torch.device("cuda"))}
     print("exact == full:", out["equals_full"], file=sys.stderr)
-    batch = max(1, min(batches["full"], 2 if args.quick else 4))
-    cycles = 3 if args.quick else 4
+    batch = max(1, min(batches["full"], 2))
+    cycles = 3
     full = next((r for r in runs if r["mode"] == "full" and r["batch"] == batch and "error" not in r), None)
     try:
         if full is None:
-            full = timed_decode(model, "full", batch, context, args.steps or 8, args.chunk, args.bits, batches["k"])
+            full = timed_decode(model, "full", batch, context, 8, args.chunk, args.bits, batches["k"])
         run = timed_exact(model, batch, context, cycles, args.chunk, args.bits, batches["k"], args.gamma,
                           batches["exact_transfer_per_row"])
         run["full_ms_per_token"] = full["step_ms"]

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "specache_cli", "profiles")
 # the data flow, bottom to top: a module may import its own layer and those before it
 LAYERS = [
-    {"engine", "engine.errors", "engine.config", "engine.paths"},
+    {"engine", "engine.errors", "engine.config", "engine.paths", "engine.machine"},
     {"engine.native"},
     {"engine.inputs"},
     {"engine.model"},

@@ -180,7 +180,8 @@ def test_staged_greedy_exact_equals_in_place_and_dynamic_cache(tiny_model):
     assert staged.cache_stats["verify_copy_bytes"] == verify.copied_bytes // verify.passes > 0
     share = staged.cache_stats["verify_overlap_share"]
     assert share is None if tiny_model.device.type == "cpu" else 0 <= share <= 1  # measured on CUDA only
-    assert plain.cache_stats["verify_copy_bytes"] is None
+    if tiny_model.device.type == "cpu":  # (on CUDA every verification is staged)
+        assert plain.cache_stats["verify_copy_bytes"] is None
 
 
 def test_a_verify_stream_belongs_to_one_transfer():

@@ -39,4 +39,5 @@ def make_cache(model_config, config: CacheConfig, batch: int, max_len: int,
     transfer = Transfer(device)
     layers = [cls.build(shape, config, batch, max_len, dtype, device, transfer, w)
               for cls, w in layer_classes(model_config, config)]
+    transfer.pin_host()  # CUDA: the exact store pinned at its bytes, or DoesNotFit before anything is pinned
     return KVCache(layers, shape, config, batch, max_len, device, transfer)

@@ -60,6 +60,8 @@ class ExactLayer(SpecacheLayer):
     def speculates(cls, config: CacheConfig) -> bool:
         return False  # its drafts pick their own sets (prefetch "current")
 
+    store_on_update = True  # a verification reads every committed position from the store
+
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
         super().__init__(shape, replace(config, prefetch="current"), batch, max_len, dtype, device, transfer)
@@ -86,6 +88,7 @@ class ExactLayer(SpecacheLayer):
         if not self.verify.staged:
             keys, values = self.store.k[step.rows, :, :length], self.store.v[step.rows, :, :length]
             if keys.device != q.device:  # CUDA with stream_verify off: a plain copy on the compute stream
+                self.store.transfer.host_ready()  # (after the store's own copies of the new tokens)
                 keys, values = keys.to(q.device, non_blocking=True), values.to(q.device, non_blocking=True)
             return exact_attention(q, keys, values, scaling, step, self.shape, softcap)
         keys, values = self.verify.acquire(self.index, step.rows)  # [B, H_kv, L, D]: the past of [0, max(start))

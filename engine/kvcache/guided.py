@@ -55,6 +55,10 @@ class GuidedLayer(CacheLayer):
     and its window (engine/kvcache/specache.py, kivi.py, window.py)."""
 
     quantizes, guided = True, True
+    # where the residual window has buffers of its own (CUDA), committed tokens enter the host store when
+    # they leave the window (after_step: one copy per row and KV head a group, not a step); True: at once
+    # (exact mode: its verification reads every committed position from the store)
+    store_on_update = False
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer, *, topk: int, use_guide: bool, residual: int, group: int):
@@ -66,6 +70,7 @@ class GuidedLayer(CacheLayer):
         self.sink_k = torch.zeros(batch, h, sink_slots(self.sinks), d, dtype=dtype, device=device)  # [B, H_kv, S, D]
         self.sink_v = torch.zeros_like(self.sink_k)
         self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
+        self.qend_host = [0] * batch  # the same on the host: read by every pass without a device sync
         self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device, config.guide_rotation,
                            config.guide_outliers) if self.use_guide else None
         self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
@@ -82,18 +87,19 @@ class GuidedLayer(CacheLayer):
         self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
         self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
+        self.stored = [0] * batch  # per row: positions [0, stored) are in the host store (flush_to_store)
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
         """Store the new tokens' K/V [b, H_kv, T, D]: host store, sinks, residual buffer.
         Each row's new positions are contiguous, so every write is a slice copy."""
         t = k.shape[2]
-        starts, qends = step.starts, self.qend[step.rows].tolist()
+        starts, qends = step.starts, self.qend_host[step.rows]
         for i, (p0, q0) in enumerate(zip(starts, qends)):
             r = step.rows.start + i
             if self.res_in_store:  # the residual window is the store: every new token goes in (positions past
                 self.store.write_span(r, p0, k[i], v[i])  # the committed length are rewritten before they count)
-            elif self.store is not None and step.keep and not step.draft:  # only committed tokens enter the store
+            elif self.store is not None and self.store_on_update and step.keep and not step.draft:  # committed only
                 self.store.write_span(r, p0, k[i, :, : step.keep], v[i, :, : step.keep])
             s_end = min(self.sinks, p0 + t)
             if p0 < s_end:
@@ -103,19 +109,23 @@ class GuidedLayer(CacheLayer):
                 self.res_k[r, :, p0 - q0 : p0 - q0 + t] = k[i]
                 self.res_v[r, :, p0 - q0 : p0 - q0 + t] = v[i]
 
-    def boundaries(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Each row's quantized prefix for these lengths [B] (what qend becomes after after_step)."""
-        return quant_boundary(lengths, self.residual, self.group)
+    def boundaries(self, lengths: list[int]) -> list[int]:
+        """Each row's quantized prefix for these lengths (what qend becomes after after_step)."""
+        return [quant_boundary(n, self.residual, self.group) for n in lengths]
 
-    def after_step(self, step: Step, lengths: torch.Tensor) -> None:
-        """After a pass is committed: quantize the groups that left the residual window."""
-        new_q = self.boundaries(lengths)
+    def after_step(self, step: Step, new_q: list[int]) -> None:
+        """After a pass is committed: quantize the groups that left the residual window (new_q: each
+        row's boundary now, boundaries() of the committed lengths)."""
         for row in range(step.rows.start, step.rows.stop):
-            old, new = int(self.qend[row]), int(new_q[row])
+            old, new = self.qend_host[row], new_q[row]
             if new <= old:
                 continue
+            if self.res_in_store:
+                k, v = self.store.read(row, old, new) if self.guide is not None else (None, None)
+            else:  # the group's exact K/V are the residual buffer's slots [0, new - old): the store and the
+                self.flush_to_store(row, new)  # guide take them from there (CUDA: nothing copied back from the host)
+                k, v = self.res_k[row : row + 1, :, : new - old], self.res_v[row : row + 1, :, : new - old]
             if self.guide is not None:
-                k, v = self.store.read(row, old, new)
                 self.guide.add(row, old, k, v)
             if not self.res_in_store:  # drop the quantized tokens from the residual buffer
                 shift = new - old
@@ -123,13 +133,26 @@ class GuidedLayer(CacheLayer):
                 self.res_k[row, :, :keep] = self.res_k[row, :, shift:].clone()
                 self.res_v[row, :, :keep] = self.res_v[row, :, shift:].clone()
             self.qend[row] = new
+            self.qend_host[row] = new
+
+    def flush_to_store(self, row: int, upto: int) -> None:
+        """Where the residual window has buffers of its own (CUDA) and the store is written as positions
+        leave it (store_on_update False): copy row's committed positions [stored, upto) from the residual
+        buffer into the host store, once each (after_step; a speculative fetch of a group about to leave)."""
+        done = self.stored[row]
+        if self.res_in_store or self.store is None or self.store_on_update or upto <= done:
+            return
+        q0 = self.qend_host[row]
+        self.store.write_span(row, done, self.res_k[row, :, done - q0 : upto - q0],
+                              self.res_v[row, :, done - q0 : upto - q0])
+        self.stored[row] = upto
 
     def residual_kv(self, rows: slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n slots of rows' residual windows, positions [qend, qend + n) of each row
         -> K, V [b, H_kv, n, D] (views, but a copy for several rows whose windows are in the store)."""
         if not self.res_in_store:
             return self.res_k[rows, :, :n], self.res_v[rows, :, :n]
-        qends = self.qend[rows].tolist()
+        qends = self.qend_host[rows]
         if len(qends) == 1:
             q = qends[0]
             return self.res_k[rows, :, q : q + n], self.res_v[rows, :, q : q + n]
@@ -143,8 +166,10 @@ class GuidedLayer(CacheLayer):
         own = (self.sink_k, self.sink_v) + (() if self.res_in_store else (self.res_k, self.res_v))
         for t in (*own, self.qend, self.fidx, self.fvalid):
             t[dst] = t[src]
+        self.stored[dst], self.qend_host[dst] = self.stored[src], self.qend_host[src]
         if self.store is not None:
             self.store.settle()  # CUDA: a prefetch into the fetched set may be in flight
+            self.store.transfer.host_ready()  # and copies into the pinned store
             self.store.fk[dst], self.store.fv[dst] = self.store.fk[src], self.store.fv[src]
             self.store.k[dst, :, :length] = self.store.k[src, :, :length]
             self.store.v[dst, :, :length] = self.store.v[src, :, :length]
@@ -154,9 +179,12 @@ class GuidedLayer(CacheLayer):
     def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
         """Row `row`'s state after `length` committed tokens (views): quantized boundary, sinks,
         residual buffer, exact host store and guide. Nothing else depends on the past tokens."""
-        qend = int(self.qend[row])
+        qend = self.qend_host[row]
         s = min(self.sinks, length)
         rk, rv = self.residual_kv(slice(row, row + 1), length - qend)
+        if self.store is not None:
+            self.flush_to_store(row, length)  # (positions enter the store as they leave the window: all of them)
+            self.store.transfer.host_ready()  # CUDA: the store's copies are done before the CPU reads it
         out = {"qend": self.qend[row : row + 1], "sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],
                "res_k": rk[0], "res_v": rv[0]}
         if self.store is not None:
@@ -176,7 +204,9 @@ class GuidedLayer(CacheLayer):
             raise ValueError("the residual window does not fit this cache")
         if not check:
             self.qend[row] = qend
+            self.qend_host[row] = qend
             self.fvalid[row] = False
+            self.stored[row] = length
         s = min(self.sinks, length)
         r0 = qend if self.res_in_store else 0  # (the same memory as the store's positions, written twice alike)
         views = {"sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],
@@ -220,7 +250,7 @@ class GuidedLayer(CacheLayer):
         causal block (split_prefill_attention), elsewhere one SDPA call with a shared mask."""
         row = step.rows.start
         start, t = step.starts[0], step.n_new
-        qend = int(self.qend[row])
+        qend = self.qend_host[row]
         if self.store is not None:
             k_past, v_past = self.store.read(row, 0, qend)
         else:  # window mode keeps no store: sinks and the window are all there is
@@ -234,12 +264,14 @@ class GuidedLayer(CacheLayer):
             if step.compute == torch.bfloat16 and qend == k_past.shape[2]:  # the pieces tile [0, start + t)
                 out = native_prefill_attention(q, [(k_past, v_past), (rk, rv)], scaling, start)
             if out is None:
-                if self.store is not None:  # it holds every committed position, the residual ones too: the past
+                if self.store is not None and (self.res_in_store or self.store_on_update):  # it holds every
+                    # committed position, the residual ones too (else they enter it as they leave the window): the past
                     # as one piece [0, start), as the full cache has it, so the same floats (a third merged part
                     # rounds otherwise, and a bf16 prefill's linears amplify that to 0.3 in the logits: exact /
                     # k >= context != full wherever the native bf16 kernel is missing)
                     past = [self.store.read(row, 0, start)]
-                else:  # window mode: the sinks and the residual positions before the chunk, one piece
+                else:  # the sinks (window mode) or the store's quantized prefix, and the residual positions before
+                    # the chunk, as one piece
                     past = [(torch.cat([k_past, rk[:, :, :recent]], dim=2), torch.cat([v_past, rv[:, :, :recent]], dim=2))]
                 out = split_prefill_attention(q, past, rk[:, :, recent : recent + t], rv[:, :, recent : recent + t],
                                               scaling)
@@ -270,7 +302,8 @@ class GuidedLayer(CacheLayer):
             self.fused = self.fused or FusedDecode(self)
             return ungroup_output(self.fused(qg, scaling, step).to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
-        nq = int(qend.max()) if self.use_guide else 0
+        qends = self.qend_host[rows]  # (the same on the host)
+        nq = max(qends) if self.use_guide else 0
         dev = q.device
         cols = torch.arange(nq + 1, device=dev)  # guide columns plus one trash column at nq
         # 1. guide region scores [b, H_kv, GT, nq + 1]
@@ -284,7 +317,7 @@ class GuidedLayer(CacheLayer):
             scores[..., :s] = sink_scores
         scores = soft_cap(scores, softcap)
         # 3. residual + new tokens, exact and causal
-        n_res = int((step.start + t - qend).max())
+        n_res = max(p0 + t - q0 for p0, q0 in zip(step.starts, qends))
         rk, rv = self.residual_kv(rows, n_res)
         rscores = soft_cap((qg @ rk.transpose(-1, -2)).float() * scaling, softcap)  # [b, H_kv, GT, n_res]
         rpos = qend[:, None] + torch.arange(n_res, device=dev)  # [b, n_res] absolute positions

@@ -53,8 +53,11 @@ def guide_bytes(shape, tokens: int, bits: int, group: int, layers: int | None = 
     return math.ceil(total)
 
 
-def quant_boundary(length: torch.Tensor, residual: int, group: int) -> torch.Tensor:
-    """Positions below the returned value are quantized: whole groups that left the residual window."""
+def quant_boundary(length: torch.Tensor | int, residual: int, group: int) -> torch.Tensor | int:
+    """Positions below the returned value are quantized: whole groups that left the residual window
+    (a tensor of lengths, or one length as an int: the host's copy, read without a device sync)."""
+    if isinstance(length, int):
+        return max(length - residual, 0) // group * group
     return ((length - residual).clamp(min=0) // group) * group
 
 

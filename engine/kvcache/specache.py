@@ -30,6 +30,7 @@ class SpecacheLayer(GuidedLayer):
                          residual=config.residual, group=config.group)
         self.hits = self.hit_total = 0  # prefetch hit counts (config.measure_hits)
         self.reused = self.reuse_total = 0  # corrected sets: slots the prefetch had brought, slots in all
+        # (device tensors once counted: summed on the device, read once by run_stats)
 
     def count_hits(self, qg, rscores, idx, step: Step, nq: int, scaling: float) -> None:
         """Prefetch hit rate: the share of the output token's exact top-k guide positions (by exact
@@ -37,6 +38,7 @@ class SpecacheLayer(GuidedLayer):
         attention over the exact store, so only when asked for."""
         b, h, g, t = qg.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
         rows = step.rows
+        self.store.transfer.host_ready()
         k_exact = self.store.k[rows, :, :nq].to(qg.device)  # [b, H_kv, nq, D]
         q0 = qg.view(b, h, g, t, -1)[:, :, :, 0]  # the output token's queries [b, H_kv, G, D]
         exact = (q0 @ k_exact.transpose(-1, -2)).float() * scaling  # [b, H_kv, G, nq]
@@ -79,13 +81,14 @@ class SpecacheLayer(GuidedLayer):
             self.fvalid[rows] = False
             return
         idx, valid = self.top_positions(self.own_attention(scores, rscores, step, nq), qend)
-        reused = self.store.correct(rows, idx, self.fidx[rows], self.fvalid[rows])
+        reused = self.store.correct(rows, idx, self.fidx[rows], self.fvalid[rows], nq)
         if step.n_new > 1:  # a two-token step (the pre-decoding pass has no prefetched set yet)
-            self.count_reuse(int((reused & valid).sum()), int(valid.sum()))
+            self.count_reuse((reused & valid).sum(), valid.sum())
         self.fidx[rows], self.fvalid[rows] = idx, valid
 
-    def count_reuse(self, reused: int, total: int) -> None:
-        """Add one corrected pass's counts: slots the prefetch had brought, valid slots in all."""
+    def count_reuse(self, reused, total) -> None:
+        """Add one corrected pass's counts (ints or device scalars): slots the prefetch had brought, valid
+        slots in all."""
         self.reused += reused
         self.reuse_total += total
 
@@ -96,13 +99,15 @@ class SpecacheLayer(GuidedLayer):
         rows = step.rows
         p = probs.view(b, h, g, t, -1)
         p = p.sum(dim=(2, 3)) if self.config.select_both else p[:, :, :, step.select].sum(dim=2)  # [b, H_kv, cols]
-        next_len = step.start + step.keep
-        next_q = quant_boundary(next_len, self.residual, self.group)  # [b]
-        span = int(next_q.max())
+        bounds = [quant_boundary(n + step.keep, self.residual, self.group) for n in step.starts]  # (host)
+        span = max(bounds)
         if span <= self.sinks:
             self.fvalid[rows] = False
             return
-        if bool((next_q > qend).any()):  # a group leaves the residual window: its positions become candidates
+        next_q = quant_boundary(step.start + step.keep, self.residual, self.group)  # [b] (the same, on the device)
+        if any(n > q for n, q in zip(bounds, self.qend_host[rows])):  # a group leaves the residual window: its
+            for i, bound in enumerate(bounds):  # positions become candidates (and enter the store now)
+                self.flush_to_store(rows.start + i, bound)
             cand = torch.full((b, h, span + n_res), -1.0, device=p.device)  # absolute positions (+ spill)
             cand[..., : min(nq, span)] = p[..., : min(nq, span)]
             cand.scatter_(-1, rpos[:, None, :].expand(-1, h, -1), p[..., nq + 1 :])
@@ -145,7 +150,7 @@ class SpecacheLayer(GuidedLayer):
         if self.config.measure_hits:
             hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
             stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
-        reused, total = sum(x.reused for x in layers), sum(x.reuse_total for x in layers)
+        reused, total = int(sum(x.reused for x in layers)), int(sum(x.reuse_total for x in layers))
         if total:  # corrected speculative sets: the share the prefetch had brought in time
             stats["prefetch_reuse"] = round(reused / total, 4)
         return stats

@@ -25,6 +25,12 @@ import threading
 import numpy as np
 import torch
 
+from engine.errors import DoesNotFit
+from engine.machine import pinnable_bytes
+
+GIB = 2**30
+CUDA_HOST_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped (a device address too)
+
 WHOLE_ROWS_WASTE = 0.125  # verification copy: whole store rows in one copy when at most this share is unused
 
 
@@ -48,6 +54,52 @@ class Transfer:
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._worker: PrefetchWorker | None = None
         self.verify: VerifyStream | None = None  # exact mode's, made by its first layer (verify_stream)
+        self.host_tensors: list[torch.Tensor] = []  # the exact host store's tensors (host_tensor), all layers
+        self._mappings: list[HostMapping] = []  # their memory
+        self._registered: list[HostMapping] = []  # CUDA: those pinned by pin_host(), unpinned by close()
+
+    def host_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero host tensor of the exact store, exactly its bytes (untouched_zeros: an anonymous mapping,
+        resident only where written). On CUDA pin_host() pins them all at once, after the cache is built:
+        torch's pinned caching allocator would round every block up to a power of two (22 rows of 32k
+        tokens: 2 GiB asked, 4 GiB taken, per layer and K/V)."""
+        t, mapping = mapped_zeros(shape, dtype)
+        self.host_tensors.append(t)
+        if mapping is not None:
+            self._mappings.append(mapping)
+        return t
+
+    def host_bytes_allocated(self) -> int:
+        """Bytes of the exact store's host tensors (what the planner counts as host bytes)."""
+        return sum(t.numel() * t.element_size() for t in self.host_tensors)
+
+    def pin_host(self, available: int | None = None) -> None:
+        """CUDA: page-lock the store's host tensors in place (cudaHostRegister, mapped: copies from them run
+        asynchronously and a kernel may read them), after checking that they fit in the RAM that may be
+        pinned (engine.machine.pinnable_bytes: what is available less the planner's reserve). Raises
+        DoesNotFit, pinning nothing, when they do not. Nothing to do on the CPU."""
+        if not self.cuda or not self.host_tensors:
+            return
+        need = self.host_bytes_allocated()
+        room = pinnable_bytes() if available is None else available
+        if need > room:
+            raise DoesNotFit(f"the exact host store needs {need / GIB:.1f} GiB of pinned RAM and "
+                             f"{max(room, 0) / GIB:.1f} GiB can be pinned now (RAM available less a "
+                             "reserve): lower --batch or the context")
+        for mapping in self._mappings:
+            if not mapping.pin():
+                self.unpin_host()
+                raise DoesNotFit(f"pinning {mapping.nbytes / GIB:.1f} GiB of the exact host store failed: lower "
+                                 "--batch or the context")
+            self._registered.append(mapping)
+
+    def unpin_host(self) -> None:
+        """Undo pin_host (the tensors stay valid, as pageable memory)."""
+        if self._registered:
+            torch.cuda.synchronize(self.device)  # no copy from or to them is in flight
+            for mapping in self._registered:
+                mapping.unpin()
+            self._registered = []
 
     def verify_stream(self) -> "VerifyStream":
         """The cache's one VerifyStream (exact mode), made on the first call."""
@@ -69,10 +121,17 @@ class Transfer:
         self._worker.submit(job)
 
     def close(self) -> None:
-        """Finish queued jobs and end the worker thread (idempotent)."""
+        """Finish queued jobs, end the worker thread and unpin the store (idempotent)."""
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        self.unpin_host()
+
+    def host_ready(self) -> None:
+        """CUDA: wait for the copies queued into the pinned store (HostStore.write_span is asynchronous)
+        before the CPU reads it (a document-store export, a row copy, the hit-rate count)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class HostStore:
@@ -84,10 +143,8 @@ class HostStore:
         self.cuda = device.type == "cuda"
         self.transfer = transfer
         shape = (batch, kv_heads, max_len, head_dim)
-        host = (lambda: torch.zeros(shape, dtype=dtype, pin_memory=True)) if self.cuda else \
-            (lambda: untouched_zeros(shape, dtype))
-        self.k = host()  # [B, H_kv, L, D] host
-        self.v = host()
+        self.k = transfer.host_tensor(shape, dtype)  # [B, H_kv, L, D] host (pinned on CUDA: Transfer.pin_host)
+        self.v = transfer.host_tensor(shape, dtype)
         fshape = (batch, kv_heads, max(k_max, 1), head_dim)
         # the fetched set on the device: exact K/V of the selected positions, [B, H_kv, k, D] (on the CPU
         # the fused decode of prefetch "current" reads the store in place and never touches it)
@@ -105,17 +162,31 @@ class HostStore:
         self.pending = False
 
     def write_span(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one row's new tokens at positions [start, start + T): k/v [H_kv, T, D] (device) -> host."""
+        """Store one row's new tokens at positions [start, start + T): k/v [H_kv, T, D] (device) -> host.
+        On CUDA one asynchronous copy per KV head into the pinned store (each head's span is contiguous
+        there; a strided copy would go through a pageable temporary, synchronously): readers on the CPU
+        wait for them first (Transfer.host_ready)."""
         end = start + k.shape[1]
-        self.k[row, :, start:end] = k.to("cpu") if self.cuda else k
-        self.v[row, :, start:end] = v.to("cpu") if self.cuda else v
+        if not self.cuda:
+            self.k[row, :, start:end] = k
+            self.v[row, :, start:end] = v
+            return
+        for h in range(k.shape[0]):
+            self.k[row, h, start:end].copy_(k[h], non_blocking=True)
+            self.v[row, h, start:end].copy_(v[h], non_blocking=True)
 
     def read(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K/V of one row's positions [start, end) on the compute device. -> [1, H_kv, n, D] each."""
+        """Exact K/V of one row's positions [start, end) on the compute device. -> [1, H_kv, n, D] each
+        (CUDA: one asynchronous copy per KV head from the pinned store, as write_span)."""
         k, v = self.k[row : row + 1, :, start:end], self.v[row : row + 1, :, start:end]
-        if self.cuda:
-            return k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
-        return k, v
+        if not self.cuda:
+            return k, v
+        out_k = torch.empty(k.shape, dtype=k.dtype, device=self.device)
+        out_v = torch.empty_like(out_k)
+        for h in range(k.shape[1]):
+            out_k[0, h].copy_(k[0, h], non_blocking=True)
+            out_v[0, h].copy_(v[0, h], non_blocking=True)
+        return out_k, out_v
 
     def prefetch(self, rows: slice, idx: torch.Tensor) -> None:
         """Start fetching the exact K/V at idx [b, H_kv, k] (positions) into the device fetched set."""
@@ -166,13 +237,16 @@ class HostStore:
             self.pending = False
         return self.fk[rows], self.fv[rows]
 
-    def correct(self, rows: slice, idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor) -> torch.Tensor:
+    def correct(self, rows: slice, idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor,
+                bound: int) -> torch.Tensor:
         """Make the fetched set hold the exact K/V at idx [b, H_kv, k] now (a synchronous fetch), reusing the
         rows that the prefetch of old_idx (valid where old_valid) brought: only the missing positions cross
-        from the host. -> reused [b, H_kv, k] bool: the slots the prefetch had already brought."""
+        from the host. bound: every position in idx and old_idx is below it. -> reused [b, H_kv, k] bool: the
+        slots the prefetch had already brought."""
         n = idx.shape[-1]
         fk, fv = self.fetched(rows)
-        k, v, reused = corrected_rows(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx, old_valid)
+        k, v, reused = corrected_rows(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx, old_valid,
+                                      bound)
         fk[:, :, :n], fv[:, :, :n] = k, v
         return reused
 
@@ -318,15 +392,49 @@ def copy_prefix(dst: torch.Tensor, src: torch.Tensor, n: int, whole_rows_waste: 
     return b * h * n * d * src.element_size()
 
 
-def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+class HostMapping(mmap.mmap):
+    """Anonymous private memory (as malloc's) that CUDA may pin in place (cudaHostRegister, mapped:
+    asynchronous copies, and kernels may read it). Unpinned before it is unmapped, also when dropped
+    without unpin() (a registration outliving its mapping would refuse the next one at that address)."""
+
+    address = nbytes = 0
+    pinned = False
+
+    def pin(self) -> bool:
+        """Page-lock it. -> whether CUDA did."""
+        if not self.pinned:
+            err = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+            self.pinned = int(err) == 0
+        return self.pinned
+
+    def unpin(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.pinned = False
+
+    def __del__(self) -> None:
+        if self.pinned:
+            torch.cuda.synchronize()  # no copy from or to it is in flight
+            self.unpin()
+
+
+def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, HostMapping | None]:
     """A zero CPU tensor in memory of its own mapping (anonymous mmap: page-aligned, the system's zero
-    pages until written, returned to the system when the tensor is freed). torch.zeros writes every
-    byte, so a store planned for prompt + max_tokens would be resident in full from the start; this one
-    costs resident memory only for the positions a run writes."""
+    pages until written, returned to the system when the tensor is freed), and that mapping (None for
+    an empty tensor). torch.zeros writes every byte, so a store planned for prompt + max_tokens would be
+    resident in full from the start; this one costs resident memory only for the positions a run writes."""
     nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
     if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+        return torch.zeros(shape, dtype=dtype), None
+    mapping = HostMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+    mapping.address, mapping.nbytes = t.data_ptr(), nbytes
+    return t, mapping
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """mapped_zeros' tensor."""
+    return mapped_zeros(shape, dtype)[0]
 
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
@@ -342,14 +450,15 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None
 
 
 def corrected_rows(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor, idx: torch.Tensor,
-                   old_idx: torch.Tensor, old_valid: torch.Tensor):
+                   old_idx: torch.Tensor, old_valid: torch.Tensor, bound: int | None = None):
     """The exact K/V rows at positions idx [b, H_kv, k]: from the fetched rows fk/fv [b, H_kv, k, D] (of
     positions old_idx where old_valid) where they hold the position, else from the host store host_k/v
     [b, H_kv, L, D], only those crossing to the fetched rows' device (compacted: missing slots first,
-    as many as the most of any head). -> (k rows, v rows [b, H_kv, k, D], reused [b, H_kv, k] bool)."""
+    as many as the most of any head); bound: above every position of idx and old_idx (else read from them).
+    -> (k rows, v rows [b, H_kv, k, D], reused [b, H_kv, k] bool)."""
     b, h, n = idx.shape
     d, dev = fk.shape[-1], fk.device
-    top = int(max(int(idx.max()), int(old_idx.max()))) + 1  # one trash column at `top` for unused slots
+    top = bound if bound is not None else int(max(int(idx.max()), int(old_idx.max()))) + 1  # a trash column there
     slot = torch.full((b, h, top + 1), -1, dtype=torch.long, device=dev)  # position -> slot holding it
     slot.scatter_(-1, torch.where(old_valid, old_idx, top), torch.arange(old_idx.shape[-1], device=dev).expand(b, h, -1))
     where = slot.gather(-1, idx)  # [b, H_kv, k]

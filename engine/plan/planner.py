@@ -17,12 +17,12 @@ Public entry points:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import GROUPS, OUTLIERS_MAX, CacheConfig, outliers_for
 from engine.errors import BadArgument, DoesNotFit
+from engine.machine import HOST_RESERVE_FRACTION, host_usable_bytes, machine_ram_bytes  # noqa: F401 (API)
 from engine.kvcache.registry import POLICIES
 from engine.kvcache.sizes import (  # noqa: F401  (the size formulas are part of this module's API)
     FETCH_BUFFERS,
@@ -54,7 +54,6 @@ GIB = 1024**3
 # --- constants (docs/planner.md, "Constants", gives the physical meaning and the source of each) ---
 CUDA_RUNTIME_RESERVE_BYTES = 512 * MIB  # CUDA context + cuBLAS/cuDNN handles and workspaces, per process
 ALLOCATOR_MARGIN = 0.05  # fraction of device memory lost to caching-allocator rounding and fragmentation
-HOST_RESERVE_FRACTION = 0.10  # fraction of RAM left to the OS, the Python process, tokenizer and documents
 MEMORY_EFFICIENCY = 0.80  # achieved / peak device-memory bandwidth for large streaming reads
 MATMUL_EFFICIENCY = 0.60  # achieved / peak dense matmul throughput
 SPARSE_TRANSFER_EFFICIENCY = 0.50  # scattered head_dim-row gather over PCIe / contiguous pinned copy
@@ -170,11 +169,6 @@ def device_budget_bytes(hardware: HardwareProfile) -> int:
     if hardware.free_memory_bytes is not None:
         usable = min(usable, hardware.free_memory_bytes)
     return usable - allocator_margin_bytes(hardware)
-
-
-def host_usable_bytes(host_ram_bytes: int) -> int:
-    """Host RAM usable for the pinned exact store."""
-    return int(host_ram_bytes * (1 - HOST_RESERVE_FRACTION))
 
 
 def batch_that_fits(available: int, per_sequence: int, shared: int = 0) -> int:
@@ -664,24 +658,6 @@ def check_fits_before_load(model_config: Any, weight_bytes_held: int, context: i
 
 
 # --- this machine ------------------------------------------------------------------------------
-
-def machine_ram_bytes() -> tuple[int, int]:
-    """(total, available) RAM of this machine, from /proc/meminfo, else os.sysconf."""
-    try:
-        info = {}
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
-        return info["MemTotal"], info.get("MemAvailable", info["MemTotal"])
-    except (OSError, KeyError, ValueError):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        try:
-            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        except (ValueError, OSError):
-            available = total
-        return total, available
-
 
 def measure_h2d_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
     """Median pinned host -> device copy rate of the current CUDA device, GB/s (CUDA only)."""
