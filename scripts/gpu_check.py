@@ -48,7 +48,8 @@ def limit_tests(out: Path, timeout: float) -> dict:
     log = out / "tests.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
-                                 "tests/test_transfer.py", "tests/test_verify_stream.py", "tests/test_engine.py"],
+                                 "tests/test_guide_triton.py", "tests/test_transfer.py", "tests/test_verify_stream.py",
+                                 "tests/test_engine.py"],
                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
         try:
             code = proc.wait(timeout=timeout)
@@ -148,7 +149,7 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
             "step_ms": round(step_ms, 2), "wall_step_ms": round(1000 * wall / steps, 2),
             "tokens_per_second": round(batch * 1000 / step_ms, 2),
             "overlap_share": overlap_share(stores), "transfer_bytes_per_step": per_step,
-            "prefetch_reuse": stats.get("prefetch_reuse"),
+            "prefetch_reuse": stats.get("prefetch_reuse"), "guide_kernel": stats.get("guide_kernel"),
             "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes(),
             "host_bytes_allocated": cache.transfer.host_bytes_allocated()}

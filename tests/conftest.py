@@ -5,14 +5,19 @@ from __future__ import annotations
 import os
 import shutil
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from engine.model.loading import prepare_model
-
-# SPECACHE_TEST_DEVICE=cuda runs the tiny-model engine tests on a GPU (scripts/gpu_check.py does)
+# SPECACHE_TEST_DEVICE=cuda runs the tiny-model engine tests on a GPU (scripts/gpu_check.py does); on the
+# CPU the Triton kernels run in Triton's interpreter (read when Triton is first imported: before torch,
+# transformers or anything else may import it)
 TEST_DEVICE = os.environ.get("SPECACHE_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from engine.model.loading import prepare_model  # noqa: E402
+
 # The native kernels everywhere they apply (not only where this CPU's calibration found them faster),
 # so that every test exercises them; tests/test_calibrate.py tests the calibration itself.
 os.environ.setdefault("SPECACHE_NATIVE_CALIBRATE", "0")

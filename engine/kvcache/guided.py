@@ -38,6 +38,7 @@ from engine.kvcache.base import (
 )
 from engine.kvcache.fused import FusedDecode, fused_applies
 from engine.kvcache.guide import Guide
+from engine.kvcache.quant import guide_kernel
 from engine.kvcache.sizes import (
     layer_kv_bytes_per_token,
     quant_boundary,
@@ -399,4 +400,5 @@ class GuidedLayer(CacheLayer):
         """Settings for --json."""
         return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,
                 "sinks": self.sinks, "rotation": self.config.guide_rotation if self.use_guide else None,
-                "outliers": self.guide.outlier_count if self.use_guide else None}
+                "outliers": self.guide.outlier_count if self.use_guide else None,
+                "guide_kernel": guide_kernel(self.sink_k.device) if self.use_guide else None}

@@ -46,7 +46,8 @@ guide_kernels.c: 4-bit lookup tables with the queries in SIMD lanes, fp32 throug
 when it can be built and ``$SPECACHE_NATIVE`` is not 0; one thread unless
 ``$SPECACHE_NATIVE_THREADS`` says otherwise. It reads this same layout (it gathers a
 token's channel bits, or a channel's token bits, with a few SIMD instructions).
-Otherwise, and on accelerators, the torch code below expands the codes in cache-sized
+On CUDA the Triton kernels of engine/kvcache/guide_triton.py read the same layout in one launch
+each (GUIDE_KERNELS, guide_kernel). Otherwise the torch code below expands the codes in cache-sized
 chunks and multiplies. The ``*_reference`` functions dequantize then matmul, for tests.
 """
 
@@ -59,6 +60,7 @@ import torch
 from torch import Tensor
 
 from engine import native
+from engine.kvcache import guide_triton
 from engine.kvcache.sizes import guide_bits_per_element
 
 __all__ = [
@@ -413,11 +415,9 @@ def guide_scores(
     j = _key_groups(n, qk.group, qk.capacity)
     if j == 0:
         return q.new_zeros(b, h, nq, 0, dtype=torch.float32)
-    if q.device.type == "cpu":
-        out = _native_scores(q, qk, n)
-        if out is not None:
-            return out
-    return _torch_scores(q, qk, n, dtype)
+    kernel = GUIDE_KERNELS.get(q.device.type)
+    out = kernel[0](q, qk, n) if kernel is not None else None
+    return out if out is not None else _torch_scores(q, qk, n, dtype)
 
 
 def _torch_scores(q: Tensor, qk: QuantizedKeys, n: int, dtype: torch.dtype) -> Tensor:
@@ -508,11 +508,9 @@ def guide_weighted_values(
         raise ValueError(f"p has {p.shape[-1]} columns, expected n={n}")
     if n == 0:
         return p.new_zeros(b, h, nq, d, dtype=torch.float32)
-    if p.device.type == "cpu":
-        out = _native_weighted_values(p, qv, n)  # reads the first n tokens of the full buffers
-        if out is not None:
-            return out
-    return _torch_weighted_values(p, qv, n, dtype)
+    kernel = GUIDE_KERNELS.get(p.device.type)
+    out = kernel[1](p, qv, n) if kernel is not None else None  # (reads the first n tokens of the full buffers)
+    return out if out is not None else _torch_weighted_values(p, qv, n, dtype)
 
 
 def _torch_weighted_values(p: Tensor, qv: QuantizedValues, n: int, dtype: torch.dtype) -> Tensor:
@@ -581,6 +579,33 @@ def _native_weighted_values(p: Tensor, qv: QuantizedValues, n: int) -> Tensor | 
 def guide_weighted_values_reference(p: Tensor, qv: QuantizedValues, n: int) -> Tensor:
     """Dequantize-then-matmul version of ``guide_weighted_values``: fp32 [B, Hkv, Q, D]."""
     return torch.matmul(p.float(), dequantize_values(qv, n))
+
+
+def _triton_scores(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor | None:
+    """``guide_scores`` by the Triton kernel (engine/kvcache/guide_triton.py), or None where it does not apply."""
+    return guide_triton.guide_scores(q, qk.codes, qk.scale, qk.zero, n, qk.group, qk.bits)
+
+
+def _triton_weighted_values(p: Tensor, qv: QuantizedValues, n: int) -> Tensor | None:
+    """``guide_weighted_values`` by the Triton kernel, or None where it does not apply."""
+    return guide_triton.guide_weighted_values(p, qv.codes, qv.scale, qv.zero, n, qv.group, qv.bits)
+
+
+# The guide's kernels per device type: (scores, weighted values), each returning None where it does not
+# apply (no native library or no Triton, another layout); the torch code above runs then, and everywhere
+# else. guide_kernel() says which one a device gets (--json, benches).
+GUIDE_KERNELS = {"cpu": (_native_scores, _native_weighted_values),
+                 "cuda": (_triton_scores, _triton_weighted_values)}
+
+
+def guide_kernel(device: torch.device) -> str:
+    """Which code computes the guide's scores and weighted values on this device: "native" (C, the CPU),
+    "triton" (CUDA) or "torch" (the fallback: no native library, no Triton, or another device)."""
+    if device.type == "cpu" and native.lib() is not None:
+        return "native"
+    if device.type == "cuda" and guide_triton.kernels() is not None:
+        return "triton"
+    return "torch"
 
 
 # ---------------------------------------------------------------------------- storage

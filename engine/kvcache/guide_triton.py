@@ -1,0 +1,108 @@
+"""Triton kernels of the guide's math for CUDA: scores of queries against the packed 1/2-bit keys and
+probabilities times the packed values, one launch each, reading the codes where they lie (no expanded
+or dequantized copy; fp16 scale and zero, fp32 products and sums). The torch code in
+engine.kvcache.quant is their reference (tests/test_guide_triton.py runs these kernels under Triton's
+interpreter on the CPU against it); quant.guide_scores / guide_weighted_values call them on CUDA when
+Triton is installed (the `gpu` extra; CUDA builds of torch bring it) and the layout applies.
+
+Layout (engine.kvcache.quant's docstring): keys codes [B, H, J, bits, g/8, D] (byte row r, bit i ->
+token i*g/8 + r of group j), scale/zero [B, H, J, D]; values codes [B, H, NB, bits, 8, D] (blocks of
+64 tokens, byte row r, bit i -> token i*8 + r), scale/zero [B, H, n, D/g]. Rows may be a slice of the
+batch (strides of B and H are passed); everything inside a head is contiguous."""
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+
+import torch
+
+MIN_DOT = 16  # tl.dot's smallest dimension: the queries are padded to it
+
+
+FAILED: list[str] = []  # the first launch error, after which the torch code runs (said once on stderr)
+
+
+def launch(kernel, grid, *args, **meta) -> bool:
+    """Run a kernel. -> False after a launch error (a compiler or driver refusing it): noted once on stderr,
+    the kernels are not used again in this process (kernels() is None; --json's guide_kernel says torch)."""
+    try:
+        kernel[grid](*args, **meta)
+        return True
+    except Exception as exc:  # noqa: BLE001  (Triton raises its own and the driver's errors)
+        FAILED.append(f"{type(exc).__name__}: {exc}"[:300])
+        kernels.cache_clear()
+        print(f"specache: note: the guide's Triton kernel failed ({FAILED[0]}); the torch code computes the "
+              "guide from here on", file=sys.stderr)
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def kernels():
+    """(scores kernel, values kernel) of engine/kvcache/triton_kernels.py, or None without Triton. Loaded on
+    first use, by name (Triton is an optional dependency, and importing it costs ~0.25 s; Triton reads
+    TRITON_INTERPRET when it jits them)."""
+    if FAILED:
+        return None
+    try:
+        mod = importlib.import_module("engine.kvcache.triton_kernels")
+    except ImportError:
+        return None
+    return mod.scores_kernel, mod.values_kernel
+
+
+def _padded(x: int, least: int = MIN_DOT) -> int:
+    return max(least, 1 << (x - 1).bit_length())
+
+
+def _heads_contiguous(*tensors: torch.Tensor) -> bool:
+    """Everything from dim 2 on laid out contiguously (a batch-row slice of a guide buffer is)."""
+    for t in tensors:
+        expected = 1
+        for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:]))):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+    return True
+
+
+def guide_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int, group: int,
+                 bits: int) -> torch.Tensor | None:
+    """q [B, H, Q, D] against the first n (a multiple of group) quantized keys -> fp32 [B, H, Q, n], or None
+    where the kernel does not apply (no Triton, another layout)."""
+    ks = kernels()
+    b, h, nq, d = q.shape
+    if ks is None or n == 0 or n % group or group % 8 or group & (group - 1) or not _heads_contiguous(codes, scale,
+                                                                                                         zero):
+        return None
+    qf = q.float()
+    if qf.stride(-1) != 1:
+        qf = qf.contiguous()
+    out = torch.empty(b, h, nq, n, dtype=torch.float32, device=q.device)
+    ok = launch(ks[0], (b * h, n // group), qf, qf.stride(0), qf.stride(1), qf.stride(2), codes, codes.stride(0),
+                codes.stride(1), scale, zero, scale.stride(0), scale.stride(1), out, out.stride(0), out.stride(1),
+                out.stride(2), h, d, nq, G=group, BITS=bits, BLOCK_D=_padded(d), NQP=_padded(nq))
+    return out if ok else None
+
+
+def guide_weighted_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, n: int,
+                          group: int, bits: int, splits: int | None = None) -> torch.Tensor | None:
+    """p [B, H, Q, n] times the first n quantized values -> fp32 [B, H, Q, D], or None where the kernel does
+    not apply. The tokens are split among `splits` programs per head (default: enough for ~256 programs),
+    whose partial sums are added after."""
+    ks = kernels()
+    b, h, nq, _ = p.shape
+    d = codes.shape[-1]
+    nb = -(-n // 64)
+    if ks is None or n == 0 or d % group or not _heads_contiguous(codes, scale, zero):
+        return None
+    pf = p.float()
+    if pf.stride(-1) != 1:
+        pf = pf.contiguous()
+    splits = max(1, min(nb, splits or -(-256 // (b * h))))
+    per = -(-nb // splits)
+    partial = torch.empty(splits, b * h, nq, d, dtype=torch.float32, device=p.device)
+    ok = launch(ks[1], (b * h, splits), pf, pf.stride(0), pf.stride(1), pf.stride(2), codes, codes.stride(0),
+                codes.stride(1), scale, zero, scale.stride(0), scale.stride(1), partial, h, d, nq, n, nb, per,
+                GV=group, BITS=bits, BLOCK_D=_padded(d), NQP=_padded(nq))
+    return partial.sum(0).view(b, h, nq, d) if ok else None

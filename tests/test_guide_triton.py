@@ -1,0 +1,72 @@
+"""The guide's Triton kernels (engine/kvcache/guide_triton.py), run by Triton's interpreter on the CPU
+(TRITON_INTERPRET=1: the kernels' own code, executed with NumPy) against the dequantize-then-matmul
+references of engine.kvcache.quant. Skipped where Triton is not installed (the `gpu` extra)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kvcache import guide_triton, quant
+
+pytest.importorskip("triton")  # (on the CPU, tests/conftest.py has set TRITON_INTERPRET=1)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("bits,group,d,nq", [(1, 32, 64, 1), (2, 64, 128, 6), (2, 32, 96, 12), (1, 128, 64, 17)])
+def test_triton_scores_equal_the_reference(bits, group, d, nq):
+    """q @ dequant(K)^T over the first n keys, for a slice of batch rows (strided rows), head dims that are
+    not a power of two (padded) and query counts past the dot's 16 (padded to 32)."""
+    gen = torch.Generator().manual_seed(bits * 100 + group)
+    k = (torch.randn(3, 2, 4 * group, d, generator=gen) * 3).to(DEVICE)
+    qk = quant.quantize_keys(k, bits, group)
+    rows = slice(1, 3)
+    sub = quant.QuantizedKeys(qk.codes[rows], qk.scale[rows], qk.zero[rows], bits, group)
+    q = torch.randn(2, 2, nq, d, generator=gen).to(DEVICE)
+    for n in (group, 3 * group):
+        got = guide_triton.guide_scores(q, sub.codes, sub.scale, sub.zero, n, group, bits)
+        want = quant.guide_scores_reference(q, sub, n)
+        assert got.shape == (2, 2, nq, n)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert guide_triton.guide_scores(q, sub.codes, sub.scale, sub.zero, group + 8, group, bits) is None  # not a group
+
+
+@pytest.mark.parametrize("bits,group,d,nq,n", [(1, 32, 64, 1, 64), (2, 64, 128, 6, 200), (2, 32, 96, 12, 130),
+                                               (1, 64, 64, 20, 7)])
+def test_triton_weighted_values_equal_the_reference(bits, group, d, nq, n):
+    """p @ dequant(V) over the first n values (n not a multiple of the 64-token block), one program per head
+    or the tokens split among several (partial sums added): the same result."""
+    gen = torch.Generator().manual_seed(bits * 10 + d)
+    v = (torch.randn(2, 3, 256, d, generator=gen) * 2).to(DEVICE)
+    qv = quant.quantize_values(v, bits, group)
+    p = torch.rand(2, 3, nq, n, generator=gen).to(DEVICE)
+    want = quant.guide_weighted_values_reference(p, qv, n)
+    for splits in (1, 3):
+        got = guide_triton.guide_weighted_values(p, qv.codes, qv.scale, qv.zero, n, qv.group, bits, splits=splits)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_kernel_that_fails_is_said_once_and_the_torch_code_takes_over(monkeypatch, capsys):
+    """A launch error (a compiler or driver refusing the kernel) is one note on stderr; from then on the
+    kernels are not used (None: quant's torch code computes the guide) and guide_kernel says torch."""
+    import engine.kvcache.triton_kernels as tk
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                raise RuntimeError("no kernel image for this device")
+            return run
+
+    monkeypatch.setattr(guide_triton, "FAILED", [])
+    monkeypatch.setattr(tk, "scores_kernel", Refusing())
+    guide_triton.kernels.cache_clear()
+    qk = quant.quantize_keys(torch.randn(1, 2, 64, 32), 2, 32)
+    q = torch.randn(1, 2, 3, 32)
+    assert guide_triton.guide_scores(q, qk.codes, qk.scale, qk.zero, 64, 32, 2) is None
+    assert guide_triton.kernels() is None
+    assert guide_triton.guide_scores(q, qk.codes, qk.scale, qk.zero, 64, 32, 2) is None
+    err = capsys.readouterr().err
+    assert err.count("Triton kernel failed (RuntimeError: no kernel image for this device)") == 1
+    monkeypatch.setattr(guide_triton, "FAILED", [])
+    monkeypatch.undo()
+    guide_triton.kernels.cache_clear()
+    assert guide_triton.kernels() is not None
