@@ -45,9 +45,10 @@ def test_triton_weighted_values_equal_the_reference(bits, group, d, nq, n):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_a_kernel_that_fails_is_said_once_and_the_torch_code_takes_over(monkeypatch, capsys):
-    """A launch error (a compiler or driver refusing the kernel) is one note on stderr; from then on the
-    kernels are not used (None: quant's torch code computes the guide) and guide_kernel says torch."""
+def test_a_kernel_that_fails_is_said_once_and_the_fallback_takes_over(monkeypatch, capsys):
+    """A launch error (a compiler or driver refusing the kernel) is one note on stderr; from then on that
+    family's kernels are not used (None: quant's torch code computes the guide) while the other family's
+    still are."""
     import engine.kvcache.triton_kernels as tk
 
     class Refusing:
@@ -56,17 +57,31 @@ def test_a_kernel_that_fails_is_said_once_and_the_torch_code_takes_over(monkeypa
                 raise RuntimeError("no kernel image for this device")
             return run
 
-    monkeypatch.setattr(guide_triton, "FAILED", [])
+    monkeypatch.setattr(guide_triton, "FAILED", {})
     monkeypatch.setattr(tk, "scores_kernel", Refusing())
     guide_triton.kernels.cache_clear()
     qk = quant.quantize_keys(torch.randn(1, 2, 64, 32), 2, 32)
     q = torch.randn(1, 2, 3, 32)
     assert guide_triton.guide_scores(q, qk.codes, qk.scale, qk.zero, 64, 32, 2) is None
-    assert guide_triton.kernels() is None
+    assert not guide_triton.available("guide") and guide_triton.available("gather")
     assert guide_triton.guide_scores(q, qk.codes, qk.scale, qk.zero, 64, 32, 2) is None
     err = capsys.readouterr().err
     assert err.count("Triton kernel failed (RuntimeError: no kernel image for this device)") == 1
-    monkeypatch.setattr(guide_triton, "FAILED", [])
+    assert "the torch code computes the guide" in err
     monkeypatch.undo()
     guide_triton.kernels.cache_clear()
-    assert guide_triton.kernels() is not None
+    assert guide_triton.available("guide")
+
+
+def test_triton_gather_takes_the_selected_rows():
+    """The fetch's gather (on CUDA from the pinned store, in place): K and V rows at the selected positions
+    of each head, from a batch-row slice of the store into a slice of the fetched set."""
+    gen = torch.Generator().manual_seed(3)
+    store_k, store_v = torch.randn(3, 2, 90, 40, generator=gen), torch.randn(3, 2, 90, 40, generator=gen)
+    idx = torch.randint(0, 90, (2, 2, 70), generator=gen)
+    fk, fv = torch.zeros(3, 2, 80, 40), torch.zeros(3, 2, 80, 40)
+    assert guide_triton.gather_rows(store_k[1:], store_v[1:], idx, fk[1:, :, :70], fv[1:, :, :70])
+    want = idx[..., None].expand(-1, -1, -1, 40)
+    assert torch.equal(fk[1:, :, :70], torch.gather(store_k[1:], 2, want))
+    assert torch.equal(fv[1:, :, :70], torch.gather(store_v[1:], 2, want))
+    assert not fk[0].any() and not fk[:, :, 70:].any()  # nothing else written

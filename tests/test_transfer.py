@@ -254,3 +254,24 @@ def test_sdpa_backends_are_chosen_per_device_from_one_table(monkeypatch):
     monkeypatch.setitem(base.SDPA_BACKENDS, "cpu", [])
     with pytest.raises(RuntimeError):
         base.sdpa(q, k, v, None, 0.3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prefetch_reads_the_pinned_store_in_place():
+    """With the store pinned (mapped) and Triton there, a prefetch is one kernel on the side stream reading
+    the store where it lies: the fetched set holds the selected rows, no worker thread was started."""
+    pytest.importorskip("triton")
+    dev = torch.device("cuda")
+    transfer = Transfer(dev)
+    store = HostStore(2, 3, 50, 64, 8, torch.float16, dev, transfer)
+    transfer.pin_host()
+    k, v = torch.randn(2, 3, 40, 64, device=dev).half(), torch.randn(2, 3, 40, 64, device=dev).half()
+    for row in range(2):
+        store.write_span(row, 0, k[row], v[row])
+    idx = torch.randint(0, 40, (2, 3, 8), device=dev)
+    store.prefetch(slice(0, 2), idx)
+    fk, fv = store.fetched(slice(0, 2))
+    want = idx[..., None].expand(-1, -1, -1, 64)
+    assert torch.equal(fk, torch.gather(k, 2, want)) and torch.equal(fv, torch.gather(v, 2, want))
+    assert store.in_place == 1 and transfer._worker is None
+    transfer.close()

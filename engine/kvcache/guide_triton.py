@@ -20,35 +20,39 @@ import torch
 MIN_DOT = 16  # tl.dot's smallest dimension: the queries are padded to it
 
 
-FAILED: list[str] = []  # the first launch error, after which the torch code runs (said once on stderr)
+FAILED: dict[str, str] = {}  # per family ("guide", "gather"): the first launch error; then the fallback runs
+FALLBACK = {"guide": "the torch code computes the guide", "gather": "a worker thread gathers the fetched rows"}
 
 
-def launch(kernel, grid, *args, **meta) -> bool:
-    """Run a kernel. -> False after a launch error (a compiler or driver refusing it): noted once on stderr,
-    the kernels are not used again in this process (kernels() is None; --json's guide_kernel says torch)."""
+def launch(family: str, kernel, grid, *args, **meta) -> bool:
+    """Run a kernel of `family`. -> False after a launch error (a compiler or driver refusing it): noted once
+    on stderr; that family's kernels are not used again in this process (available(family) is False;
+    --json's guide_kernel says torch)."""
     try:
         kernel[grid](*args, **meta)
         return True
     except Exception as exc:  # noqa: BLE001  (Triton raises its own and the driver's errors)
-        FAILED.append(f"{type(exc).__name__}: {exc}"[:300])
-        kernels.cache_clear()
-        print(f"specache: note: the guide's Triton kernel failed ({FAILED[0]}); the torch code computes the "
-              "guide from here on", file=sys.stderr)
+        FAILED[family] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"specache: note: a Triton kernel failed ({FAILED[family]}); {FALLBACK[family]} from here on",
+              file=sys.stderr)
         return False
+
+
+def available(family: str) -> bool:
+    """Whether the kernels of a family run here: Triton importable and none of them failed."""
+    return family not in FAILED and kernels() is not None
 
 
 @functools.lru_cache(maxsize=1)
 def kernels():
-    """(scores kernel, values kernel) of engine/kvcache/triton_kernels.py, or None without Triton. Loaded on
+    """(scores, values, gather) kernels of engine/kvcache/triton_kernels.py, or None without Triton. Loaded on
     first use, by name (Triton is an optional dependency, and importing it costs ~0.25 s; Triton reads
     TRITON_INTERPRET when it jits them)."""
-    if FAILED:
-        return None
     try:
         mod = importlib.import_module("engine.kvcache.triton_kernels")
     except ImportError:
         return None
-    return mod.scores_kernel, mod.values_kernel
+    return mod.scores_kernel, mod.values_kernel, mod.gather_kernel
 
 
 def _padded(x: int, least: int = MIN_DOT) -> int:
@@ -72,15 +76,15 @@ def guide_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
     where the kernel does not apply (no Triton, another layout)."""
     ks = kernels()
     b, h, nq, d = q.shape
-    if ks is None or n == 0 or n % group or group % 8 or group & (group - 1) or not _heads_contiguous(codes, scale,
+    if not available("guide") or n == 0 or n % group or group % 8 or group & (group - 1) or not _heads_contiguous(codes, scale,
                                                                                                          zero):
         return None
     qf = q.float()
     if qf.stride(-1) != 1:
         qf = qf.contiguous()
     out = torch.empty(b, h, nq, n, dtype=torch.float32, device=q.device)
-    ok = launch(ks[0], (b * h, n // group), qf, qf.stride(0), qf.stride(1), qf.stride(2), codes, codes.stride(0),
-                codes.stride(1), scale, zero, scale.stride(0), scale.stride(1), out, out.stride(0), out.stride(1),
+    ok = launch("guide", ks[0], (b * h, n // group), qf, qf.stride(0), qf.stride(1), qf.stride(2), codes,
+                codes.stride(0), codes.stride(1), scale, zero, scale.stride(0), scale.stride(1), out, out.stride(0), out.stride(1),
                 out.stride(2), h, d, nq, G=group, BITS=bits, BLOCK_D=_padded(d), NQP=_padded(nq))
     return out if ok else None
 
@@ -94,7 +98,7 @@ def guide_weighted_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     b, h, nq, _ = p.shape
     d = codes.shape[-1]
     nb = -(-n // 64)
-    if ks is None or n == 0 or d % group or not _heads_contiguous(codes, scale, zero):
+    if not available("guide") or n == 0 or d % group or not _heads_contiguous(codes, scale, zero):
         return None
     pf = p.float()
     if pf.stride(-1) != 1:
@@ -102,7 +106,25 @@ def guide_weighted_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     splits = max(1, min(nb, splits or -(-256 // (b * h))))
     per = -(-nb // splits)
     partial = torch.empty(splits, b * h, nq, d, dtype=torch.float32, device=p.device)
-    ok = launch(ks[1], (b * h, splits), pf, pf.stride(0), pf.stride(1), pf.stride(2), codes, codes.stride(0),
-                codes.stride(1), scale, zero, scale.stride(0), scale.stride(1), partial, h, d, nq, n, nb, per,
+    ok = launch("guide", ks[1], (b * h, splits), pf, pf.stride(0), pf.stride(1), pf.stride(2), codes,
+                codes.stride(0), codes.stride(1), scale, zero, scale.stride(0), scale.stride(1), partial, h, d, nq, n, nb, per,
                 GV=group, BITS=bits, BLOCK_D=_padded(d), NQP=_padded(nq))
     return partial.sum(0).view(b, h, nq, d) if ok else None
+
+
+def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, idx: torch.Tensor, dst_k: torch.Tensor,
+                dst_v: torch.Tensor) -> bool:
+    """dst[b, h, j] = src[b, h, idx[b, h, j]] for K and V in one launch: src [b, H, L, D] (on CUDA the pinned
+    host store, read in place over the bus: mapped memory), idx [b, H, k] and dst [b, H, k, D] on the
+    device; the last dim of each contiguous. -> False where the kernel does not run (no Triton, a launch
+    error, another layout): the caller gathers otherwise."""
+    ks = kernels()
+    b, h, k = idx.shape
+    d = src_k.shape[-1]
+    if not available("gather") or k == 0 or src_k.stride() != src_v.stride() or dst_k.stride() != dst_v.stride() \
+            or any(t.stride(-1) != 1 for t in (src_k, src_v, dst_k, dst_v)) or idx.stride(-1) != 1:
+        return False
+    block = min(64, _padded(k, 1))
+    return launch("gather", ks[2], (b * h, -(-k // block)), src_k, src_v, src_k.stride(0), src_k.stride(1),
+                  src_k.stride(2), idx, idx.stride(0), idx.stride(1), dst_k, dst_v, dst_k.stride(0), dst_k.stride(1),
+                  dst_k.stride(2), h, k, d, BLOCK_K=block, BLOCK_D=_padded(d, 1))

@@ -603,7 +603,7 @@ def guide_kernel(device: torch.device) -> str:
     "triton" (CUDA) or "torch" (the fallback: no native library, no Triton, or another device)."""
     if device.type == "cpu" and native.lib() is not None:
         return "native"
-    if device.type == "cuda" and guide_triton.kernels() is not None:
+    if device.type == "cuda" and guide_triton.available("guide"):
         return "triton"
     return "torch"
 

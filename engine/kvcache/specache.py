@@ -150,6 +150,9 @@ class SpecacheLayer(GuidedLayer):
         if self.config.measure_hits:
             hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
             stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
+        if self.store.cuda and self.topk:  # how the fetched rows crossed: a kernel reading the pinned store in
+            in_place = sum(x.store.in_place for x in layers)  # place, or the worker thread's gather and copy
+            stats["fetch_path"] = "kernel" if in_place else "thread"
         reused, total = int(sum(x.reused for x in layers)), int(sum(x.reuse_total for x in layers))
         if total:  # corrected speculative sets: the share the prefetch had brought in time
             stats["prefetch_reuse"] = round(reused / total, 4)

@@ -2,14 +2,16 @@
 
 On the CPU the store and the "device" are the same memory and every call is a plain copy.
 
-On a CUDA device the store lives in pinned host memory. A prefetch must not stall the GPU:
-the selected indices are copied to pinned host memory asynchronously (an event marks when
-they are there); a worker thread waits for that event, gathers the rows on the CPU into a
-pinned staging buffer, and issues the host-to-device copy on a side stream, recording a
-`ready` event. The next step's attention makes the compute stream wait for `ready`, so the
-copy overlaps everything the GPU does in between (the rest of this step, and the layers
-before this one in the next). `overlap_share()` reports how often the copy had finished
-before the attention needed it.
+On a CUDA device the store lives in host memory pinned in place at exactly its bytes
+(Transfer.pin_host, once the cache is built; mapped into the device's address space). A prefetch
+must not stall the GPU: a Triton kernel on a side stream reads the selected rows straight from the
+pinned store into the device's fetched set (engine.kvcache.guide_triton.gather_rows), recording a
+`ready` event. Without Triton (or after a launch error) the fallback is a worker thread: the indices
+are copied to pinned host memory asynchronously (an event marks when they are there), the thread
+gathers the rows on the CPU into a pinned staging buffer and issues the copy on the side stream. The
+next step's attention makes the compute stream wait for `ready`, so the fetch overlaps everything the
+GPU does in between (the rest of this step, and the layers before this one in the next).
+`overlap_share()` reports how often the fetch had finished before the attention needed it.
 
 Exact mode's verification (engine/kvcache/exact.py) attends with every committed exact K/V. On
 CUDA a `VerifyStream` copies them layer by layer from the pinned store into two device buffers on
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from engine.errors import DoesNotFit
+from engine.kvcache import guide_triton
 from engine.machine import pinnable_bytes
 
 GIB = 2**30
@@ -68,6 +71,11 @@ class Transfer:
         if mapping is not None:
             self._mappings.append(mapping)
         return t
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the store is pinned (mapped: kernels may read it in place)."""
+        return bool(self._registered)
 
     def host_bytes_allocated(self) -> int:
         """Bytes of the exact store's host tensors (what the planner counts as host bytes)."""
@@ -152,6 +160,7 @@ class HostStore:
             (lambda: torch.zeros(fshape, dtype=dtype, device=device))
         self.fk, self.fv = fetched(), fetched()
         self.waits = self.ready_in_time = 0  # CUDA: fetches needed / already complete when needed
+        self.in_place = 0  # CUDA: fetches gathered by the kernel from the pinned store (_gather_in_place)
         if self.cuda:
             self.stage_k = torch.zeros(fshape, dtype=dtype, pin_memory=True)
             self.stage_v = torch.zeros(fshape, dtype=dtype, pin_memory=True)
@@ -196,11 +205,31 @@ class HostStore:
             gather_rows(self.v[rows], idx, self.fv[rows, :, :n])
             return
         self.wait_issued()  # the previous prefetch of this layer is issued (its buffers are ours again)
+        if self.transfer.pinned and self._gather_in_place(rows, idx, n):
+            return
         self.idx_host[rows, :, :n].copy_(idx, non_blocking=True)
         self.idx_ready.record()
         self.issued.clear()
         self.pending = True
         self.transfer.submit(lambda: self._gather_and_copy(rows, n))
+
+    def _gather_in_place(self, rows: slice, idx: torch.Tensor, n: int) -> bool:
+        """CUDA with the store pinned (mapped): one kernel on the side stream reads the selected rows of the
+        store where they lie, over the bus, into the fetched set (no worker thread, no CPU gather, no
+        staging copy), after what the compute stream queued so far (idx, and the attention that read the
+        set it replaces). -> False where the kernel does not run (the worker thread's path then)."""
+        side = self.transfer.stream
+        self.idx_ready.record()
+        side.wait_event(self.idx_ready)
+        with torch.cuda.stream(side):
+            ok = guide_triton.gather_rows(self.k[rows], self.v[rows], idx, self.fk[rows, :, :n], self.fv[rows, :, :n])
+            if ok:
+                self.ready.record(side)
+        if ok:
+            idx.record_stream(side)
+            self.pending = True
+            self.in_place += 1
+        return ok
 
     def _gather_and_copy(self, rows: slice, n: int) -> None:
         """Worker thread: gather the selected rows on the CPU, copy them to the device on the side stream."""

@@ -57,3 +57,19 @@ def values_kernel(p_ptr, p_sb, p_sh, p_sq, c_ptr, c_sb, c_sh, s_ptr, z_ptr, s_sb
         acc += tl.dot(pv, v, input_precision="ieee")
     out = o_ptr + ((sp * (tl.num_programs(0)) + bh) * NQ + qi[:, None]) * D + d[None, :]
     tl.store(out, acc, mask=qm[:, None] & dm[None, :])
+
+
+@triton.jit
+def gather_kernel(sk_ptr, sv_ptr, s_sb, s_sh, s_sl, idx_ptr, i_sb, i_sh, dk_ptr, dv_ptr, d_sb, d_sh, d_sk, H, K, D,
+                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh, kb = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    j = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    d = tl.arange(0, BLOCK_D)
+    jm, dm = j < K, d < D
+    m2 = jm[:, None] & dm[None, :]
+    pos = tl.load(idx_ptr + b * i_sb + h * i_sh + j, mask=jm, other=0)
+    src = b * s_sb + h * s_sh + pos[:, None] * s_sl + d[None, :]
+    dst = b * d_sb + h * d_sh + j[:, None] * d_sk + d[None, :]
+    tl.store(dk_ptr + dst, tl.load(sk_ptr + src, mask=m2), mask=m2)
+    tl.store(dv_ptr + dst, tl.load(sv_ptr + src, mask=m2), mask=m2)
