@@ -189,3 +189,37 @@ def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, 
             torch.testing.assert_close(layer.store.fv[0, h][valid[h]], layer.store.v[0, h, pos], rtol=0, atol=0)
             checked += len(pos)
     assert checked > 0
+
+
+@pytest.mark.skipif(native.lib() is None, reason="native library not built")
+def test_a_policy_that_overrides_a_hook_of_the_pass_runs_the_torch_code(tiny_model, monkeypatch):
+    """The native call reproduces GuidedLayer's and SpecacheLayer's hooks only: a policy built on them
+    that overrides one (here its own choice of the fetched set) decodes by the torch code, its hook
+    called; one that overrides none keeps the native call."""
+    import engine.kvcache
+    from engine.kvcache.fused import hooks_reproduced
+    from engine.kvcache.specache import SpecacheLayer
+
+    calls = []
+
+    class OwnChoice(SpecacheLayer):
+        def select_current(self, scores, rscores, step, nq, qend):
+            calls.append(nq)
+            super().select_current(scores, rscores, step, nq, qend)
+
+    class Unchanged(SpecacheLayer):
+        pass
+
+    assert hooks_reproduced(SpecacheLayer) and hooks_reproduced(Unchanged) and not hooks_reproduced(OwnChoice)
+    config = CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current")
+    prompt = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+    for cls in (Unchanged, OwnChoice):
+        monkeypatch.setattr(engine.kvcache, "policy", lambda mode, cls=cls: cls)
+        built = []
+        monkeypatch.setattr(engine.kvcache.guided, "FusedDecode", lambda layer: built.append(layer) or
+                            engine.kvcache.fused.FusedDecode(layer))
+        run = next(e for e in Engine(tiny_model, config).generate([prompt], GenerationConfig(max_tokens=4))
+                   if isinstance(e, Finished))
+        assert len(run.tokens[0]) == 4
+        assert (len(built) > 0) == (cls is Unchanged)
+    assert calls  # the override ran, on every decode pass of every layer

@@ -21,10 +21,37 @@ from engine import native
 from engine.kvcache.base import Step
 
 
+# The hooks of a guided decode pass whose code the native call reproduces, and the classes whose
+# versions of them it reproduces (reproduces(): GuidedLayer and the policies built in). A layer whose
+# class takes any of these from another class (a new policy that overrides one) runs the torch code,
+# its own hooks included, never the native call in their place.
+FUSED_HOOKS = ("attend_decode", "select_current", "correct_fetched", "select_and_prefetch", "own_attention",
+               "top_positions", "fetch_top", "count_reuse")
+REPRODUCED: set[type] = set()
+
+
+def reproduces(cls: type) -> type:
+    """Class decorator: the native call reproduces this class's versions of FUSED_HOOKS."""
+    REPRODUCED.add(cls)
+    return cls
+
+
+def hooks_reproduced(cls: type) -> bool:
+    """Whether every FUSED_HOOKS method of cls comes from a class the native call reproduces."""
+    for name in FUSED_HOOKS:
+        owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+        if owner is not None and owner not in REPRODUCED:
+            return False
+    return True
+
+
 def fused_applies(layer, q: torch.Tensor) -> bool:
-    """True when the fused native call can run this layer's decode pass."""
+    """True when the fused native call can run this layer's decode pass: a guide, fp32 on the CPU, the
+    native library, no hit-rate measurement, and no hook of the pass overridden by a class whose code
+    the call does not reproduce (hooks_reproduced)."""
     return (layer.use_guide and q.device.type == "cpu" and q.dtype == torch.float32
-            and layer.res_k.dtype == torch.float32 and not layer.config.measure_hits and native.lib() is not None)
+            and layer.res_k.dtype == torch.float32 and not layer.config.measure_hits and native.lib() is not None
+            and hooks_reproduced(type(layer)))
 
 
 class FusedDecode:

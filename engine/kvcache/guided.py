@@ -36,7 +36,7 @@ from engine.kvcache.base import (
     split_prefill_attention,
     ungroup_output,
 )
-from engine.kvcache.fused import FusedDecode, fused_applies
+from engine.kvcache.fused import FusedDecode, fused_applies, reproduces
 from engine.kvcache.guide import Guide
 from engine.kvcache.quant import guide_kernel
 from engine.kvcache.sizes import (
@@ -50,6 +50,7 @@ from engine.kvcache.transfer import HostStore, Transfer
 NEG_INF = float("-inf")
 
 
+@reproduces
 class GuidedLayer(CacheLayer):
     """The machinery the guide-based policies share (see module docstring); each policy is a subclass
     that fixes how many positions it fetches (topk), whether it keeps a guide and an exact host store,

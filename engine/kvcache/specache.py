@@ -7,6 +7,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kvcache.base import ModelShape, Step
+from engine.kvcache.fused import reproduces
 from engine.kvcache.guided import GuidedLayer
 from engine.kvcache.registry import register
 from engine.kvcache.sizes import quant_boundary
@@ -14,6 +15,7 @@ from engine.kvcache.transfer import Transfer
 
 
 @register("specache")
+@reproduces
 class SpecacheLayer(GuidedLayer):
     """Guide + sinks + residual window + the fetched set of k exact positions (k = config.k)."""
 
