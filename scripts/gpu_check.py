@@ -3,26 +3,31 @@
 
 Run on a machine with one CUDA GPU, from the repository root, in the project's venv:
 
-    python scripts/gpu_check.py --out "$OUT"          # full run, aims at < 8 min on one H200
-    python scripts/gpu_check.py --quick --out "$OUT"  # a minute: small context and batches
+    python scripts/gpu_check.py --out "$OUT"                       # every stage, ~6 min on one H200
+    python scripts/gpu_check.py --out "$OUT" --stages tests,quick  # some of them, in that order
 
-1. The engine's limit tests (tests/test_engine.py) on CUDA (SPECACHE_TEST_DEVICE=cuda).
-2. A randomly initialised model of Llama-3-8B shape (fp16; weights need not be real for
-   timing) at --context tokens under a device-memory budget of --budget-gb (48 GB mirrors
-   the paper's RTX A6000): the largest batch the planner allows for the full cache and for
-   1-bit SpeCache (capped by host RAM for the exact store), a real chunked prefill of random
-   tokens at that batch, then timed decode steps: tokens/s of each, their ratio (paper:
-   4.6x), the share of prefetches complete before the attention needed them (paper: 96.8%),
-   and the per-step transfer bytes.
-3. Exact mode (--cache exact, engine/kvcache/exact.py): greedy full and exact on the project's tiny
-   random GQA test model (fp32) for rows of different prompt lengths must give identical tokens;
-   then on the big random model at --context, exact's decode ms per token of a row against full's
-   at the same batch, with the verification streamed (the store's layers copied double-buffered on
-   the side stream) and with a plain compute-stream copy; the share of layers whose copy had
-   completed when their attention needed it, and the bytes copied per verification against the
-   planner's prediction (exact_cycle: batch x context x K/V bytes per token). A random model's
-   drafts are seldom accepted: its acceptance is reported, not the speed of a real model's exact mode.
-Prints a short table last and writes gpu_check.json to --out.
+Stages (each written to OUT/gpu_check.json as it finishes: a killed run keeps the stages before it):
+
+- profile: torch.profiler over 4 decode steps of full and specache at 4k tokens, batch 2: device
+  events per step, their device ms against the wall ms of a step, the most frequent kernels and aten ops.
+- quick: full (batch 2) and specache (batch 4) at 4k tokens: ms per step, tokens/s and their ratio.
+- dynamic: transformers' own decode with its DynamicCache and SDPA at 4k, batch 2 (the baseline).
+- variants: specache at 4k, batch 4: 1- and 2-bit, speculative with and without the corrected set,
+  prefetch current.
+- paper: a randomly initialised model of Llama-3-8B shape (fp16; weights need not be real for timing) at
+  --context tokens (32k) under a device budget of --budget-gb (48 GB, the paper's RTX A6000): the
+  largest batches the planner allows for full and 1-bit specache (capped by host RAM for the exact
+  store), a real chunked prefill of random tokens at that batch (seconds per row), then timed decode
+  steps: tokens/s of each and their ratio (paper: 4.6x), the share of fetches complete before the
+  attention needed them (paper: 96.8%), the per-step transfer bytes, the pinned host bytes.
+- exact: greedy full and exact on the tests' tiny random GQA model (fp32), rows of different lengths:
+  identical tokens; then exact at 4k, batch 2, with the verification streamed (the store's layers
+  copied double-buffered on the side stream) and with a plain compute-stream copy. A random model's
+  drafts are seldom accepted: its acceptance is reported, not the speed of a real model's exact mode.
+- tests: the CUDA tests (SPECACHE_TEST_DEVICE=cuda: the Triton kernels compiled, the transfer and
+  verification streams, the engine's limit tests) under --tests-timeout, their log in OUT/tests.log.
+
+Prints a short table last.
 """
 from __future__ import annotations
 
@@ -104,14 +109,15 @@ def prefill_random(engine, cache, batch: int, context: int) -> tuple[list[torch.
     return last, time.perf_counter() - t0
 
 
-def decode_setup(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int):
+def decode_setup(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int,
+                 config=None):
     """A cache of `batch` rows prefilled with `context` random tokens, its step loop past the warm-up
     (T1, pre-decoding, one steady step). -> (cache, step iterator, prefill seconds)."""
     from engine.config import CacheConfig
     from engine.generate.engine import Engine
     from engine.generate.steps import greedy
 
-    config = CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
+    config = config or CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
     engine = Engine(model, config)
     cache = engine.new_cache(batch, context + steps + 8)
     last, prefill_s = prefill_random(engine, cache, batch, context)
@@ -122,11 +128,13 @@ def decode_setup(model, mode: str, batch: int, context: int, steps: int, chunk: 
     return cache, steps_it, prefill_s
 
 
-def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
-    """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps."""
+def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int,
+                 config=None) -> dict:
+    """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps (config: a CacheConfig
+    instead of the one mode, bits, k and chunk make)."""
     from engine.kvcache.transfer import overlap_share
 
-    cache, steps_it, prefill_s = decode_setup(model, mode, batch, context, steps, chunk, bits, k)
+    cache, steps_it, prefill_s = decode_setup(model, mode, batch, context, steps, chunk, bits, k, config)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     wall = time.perf_counter()
     start.record()
@@ -150,9 +158,66 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
             "tokens_per_second": round(batch * 1000 / step_ms, 2),
             "overlap_share": overlap_share(stores), "transfer_bytes_per_step": per_step,
             "prefetch_reuse": stats.get("prefetch_reuse"), "guide_kernel": stats.get("guide_kernel"),
+            "fetch_path": stats.get("fetch_path"),
             "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes(),
             "host_bytes_allocated": cache.transfer.host_bytes_allocated()}
+
+
+def dynamic_cache_decode(model, batch: int, context: int, steps: int, chunk: int) -> dict:
+    """transformers' own decode with its DynamicCache and SDPA attention (the baseline the full cache is
+    measured against): a chunked prefill of `batch` rows of random tokens, then `steps` timed greedy steps."""
+    from transformers import DynamicCache
+
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        ids = torch.randint(10, model.config.vocab_size, (batch, context), generator=gen).cuda()
+        cache = DynamicCache()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for s in range(0, context, chunk):
+                out = model(input_ids=ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - t0
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(2):  # warm-up
+                nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            end.record()
+            torch.cuda.synchronize()
+        step_ms = start.elapsed_time(end) / steps
+    finally:
+        model.set_attn_implementation(impl)
+    return {"mode": "transformers-dynamic", "batch": batch, "context": context, "prefill_seconds": round(prefill_s, 2),
+            "prefill_seconds_per_row": round(prefill_s / batch, 2), "step_ms": round(step_ms, 2),
+            "wall_step_ms": round(step_ms, 2), "tokens_per_second": round(batch * 1000 / step_ms, 2),
+            "overlap_share": None}
+
+
+def variants(model, context: int, batch: int, steps: int, chunk: int, k: int) -> list[dict]:
+    """specache's guide widths and prefetch variants at one batch: 1- and 2-bit, speculative with and
+    without the corrected set, and prefetch current."""
+    from engine.config import CacheConfig
+
+    runs = []
+    for bits, prefetch, correct in ((1, "speculative", True), (1, "speculative", False), (2, "speculative", True),
+                                    (2, "current", True)):
+        config = CacheConfig(mode="specache", bits=bits, group=64, k=k, chunk_size=chunk, prefetch=prefetch,
+                             correct=correct)
+        try:
+            run = timed_decode(model, "specache", batch, context, steps, chunk, bits, k, config=config)
+        except torch.cuda.OutOfMemoryError as exc:
+            run = {"mode": "specache", "batch": batch, "error": f"out of memory: {str(exc)[:200]}"}
+        runs.append({"bits": bits, "prefetch": prefetch, "correct": correct} | run)
+        torch.cuda.empty_cache()
+        print(runs[-1], file=sys.stderr, flush=True)
+    return runs
 
 
 def profiled_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
@@ -301,7 +366,7 @@ def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
         "k": p.mode("specache").k, "exact_transfer_per_row": per_row, "hardware": hw.display_name}
 
 
-STAGES = ("profile", "quick", "paper", "exact", "tests")
+STAGES = ("profile", "quick", "dynamic", "variants", "paper", "exact", "tests")
 
 
 def save(report: dict, out: Path) -> None:
@@ -375,6 +440,8 @@ def main() -> int:
         "profile": lambda: [profiled_decode(model, mode, 2, quick_ctx, 4, args.chunk, args.bits, quick["k"])
                             for mode in ("full", "specache")],
         "quick": lambda: compare(model, quick_ctx, quick, 8, args),
+        "dynamic": lambda: dynamic_cache_decode(model, 2, quick_ctx, 8, args.chunk),
+        "variants": lambda: variants(model, quick_ctx, 4, 8, args.chunk, quick["k"]),
         "paper": lambda: compare(model, args.context, plan_batches(args.context, args.budget_gb, args.bits, args.chunk),
                                  args.steps, args),
         "exact": lambda: exact_section(model, quick | {"exact_transfer_per_row": 0}, quick_ctx,
