@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.config import GAMMA_MAX, CacheConfig
+from engine.generate.graphs import DecodeGraphs, graphs_wanted
 from engine.generate.sampling import Sampler
 from engine.kvcache import KVCache, policy as policy_of
 from engine.model.linears import prefill_pass, row_invariant
@@ -25,11 +26,11 @@ from engine.native import release_freed_memory
 @torch.inference_mode()
 def forward(model, cache: KVCache, ids: torch.Tensor, rows: slice, keep: int | None = None,
             select: int | None = None, logits_to_keep: int = 1, is_prefill: bool = False, exact: bool = False,
-            draft: bool = False, commit: bool = True) -> torch.Tensor:
+            draft: bool = False, commit: bool = True, fixed: bool = False) -> torch.Tensor:
     """Run ids [b, T] through the model against the cache rows; commit `keep` tokens (draft: a draft
-    commit, KVCache.commit; commit=False: the caller commits, e.g. per row after a verification).
-    -> logits [b, n, V]."""
-    step = cache.begin(rows, ids.shape[1], keep, select, is_prefill, exact, draft)
+    commit, KVCache.commit; commit=False: the caller commits, e.g. per row after a verification;
+    fixed: a fixed-shape pass, Step.fixed). -> logits [b, n, V]."""
+    step = cache.begin(rows, ids.shape[1], keep, select, is_prefill, exact, draft, fixed)
     out = model(input_ids=ids, position_ids=step.positions(), cache=cache, use_cache=True,
                 kv_cache=cache, logits_to_keep=logits_to_keep)
     if commit:
@@ -92,6 +93,7 @@ def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, histo
     batch = cache.batch
     hist = _histories(history, batch)
     slots = list(range(batch))  # the caller's row held by each cache slot [0, n)
+    graphs = DecodeGraphs(model, cache, forward) if graphs_wanted(cache) else None  # replayed passes (CUDA)
     while True:
         ids = pick(logits, hist)
         _append(hist, ids)
@@ -101,7 +103,8 @@ def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, histo
             slots, hist, ids = _keep(source, slots, hist, ids)
         if not slots:
             return
-        logits = forward(model, cache, ids[:, None], slice(0, len(slots)))[:, -1]
+        logits = (graphs(ids[:, None]) if graphs is not None else
+                  forward(model, cache, ids[:, None], slice(0, len(slots))))[:, -1]
 
 
 def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,

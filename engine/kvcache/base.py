@@ -79,6 +79,10 @@ class Step:
     compute: torch.dtype | None = None
     exact: bool = False  # exact mode's verification: every new token into the store, exact attention over it
     draft: bool = False  # exact mode's draft pass: committed as a draft (KVCache.commit), never into the store
+    # fixed shapes: the pass reads positions and lengths only from device tensors (writes at step.positions(),
+    # attention over the whole preallocated length with a mask), so that a recorded pass (a CUDA graph) replays
+    # right at any length; only for caches whose every layer is `capturable`
+    fixed: bool = False
 
     def __post_init__(self) -> None:
         if not self.starts:
@@ -116,7 +120,7 @@ def causal_mask(step: Step, group: int, length: int) -> torch.Tensor | None:
     """Boolean mask [b, 1, G*T, length]: query t of row r sees positions <= start_r + t.
 
     None when every row sees every position (one new token, equal lengths)."""
-    if step.n_new == 1 and step.aligned and step.starts[0] + 1 == length:
+    if step.n_new == 1 and step.aligned and step.starts[0] + 1 == length and not step.fixed:
         return None
     pos = step.positions()  # [b, T]
     cols = torch.arange(length, device=pos.device)
@@ -260,7 +264,7 @@ def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, t
 def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
     """Store new K/V [b, H_kv, T, D] into [B, H_kv, L, D] buffers at each row's positions."""
     b, t = k.shape[0], k.shape[2]
-    if b == 1 or step.aligned:
+    if (b == 1 or step.aligned) and not step.fixed:
         s = step.starts[0]
         dst_k[step.rows, :, s : s + t] = k
         dst_v[step.rows, :, s : s + t] = v
@@ -310,6 +314,7 @@ class CacheLayer:
     fixed_settings: ClassVar[dict] = {}  # CacheConfig fields the policy holds at one value (kivi: k = 0)
     own_settings: ClassVar[tuple[str, ...]] = ()  # CacheConfig fields no other policy reads (window: window)
     window: int | None = None  # the model's sliding window of this layer (None: global attention)
+    capturable: ClassVar[bool] = False  # True: decodes Step.fixed passes (engine.generate.graphs replays them)
 
     @classmethod
     def build(cls, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
@@ -397,15 +402,15 @@ class KVCache(Cache):
         self.decode_stats: dict = {}  # what a step loop measured (exact mode: gamma, acceptance), for --json
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
-              prefill: bool = False, exact: bool = False, draft: bool = False) -> Step:
+              prefill: bool = False, exact: bool = False, draft: bool = False, fixed: bool = False) -> Step:
         """Start a forward pass over `rows` feeding n_new tokens each (exact: a verification pass,
-        draft: a draft pass; engine/kvcache/exact.py)."""
+        draft: a draft pass; engine/kvcache/exact.py; fixed: Step.fixed)."""
         start = self.lengths[rows].clone()
         starts = self.lengths_host[rows]
         if max(starts) + n_new > self.max_len:
             raise RuntimeError(f"cache overflow: {max(starts) + n_new} > planned {self.max_len} tokens")
         self.step = Step(rows, start, n_new, n_new if keep is None else keep, select, prefill, starts, exact=exact,
-                         draft=draft)
+                         draft=draft, fixed=fixed)
         return self.step
 
     def commit(self, kept: torch.Tensor | None = None, draft: bool = False) -> None:
@@ -509,6 +514,11 @@ class KVCache(Cache):
         """Bytes of the preallocated device buffers per row (sizes.py; the planner budgets the same),
         exact mode's verification buffers included where it streams the store (CUDA)."""
         return sum(layer.allocated_device_bytes() for layer in self.layers) + self.transfer.verify_bytes_per_row()
+
+    @property
+    def capturable(self) -> bool:
+        """Whether every layer decodes fixed-shape passes (Step.fixed), which a CUDA graph can replay."""
+        return all(layer.capturable for layer in self.layers)
 
     def close(self) -> None:
         """Release the transfer resources (worker thread, stream); the cache is not used afterwards."""

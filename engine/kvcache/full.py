@@ -41,6 +41,8 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 class FullLayer(CacheLayer):
     """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
 
+    capturable = True
+
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
         self.shape = shape
@@ -64,7 +66,7 @@ class FullLayer(CacheLayer):
             out = out if out is not None else split_prefill_attention(q, [(self.k[r, :, :s], self.v[r, :, :s])], self.k[r, :, s : s + t],
                                           self.v[r, :, s : s + t], scaling)
             return ungroup_output(out.to(q.dtype), self.shape.heads, t)
-        length = max(step.starts) + step.n_new
+        length = self.k.shape[2] if step.fixed else max(step.starts) + step.n_new  # (fixed: masked past the rows)
         return exact_attention(q, self.k[step.rows, :, :length], self.v[step.rows, :, :length], scaling, step,
                                self.shape, softcap)
 

@@ -1,0 +1,77 @@
+"""One-token decode passes recorded once and replayed (CUDA graphs, as gpt-fast, vLLM and SGLang decode):
+on a GPU a decode step of ~1,500 small kernels is bound by the CPU launching them, not by the GPU (the
+H200 check: 7 ms of device time in a 34-80 ms full-cache step). A replay launches the whole pass at once.
+
+A pass can be replayed when it reads positions and lengths only from device tensors (Step.fixed: the
+cache writes at step.positions() and attends over its whole preallocated length with a mask), and every
+layer of the cache decodes such passes (KVCache.capturable; the full cache today). Per batch size, the
+first pass is run eagerly to warm up, then recorded with static input ids; each later pass copies its ids
+in, does the cache's host bookkeeping (begin, then commit: the device lengths advance outside the graph),
+replays, and hands out a copy of the logits. `SPECACHE_CUDA_GRAPHS=1` turns it on (off by default until a
+GPU run has checked it: scripts/gpu_check.py); without CUDA the same protocol runs with an eager stand-in
+for the recorder (tests)."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from engine.kvcache import KVCache
+
+
+def graphs_wanted(cache: KVCache) -> bool:
+    """Replay decode passes as CUDA graphs: asked for (SPECACHE_CUDA_GRAPHS=1), on CUDA, every layer capturable."""
+    return os.environ.get("SPECACHE_CUDA_GRAPHS") == "1" and cache.lengths.device.type == "cuda" and cache.capturable
+
+
+def cuda_graph(run: Callable[[], torch.Tensor]):
+    """Warm `run` up on a side stream, then record it into a CUDA graph. -> (graph, its output tensor)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
+class EagerGraph:
+    """The recorder's stand-in without CUDA: replay() runs the pass again into the same output tensor."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], out: torch.Tensor):
+        self.run, self.out = run, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.run())
+
+
+def eager_graph(run: Callable[[], torch.Tensor]):
+    out = run()
+    return EagerGraph(run, out), out
+
+
+class DecodeGraphs:
+    """forward(model, cache, ids [n, 1], rows [0, n)) for plain_steps, replayed from one recorded pass per n."""
+
+    def __init__(self, model, cache: KVCache, forward, record=cuda_graph):
+        self.model, self.cache, self.forward, self.record = model, cache, forward, record
+        self.graphs: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}  # n -> (graph, static ids, logits)
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n, 1] -> logits [n, 1, V] (a copy), the pass committed like forward's."""
+        n = ids.shape[0]
+        if n not in self.graphs:
+            static = ids.clone()
+            graph, out = self.record(lambda: self.forward(self.model, self.cache, static, slice(0, n), fixed=True,
+                                                          commit=False))
+            self.graphs[n] = (graph, static, out)
+        graph, static, out = self.graphs[n]
+        static.copy_(ids)
+        self.cache.begin(slice(0, n), 1, fixed=True)  # host bookkeeping of the pass the replay runs
+        graph.replay()
+        self.cache.commit()
+        return out.clone()

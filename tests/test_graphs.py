@@ -1,0 +1,126 @@
+"""Decode passes recorded once and replayed (engine/generate/graphs.py; CUDA graphs on a GPU). On the CPU:
+the fixed-shape pass (Step.fixed: positions from device tensors, attention over the whole preallocated
+length under a mask) gives full's tokens, and the replay protocol (one recording per batch size, static
+ids, the cache's bookkeeping around each replay, the logits copied out) gives the same tokens as eager
+decoding, rows leaving the batch included, with an eager stand-in for the recorder."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import engine.generate.graphs as graphs
+import engine.generate.steps as steps
+from engine.config import CacheConfig, GenerationConfig
+from engine.generate.engine import Engine, Finished
+from engine.kvcache import make_cache
+
+
+def generate(model, prompts, config, max_tokens=12):
+    return next(e for e in Engine(model, config).generate(prompts, GenerationConfig(max_tokens=max_tokens))
+                if isinstance(e, Finished))
+
+
+def prompts(lengths, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_a_fixed_shape_pass_gives_the_pass_it_replaces(tiny_model):
+    """One decode pass of rows at different lengths, fixed-shape (every position of the buffer, masked past
+    each row's own) against the usual one: the same logits and K/V written at the same positions, to the
+    rounding of a softmax over more (masked) columns."""
+    config = CacheConfig(mode="full", chunk_size=64)
+    out = []
+    for fixed in (False, True):
+        cache = make_cache(tiny_model.config, config, 2, 300, torch.float32, tiny_model.device)
+        for row, p in enumerate(prompts((90, 141))):
+            list(steps.prefill(tiny_model, cache, p, row, 64))
+        ids = torch.tensor([[5], [7]], device=tiny_model.device)
+        logits = steps.forward(tiny_model, cache, ids, slice(0, 2), fixed=fixed)
+        out.append((logits, cache.layers[0].k.clone(), cache.layers[2].k.clone(), cache.lengths_host.copy()))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[0][1], out[1][1])  # written at the same positions (layer 0: the same floats)
+    torch.testing.assert_close(out[0][2], out[1][2], rtol=1e-5, atol=1e-5)  # (a longer masked sum rounds apart)
+    assert out[0][3] == out[1][3] == [91, 142]
+
+
+def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch):
+    """plain_steps through DecodeGraphs (recorder stand-in: the pass run again) for a batch whose rows stop
+    at different steps: each batch size recorded once, the tokens those of eager decoding."""
+    config = CacheConfig(mode="full", chunk_size=64)
+    ps = prompts((60, 133, 97))
+    eager = generate(tiny_model, ps, config, max_tokens=14)
+    recorded = []
+
+    def record(run):
+        recorded.append(1)
+        return graphs.eager_graph(run)
+
+    monkeypatch.setattr(steps, "graphs_wanted", lambda cache: cache.capturable)
+    monkeypatch.setattr(steps, "DecodeGraphs", functools.partial(graphs.DecodeGraphs, record=record))
+    replayed = generate(tiny_model, ps, config, max_tokens=14)
+    assert replayed.tokens == eager.tokens
+    assert len(recorded) >= 1
+    assert len(recorded) == len({len([t for t in eager.tokens if len(t) > i]) for i in range(1, 14)})
+
+
+def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_model, monkeypatch):
+    cpu = torch.device("cpu")
+    assert make_cache(tiny_model.config, CacheConfig(mode="full"), 1, 64, torch.float32, cpu).capturable
+    assert not make_cache(tiny_model.config, CacheConfig(mode="specache"), 1, 64, torch.float32, cpu).capturable
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    assert not graphs.graphs_wanted(make_cache(tiny_model.config, CacheConfig(mode="full"), 1, 64, torch.float32,
+                                               cpu))  # (CUDA only)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_gives_the_eager_tokens(monkeypatch):
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model().cuda()
+    ps = prompts((60, 133, 97))
+    config = CacheConfig(mode="full", chunk_size=64)
+    eager = generate(model, ps, config, max_tokens=14)
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    assert generate(model, ps, config, max_tokens=14).tokens == eager.tokens
+
+
+def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model):
+    """What a recording holds is the ops, their shapes and the Python numbers they were given: two
+    fixed-shape passes at different lengths issue the same ops on tensors of the same shapes with the same
+    numbers (the usual pass does not: its attention grows, its writes slice at each row's position); one
+    row alone too (its writes would otherwise slice at its position)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.seen.append((func.overloadpacket.__name__,
+                              tuple(tuple(o.shape) for o in outs if isinstance(o, torch.Tensor)),
+                              tuple(a for a in args if isinstance(a, int))))  # (a position baked in as an int)
+            return out
+
+    def passes(fixed, lengths):
+        cache = make_cache(tiny_model.config, CacheConfig(mode="full", chunk_size=64), len(lengths), 300,
+                           torch.float32, tiny_model.device)
+        for row, p in enumerate(prompts(lengths)):
+            list(steps.prefill(tiny_model, cache, p, row, 64))
+        seen = []
+        for _ in range(2):
+            with Shapes() as rec:
+                steps.forward(tiny_model, cache, torch.full((len(lengths), 1), 5), slice(0, len(lengths)), fixed=fixed)
+            seen.append(rec.seen)
+        return seen
+
+    for lengths in ((90, 141), (77,)):
+        fixed = passes(True, lengths)
+        assert fixed[0] == fixed[1]
+        usual = passes(False, lengths)
+        assert usual[0] != usual[1]
