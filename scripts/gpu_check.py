@@ -11,6 +11,7 @@ Stages (each written to OUT/gpu_check.json as it finishes: a killed run keeps th
 - profile: torch.profiler over 4 decode steps of full and specache at 4k tokens, batch 2: device
   events per step, their device ms against the wall ms of a step, the most frequent kernels and aten ops.
 - quick: full (batch 2) and specache (batch 4) at 4k tokens: ms per step, tokens/s and their ratio.
+- graphs: the full cache at 4k, batch 2, eager and replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1).
 - dynamic: transformers' own decode with its DynamicCache and SDPA at 4k, batch 2 (the baseline).
 - variants: specache at 4k, batch 4: 1- and 2-bit, speculative with and without the corrected set,
   prefetch current.
@@ -138,8 +139,10 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     wall = time.perf_counter()
     start.record()
+    first_ids = []
     for _ in range(steps):
-        next(steps_it)
+        ids, _ = next(steps_it)
+        first_ids.append(ids)
     end.record()
     torch.cuda.synchronize()
     wall = time.perf_counter() - wall
@@ -158,7 +161,7 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
             "tokens_per_second": round(batch * 1000 / step_ms, 2),
             "overlap_share": overlap_share(stores), "transfer_bytes_per_step": per_step,
             "prefetch_reuse": stats.get("prefetch_reuse"), "guide_kernel": stats.get("guide_kernel"),
-            "fetch_path": stats.get("fetch_path"),
+            "fetch_path": stats.get("fetch_path"), "first_ids": torch.stack(first_ids[:4]).tolist(),
             "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes(),
             "host_bytes_allocated": cache.transfer.host_bytes_allocated()}
@@ -218,6 +221,22 @@ def variants(model, context: int, batch: int, steps: int, chunk: int, k: int) ->
         torch.cuda.empty_cache()
         print(runs[-1], file=sys.stderr, flush=True)
     return runs
+
+
+def graphed_full(model, context: int, batch: int, steps: int, chunk: int, k: int) -> dict:
+    """The full cache's decode eagerly and replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1), side by side:
+    ms per step of each, and the ids of the first steps equal."""
+    runs = {}
+    for graphs in ("0", "1"):
+        os.environ["SPECACHE_CUDA_GRAPHS"] = graphs
+        try:
+            runs["graphs" if graphs == "1" else "eager"] = timed_decode(model, "full", batch, context, steps, chunk, 1, k)
+        finally:
+            os.environ.pop("SPECACHE_CUDA_GRAPHS", None)
+        torch.cuda.empty_cache()
+    eager, graphed = runs["eager"], runs["graphs"]
+    return runs | {"speedup": round(eager["step_ms"] / graphed["step_ms"], 2),
+                   "same_ids": eager["first_ids"] == graphed["first_ids"]}
 
 
 def profiled_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
@@ -366,7 +385,7 @@ def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
         "k": p.mode("specache").k, "exact_transfer_per_row": per_row, "hardware": hw.display_name}
 
 
-STAGES = ("profile", "quick", "dynamic", "variants", "paper", "exact", "tests")
+STAGES = ("profile", "quick", "graphs", "dynamic", "variants", "paper", "exact", "tests")
 
 
 def save(report: dict, out: Path) -> None:
@@ -440,6 +459,7 @@ def main() -> int:
         "profile": lambda: [profiled_decode(model, mode, 2, quick_ctx, 4, args.chunk, args.bits, quick["k"])
                             for mode in ("full", "specache")],
         "quick": lambda: compare(model, quick_ctx, quick, 8, args),
+        "graphs": lambda: graphed_full(model, quick_ctx, 2, 8, args.chunk, quick["k"]),
         "dynamic": lambda: dynamic_cache_decode(model, 2, quick_ctx, 8, args.chunk),
         "variants": lambda: variants(model, quick_ctx, 4, 8, args.chunk, quick["k"]),
         "paper": lambda: compare(model, args.context, plan_batches(args.context, args.budget_gb, args.bits, args.chunk),
