@@ -46,12 +46,32 @@ def test_a_fixed_shape_pass_gives_the_pass_it_replaces(tiny_model):
     assert out[0][3] == out[1][3] == [91, 142]
 
 
-def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch):
+GUIDED = {"specache": CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64,
+                                  prefetch="current"),
+          "kivi": CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64),
+          "window": CacheConfig(mode="window", group=32, residual=16, sinks=4, chunk_size=64)}
+
+
+def cuda_layout(monkeypatch):
+    """Guided layers laid out as on CUDA (residual buffers of their own), decoded by the torch code."""
+    import engine.kvcache
+    import engine.kvcache.guided
+    from engine.kvcache.transfer import Transfer
+
+    monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+
+
+@pytest.mark.parametrize("mode", ["full", *GUIDED])
+def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch, mode):
     """plain_steps through DecodeGraphs (recorder stand-in: the pass run again) for a batch whose rows stop
-    at different steps: each batch size recorded once, the tokens those of eager decoding."""
-    config = CacheConfig(mode="full", chunk_size=64)
+    at different steps: each batch size recorded once, the tokens those of eager decoding (guided caches
+    in the CUDA layout; their boundaries move during the run)."""
+    config = GUIDED.get(mode, CacheConfig(mode="full", chunk_size=64))
+    if mode != "full":
+        cuda_layout(monkeypatch)
     ps = prompts((60, 133, 97))
-    eager = generate(tiny_model, ps, config, max_tokens=14)
+    eager = generate(tiny_model, ps, config, max_tokens=40)
     recorded = []
 
     def record(run):
@@ -60,16 +80,27 @@ def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch):
 
     monkeypatch.setattr(steps, "graphs_wanted", lambda cache: cache.capturable)
     monkeypatch.setattr(steps, "DecodeGraphs", functools.partial(graphs.DecodeGraphs, record=record))
-    replayed = generate(tiny_model, ps, config, max_tokens=14)
+    replayed = generate(tiny_model, ps, config, max_tokens=40)
     assert replayed.tokens == eager.tokens
     assert len(recorded) >= 1
-    assert len(recorded) == len({len([t for t in eager.tokens if len(t) > i]) for i in range(1, 14)})
+    assert len(recorded) == len({len([t for t in eager.tokens if len(t) > i]) for i in range(1, 40)})
 
 
 def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_model, monkeypatch):
+    """Replayable: full; the guided caches in the CUDA layout without a speculative prefetch or hit count
+    (exact mode verifies from the store: not)."""
     cpu = torch.device("cpu")
-    assert make_cache(tiny_model.config, CacheConfig(mode="full"), 1, 64, torch.float32, cpu).capturable
-    assert not make_cache(tiny_model.config, CacheConfig(mode="specache"), 1, 64, torch.float32, cpu).capturable
+
+    def capturable(config):
+        return make_cache(tiny_model.config, config, 1, 256, torch.float32, cpu).capturable
+
+    assert capturable(CacheConfig(mode="full"))
+    assert not capturable(GUIDED["specache"])  # the CPU layout: the residual window is the store's positions
+    cuda_layout(monkeypatch)
+    assert all(capturable(c) for c in GUIDED.values())
+    assert not capturable(CacheConfig(mode="specache", prefetch="speculative"))
+    assert not capturable(CacheConfig(mode="specache", prefetch="current", measure_hits=True))
+    assert not capturable(CacheConfig(mode="exact"))
     monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
     assert not graphs.graphs_wanted(make_cache(tiny_model.config, CacheConfig(mode="full"), 1, 64, torch.float32,
                                                cpu))  # (CUDA only)
@@ -87,7 +118,7 @@ def test_cuda_graph_decode_gives_the_eager_tokens(monkeypatch):
     assert generate(model, ps, config, max_tokens=14).tokens == eager.tokens
 
 
-def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model):
+def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model, monkeypatch):
     """What a recording holds is the ops, their shapes and the Python numbers they were given: two
     fixed-shape passes at different lengths issue the same ops on tensors of the same shapes with the same
     numbers (the usual pass does not: its attention grows, its writes slice at each row's position); one
@@ -107,9 +138,8 @@ def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model):
                               tuple(a for a in args if isinstance(a, int))))  # (a position baked in as an int)
             return out
 
-    def passes(fixed, lengths):
-        cache = make_cache(tiny_model.config, CacheConfig(mode="full", chunk_size=64), len(lengths), 300,
-                           torch.float32, tiny_model.device)
+    def passes(fixed, lengths, config=CacheConfig(mode="full", chunk_size=64)):
+        cache = make_cache(tiny_model.config, config, len(lengths), 300, torch.float32, tiny_model.device)
         for row, p in enumerate(prompts(lengths)):
             list(steps.prefill(tiny_model, cache, p, row, 64))
         seen = []
@@ -124,3 +154,8 @@ def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model):
         assert fixed[0] == fixed[1]
         usual = passes(False, lengths)
         assert usual[0] != usual[1]
+    cuda_layout(monkeypatch)
+    for config in GUIDED.values():  # (lengths where no boundary moves in the two passes)
+        fixed = passes(True, (90, 141), config)
+        assert fixed[0] == fixed[1], config.mode
+        assert passes(False, (90, 141), config)[0] != passes(False, (90, 141), config)[1]

@@ -95,6 +95,9 @@ class GuidedLayer(CacheLayer):
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
         """Store the new tokens' K/V [b, H_kv, T, D]: host store, sinks, residual buffer.
         Each row's new positions are contiguous, so every write is a slice copy."""
+        if step.fixed:
+            self.write_fixed(k, v, step)
+            return
         t = k.shape[2]
         starts, qends = step.starts, self.qend_host[step.rows]
         for i, (p0, q0) in enumerate(zip(starts, qends)):
@@ -110,6 +113,32 @@ class GuidedLayer(CacheLayer):
             if not self.res_in_store:
                 self.res_k[r, :, p0 - q0 : p0 - q0 + t] = k[i]
                 self.res_v[r, :, p0 - q0 : p0 - q0 + t] = v[i]
+
+    def write_fixed(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """update() of a fixed-shape pass (Step.fixed; the CUDA layout: residual buffers of their own, the
+        store written as positions leave the window): every index from device tensors. k/v [b, H_kv, T, D]."""
+        b = k.shape[0]
+        rows = torch.arange(step.rows.start, step.rows.start + b, device=k.device)[:, None]  # [b, 1]
+        pos = step.positions()  # [b, T]
+        slot = pos - self.qend[step.rows][:, None]  # residual slot of each new token
+        self.res_k[rows, :, slot] = k.transpose(1, 2)  # advanced dims first: [b, T, H_kv, D]
+        self.res_v[rows, :, slot] = v.transpose(1, 2)
+        s = self.sink_k.shape[2]  # a sink slot j takes the new token at position j, if there is one
+        hit = (pos[:, :, None] == torch.arange(s, device=k.device)).to(k.dtype)  # [b, T, S]
+        got = hit.sum(1) > 0  # [b, S]
+        hit = hit.transpose(1, 2)[:, None]  # [b, 1, S, T]
+        keep = ~got[:, None, :, None]
+        self.sink_k[step.rows] = torch.where(keep, self.sink_k[step.rows], hit @ k)
+        self.sink_v[step.rows] = torch.where(keep, self.sink_v[step.rows], hit @ v)
+
+    @property
+    def capturable(self) -> bool:
+        """Decodes fixed-shape passes (Step.fixed): the CUDA layout (residual buffers of its own, the store
+        written as positions leave the window), no speculative prefetch or hit count, and a fetch that
+        can gather on the compute stream (HostStore.gather_now)."""
+        if self.res_in_store or self.store_on_update or self.config.measure_hits:
+            return False
+        return self.topk == 0 or (self.config.prefetch == "current" and self.store.can_gather_now())
 
     def boundaries(self, lengths: list[int]) -> list[int]:
         """Each row's quantized prefix for these lengths (what qend becomes after after_step)."""
@@ -300,12 +329,14 @@ class GuidedLayer(CacheLayer):
         rows, t = step.rows, step.n_new
         b, h, g = q.shape[0], self.shape.kv_heads, self.shape.group
         qg = grouped_query(q, h)  # [b, H_kv, G*T, D]
-        if softcap is None and fused_applies(self, q):  # one native call does all of the below on the CPU
+        if softcap is None and not step.fixed and fused_applies(self, q):  # one native call does all of the below
             self.fused = self.fused or FusedDecode(self)
             return ungroup_output(self.fused(qg, scaling, step).to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
         qends = self.qend_host[rows]  # (the same on the host)
         nq = max(qends) if self.use_guide else 0
+        if step.fixed and self.use_guide:  # the guide's whole capacity, its columns past a row's qend masked
+            nq = self.guide.keys.capacity
         dev = q.device
         cols = torch.arange(nq + 1, device=dev)  # guide columns plus one trash column at nq
         # 1. guide region scores [b, H_kv, GT, nq + 1]
@@ -319,7 +350,7 @@ class GuidedLayer(CacheLayer):
             scores[..., :s] = sink_scores
         scores = soft_cap(scores, softcap)
         # 3. residual + new tokens, exact and causal
-        n_res = max(p0 + t - q0 for p0, q0 in zip(step.starts, qends))
+        n_res = self.res_k.shape[2] if step.fixed else max(p0 + t - q0 for p0, q0 in zip(step.starts, qends))
         rk, rv = self.residual_kv(rows, n_res)
         rscores = soft_cap((qg @ rk.transpose(-1, -2)).float() * scaling, softcap)  # [b, H_kv, GT, n_res]
         rpos = qend[:, None] + torch.arange(n_res, device=dev)  # [b, n_res] absolute positions

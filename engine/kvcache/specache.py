@@ -62,7 +62,7 @@ class SpecacheLayer(GuidedLayer):
         if nq <= self.sinks:
             self.fvalid[step.rows] = False
             return
-        self.fetch_top(self.own_attention(scores, rscores, step, nq), qend, step.rows)
+        self.fetch_top(self.own_attention(scores, rscores, step, nq), qend, step.rows, now=step.fixed)
 
     def own_attention(self, scores, rscores, step: Step, nq: int) -> torch.Tensor:
         """The output token's (new token 0's) attention with guide scores over the guide region, summed
@@ -117,13 +117,16 @@ class SpecacheLayer(GuidedLayer):
             cand = p[..., :span]
         self.fetch_top(cand, next_q, rows)
 
-    def fetch_top(self, cand: torch.Tensor, bound: torch.Tensor, rows: slice) -> None:
+    def fetch_top(self, cand: torch.Tensor, bound: torch.Tensor, rows: slice, now: bool = False) -> None:
         """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0) become the rows'
-        fetched set; start fetching their exact K/V."""
+        fetched set; start fetching their exact K/V (now: gather them on the compute stream, HostStore.gather_now)."""
         idx, valid = self.top_positions(cand, bound)
         self.fidx[rows] = idx
         self.fvalid[rows] = valid
-        self.store.prefetch(rows, idx)
+        if now:
+            self.store.gather_now(rows, idx)
+        else:
+            self.store.prefetch(rows, idx)
 
     def top_positions(self, cand: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0), padded to the buffer's

@@ -213,6 +213,22 @@ class HostStore:
         self.pending = True
         self.transfer.submit(lambda: self._gather_and_copy(rows, n))
 
+    def can_gather_now(self) -> bool:
+        """Whether gather_now runs here: on the CPU always; on CUDA with the store pinned (mapped) and the
+        Triton gather available (the store is read in place)."""
+        return not self.cuda or (self.transfer.pinned and guide_triton.available("gather"))
+
+    def gather_now(self, rows: slice, idx: torch.Tensor) -> None:
+        """Fetch the exact K/V at idx [b, H_kv, k] into the fetched set on the compute stream, in order with
+        the pass (a fixed-shape pass, which a CUDA graph records: no worker thread, no side stream)."""
+        n = idx.shape[-1]
+        if not self.cuda:
+            gather_rows(self.k[rows], idx, self.fk[rows, :, :n])
+            gather_rows(self.v[rows], idx, self.fv[rows, :, :n])
+            return
+        if not guide_triton.gather_rows(self.k[rows], self.v[rows], idx, self.fk[rows, :, :n], self.fv[rows, :, :n]):
+            raise RuntimeError("the in-place gather did not run: the pass cannot be fixed-shape (can_gather_now)")
+
     def _gather_in_place(self, rows: slice, idx: torch.Tensor, n: int) -> bool:
         """CUDA with the store pinned (mapped): one kernel on the side stream reads the selected rows of the
         store where they lie, over the bus, into the fetched set (no worker thread, no CPU gather, no
