@@ -12,13 +12,15 @@ import numpy as np
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig
-from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, Gemma2TensorProcessor, \
+    LlamaTensorProcessor, TensorProcessor
 
 from engine.errors import ModelLoadError
 from engine.model.attention import ATTENTION_NAME, register_with_transformers
 from engine.model.gguf_files import HELD_ARCHITECTURES, MappedRows, TensorFile, check_architecture, dense_from_raw, \
     held_from_file
 from engine.model.linears import DenseWeight, HeldEmbedding, SkinnyLinear
+from engine.model.gemma import GEMMA_FAMILIES, GemmaCausalLM, own_gemma_config
 from engine.model.llama import FAMILIES, CausalLM, family_config, why_not_own
 from engine.native import release_freed_memory
 
@@ -30,10 +32,17 @@ def own_config(folder: Path, gguf: bool = True):
     if not gguf and (not any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
         return None
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("model_type") in GEMMA_FAMILIES:
+        return own_gemma_config(config)
     if config.get("model_type") not in FAMILIES:
         return None
     own = family_config(config)
     return own if why_not_own(own) is None else None
+
+
+def own_model(config) -> CausalLM:
+    """Our decoder for own_config's config (build it under `with torch.device("meta")`)."""
+    return GemmaCausalLM(config) if config.model_type in GEMMA_FAMILIES else CausalLM(config)
 
 
 def load_folder_model(folder: Path, config, dtype: torch.dtype, held: bool) -> torch.nn.Module | None:
@@ -44,7 +53,7 @@ def load_folder_model(folder: Path, config, dtype: torch.dtype, held: bool) -> t
 
     config.dtype = dtype
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = own_model(config)
     files = sorted(folder.glob("*.safetensors"))
     names = set()
     for f in files:
@@ -94,7 +103,7 @@ def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: boo
     if config is not None:
         config.dtype = dtype
         with torch.device("meta"):
-            model = CausalLM(config)
+            model = own_model(config)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -130,7 +139,10 @@ def fill_from_gguf(model: torch.nn.Module, tensors: TensorFile, dtype: torch.dty
         else:
             raw = tensors.raw(gguf_name)
             value = dense_from_raw(raw[order] if order is not None else raw, tensors.kind(gguf_name),
-                                   tensors.shape(gguf_name), dtype)
+                                   tensors.shape(gguf_name), torch.float32)
+            if isinstance(processor, Gemma2TensorProcessor):  # llama.cpp stores Gemma's norms as 1 + w
+                value = torch.from_numpy(processor.process(value.numpy(), gguf_name).weights)
+            value = value.to(dtype)
             setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
     tie_head(model, held)
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
