@@ -115,14 +115,28 @@ def _value(f, vtype: int):
         return _unpack(f, _SCALARS[vtype])
     itype, count = V(_unpack(f, "<I")), _unpack(f, "<Q")
     if itype == V.STRING:
-        for _ in range(count):
-            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+        _skip_strings(f, count)
     elif itype == V.ARRAY:
         for _ in range(count):
             _value(f, V.ARRAY)
     else:
         f.seek(count * struct.calcsize(_SCALARS[itype]), os.SEEK_CUR)
     return None
+
+
+def _skip_strings(f, count: int) -> None:
+    """Skip count length-prefixed strings (a tokenizer's 262k tokens: one struct.unpack_from each on a
+    buffer, not a read and a seek)."""
+    start, buf, off = f.tell(), b"", 0
+    for _ in range(count):
+        if off + 8 > len(buf):
+            start += off
+            f.seek(start)
+            buf, off = f.read(1 << 20), 0
+            if len(buf) < 8:
+                raise ValueError("the file ends inside its header")
+        off += 8 + struct.unpack_from("<Q", buf, off)[0]
+    f.seek(start + off)
 
 
 def read_header(path: Path) -> Header:
