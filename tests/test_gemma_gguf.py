@@ -1,0 +1,159 @@
+"""Gemma 2 / 3 GGUF files in the engine's own classes, held in their blocks: tiny files written here (the
+formats a Q4_K_M file mixes: Q8_0 embedding, Q5_0 / Q4_K / Q6_K linears, F32 norms stored as 1 + w as
+llama.cpp writes them) load without transformers' modeling code, with exactly the tensors transformers'
+GGUF loader gives (norms as w); greedy tokens equal transformers' class on those weights. The real
+Gemma 3 270M file (/work/models, or $SPECACHE_GEMMA3_GGUF) when present: the same tokens, 64 of them."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine.config import CacheConfig, GenerationConfig
+from engine.generate.engine import Engine, Finished
+from engine.model.gemma import GemmaCausalLM
+from engine.model.loading import load_model, prepare_model
+
+HIDDEN, INNER, HEADS, KV, HEAD_DIM, LAYERS, WINDOW = 256, 512, 2, 1, 128, 3, 16
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "▁"] + list(LETTERS) + [f"▁{c}" for c in LETTERS] + \
+    [f"{a}{b}" for a in "aeiou" for b in LETTERS]
+REAL = Path(os.environ.get("SPECACHE_GEMMA3_GGUF", "/work/models/gemma-3-270m-q4_k_m.gguf"))
+
+
+def quantize(kind: Q, w: np.ndarray) -> np.ndarray:
+    if kind in (Q.Q4_K, Q.Q6_K):  # gguf's quantizer lacks K-quants: random blocks with small finite scales
+        rng = np.random.default_rng(int(abs(w).sum() * 1e3) % 2**32)
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (w.size // block, size), dtype=np.uint8)
+        for off in ((0, 2) if kind == Q.Q4_K else (208,)):
+            raw[:, off:off + 2] = np.full((len(raw), 1), 2e-3, np.float16).view(np.uint8)
+        return raw.reshape(w.shape[0], -1)
+    return gguf.quants.quantize(w, kind)
+
+
+def write_gemma_gguf(path: Path, arch: str, seed: int = 0) -> Path:
+    """A tiny random Gemma 2 / 3 GGUF: a sentencepiece-style vocabulary with scores, sliding window 16."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(LAYERS)
+    w.add_context_length(1024)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INNER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(WINDOW)
+    if arch == "gemma2":
+        w.add_float32(f"{arch}.attn_logit_softcapping", 5.0)
+        w.add_float32(f"{arch}.final_logit_softcapping", 4.0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(TOKENS)
+    w.add_token_scores([0.0] * 5 + [-float(i) for i in range(len(TOKENS) - 5)])
+    w.add_token_types([gguf.TokenType.CONTROL] * 5 + [gguf.TokenType.NORMAL] * (len(TOKENS) - 5))
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(3)
+
+    def add(name: str, kind: Q, rows: int, k: int, scale: float = 0.05) -> None:
+        if kind == Q.F32:  # norms as llama.cpp stores Gemma's: 1 + w
+            w.add_tensor(name, (1.0 + rng.standard_normal(k) * 0.1).astype(np.float32))
+        else:
+            raw = quantize(kind, (rng.standard_normal((rows, k)) * scale).astype(np.float32))
+            w.add_tensor(name, raw, raw_shape=(rows, k // gguf.GGML_QUANT_SIZES[kind][0] *
+                                               gguf.GGML_QUANT_SIZES[kind][1]), raw_dtype=kind)
+
+    add("token_embd.weight", Q.Q8_0, len(TOKENS), HIDDEN, 1.0)
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", Q.F32, 1, HIDDEN)
+        add(p + "attn_q.weight", Q.Q5_0, HEADS * HEAD_DIM, HIDDEN, 0.2)
+        add(p + "attn_k.weight", Q.Q5_0, KV * HEAD_DIM, HIDDEN, 0.2)
+        add(p + "attn_v.weight", Q.Q8_0, KV * HEAD_DIM, HIDDEN)
+        add(p + "attn_output.weight", Q.Q4_K, HIDDEN, HEADS * HEAD_DIM)
+        if arch == "gemma3":
+            add(p + "attn_q_norm.weight", Q.F32, 1, HEAD_DIM)
+            add(p + "attn_k_norm.weight", Q.F32, 1, HEAD_DIM)
+        add(p + "post_attention_norm.weight", Q.F32, 1, HIDDEN)
+        add(p + "ffn_norm.weight", Q.F32, 1, HIDDEN)
+        add(p + "ffn_gate.weight", Q.Q5_0, INNER, HIDDEN)
+        add(p + "ffn_up.weight", Q.Q5_0, INNER, HIDDEN)
+        add(p + "ffn_down.weight", Q.Q6_K, HIDDEN, INNER)
+        add(p + "post_ffw_norm.weight", Q.F32, 1, HIDDEN)
+    add("output_norm.weight", Q.F32, 1, HIDDEN)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def greedy(model, prompt: list[int], n: int, mode: str = "full") -> list[int]:
+    config = CacheConfig(mode=mode, chunk_size=64, **({"k": 24} if mode == "specache" else {}))
+    fin = next(e for e in Engine(model, config).generate([prompt], GenerationConfig(max_tokens=n))
+               if isinstance(e, Finished))
+    return fin.tokens[0]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_tiny_gemma_gguf_loads_transformers_tensors_into_our_classes(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    path = write_gemma_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
+    exact = load_model(str(path), device="cpu", dtype="float32")  # dequantized: transformers' values
+    held = load_model(str(path), device="cpu")  # in the file's blocks
+    assert isinstance(exact.model, GemmaCausalLM) and isinstance(held.model, GemmaCausalLM)
+    assert held.model.specache_held and held.model.lm_head.held is held.model.model.embed_tokens.held  # tied
+    stock = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ours = exact.model.state_dict()
+    theirs = {k: v for k, v in stock.state_dict().items() if k in ours}
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert ours[norm].abs().max() < 0.6  # w, not the 1 + w the file holds
+    prompt = torch.randint(5, len(TOKENS), (60,), generator=torch.Generator().manual_seed(1)).tolist()  # > window
+    want = greedy(prepare_model(stock), prompt, 16)
+    assert greedy(exact.model, prompt, 16) == want
+    assert greedy(held.model, prompt, 16) == want
+    ids = torch.tensor([prompt])
+    for model in (stock, exact.model):
+        model.set_attn_implementation("eager")
+    with torch.inference_mode():  # every position's logits, the windows' and the softcaps' included
+        assert torch.equal(exact.model(input_ids=ids).logits, stock(input_ids=ids).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL.is_file(), reason=f"the real Gemma 3 270M GGUF is not at {REAL}")
+def test_real_gemma3_270m_greedy_tokens_equal_transformers_class():
+    """64 greedy tokens, full cache, of the file held in its blocks (the default CPU run) and
+    dequantized, against transformers' Gemma3ForCausalLM on the dequantized weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    held = load_model(str(REAL), device="cpu")
+    exact = load_model(str(REAL), device="cpu", dtype="float32")
+    config = Gemma3TextConfig.from_pretrained(exact.path)
+    with torch.device("meta"):
+        stock = Gemma3ForCausalLM(config)
+    stock.load_state_dict(exact.model.state_dict(), assign=True, strict=False)
+    stock.tie_weights()
+    stock.model.rotary_emb = type(stock.model.rotary_emb)(config)
+    stock.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5)
+    text = "The committee met on Tuesday to discuss the budget for the coming year. " * 20
+    prompt = held.tokenizer(text).input_ids
+    want = greedy(prepare_model(stock.eval()), prompt, 64)
+    assert greedy(exact.model, prompt, 64) == want
+    assert greedy(held.model, prompt, 64) == want
