@@ -102,8 +102,16 @@ def _unpack(f, fmt: str):
     return struct.unpack(fmt, data)[0]
 
 
+def _left(f) -> int:
+    """Bytes of the file after the read position."""
+    return os.fstat(f.fileno()).st_size - f.tell()
+
+
 def _string(f) -> str:
-    return f.read(_unpack(f, "<Q")).decode("utf-8", errors="replace")
+    n = _unpack(f, "<Q")
+    if n > _left(f):  # a damaged length: never ask for terabytes
+        raise ValueError(f"a string of {n} bytes runs past the end of the file")
+    return f.read(n).decode("utf-8", errors="replace")
 
 
 def _value(f, vtype: int):
@@ -114,6 +122,8 @@ def _value(f, vtype: int):
     if vtype != V.ARRAY:
         return _unpack(f, _SCALARS[vtype])
     itype, count = V(_unpack(f, "<I")), _unpack(f, "<Q")
+    if count > _left(f):
+        raise ValueError(f"an array of {count} values runs past the end of the file")
     if itype == V.STRING:
         _skip_strings(f, count)
     elif itype == V.ARRAY:
@@ -150,6 +160,8 @@ def read_header(path: Path) -> Header:
             if version < 2:
                 raise ValueError(f"GGUF version {version} is not supported")
             n_tensors, n_fields = _unpack(f, "<Q"), _unpack(f, "<Q")
+            if max(n_tensors, n_fields) > _left(f):
+                raise ValueError(f"its header counts {n_tensors} tensors and {n_fields} fields, more than it has bytes")
             fields = {}
             for _ in range(n_fields):
                 key = _string(f)
@@ -157,16 +169,30 @@ def read_header(path: Path) -> Header:
             infos = []
             for _ in range(n_tensors):
                 name = _string(f)
-                ne = tuple(_unpack(f, "<Q") for _ in range(_unpack(f, "<I")))
-                infos.append((name, ne, Q(_unpack(f, "<I")), _unpack(f, "<Q")))
+                n_dims = _unpack(f, "<I")
+                if not 1 <= n_dims <= 4:
+                    raise ValueError(f"tensor {name} has {n_dims} dimensions")
+                ne = tuple(_unpack(f, "<Q") for _ in range(n_dims))
+                kind = _unpack(f, "<I")
+                if kind not in Q._value2member_map_ or Q(kind) not in gguf.GGML_QUANT_SIZES:
+                    raise ValueError(f"tensor {name} has the unknown block type {kind}")
+                infos.append((name, ne, Q(kind), _unpack(f, "<Q")))
             align = int(fields.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT)
             start = -(-f.tell() // align) * align
-    except (OSError, ValueError, KeyError, UnicodeDecodeError, struct.error) as exc:
+            file_size = os.fstat(f.fileno()).st_size
+    except (OSError, ValueError, KeyError, UnicodeDecodeError, struct.error, OverflowError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     tensors = {}
     for name, ne, kind, offset in infos:
         block, size = gguf.GGML_QUANT_SIZES[kind]
-        tensors[name] = TensorInfo(name, ne, kind, start + offset, int(np.prod(ne)) // block * size)
+        if min(ne) < 1 or ne[0] % block:
+            raise ModelLoadError(f"{path} is damaged: tensor {name} has the shape {list(ne)}, not whole {kind.name} "
+                                 f"blocks of {block}")
+        info = TensorInfo(name, ne, kind, start + offset, int(np.prod(ne, dtype=object)) // block * size)
+        if info.offset + info.n_bytes > file_size:
+            raise ModelLoadError(f"{path} ends inside tensor {name} (the file has {file_size} bytes, the tensor "
+                                 f"needs up to byte {info.offset + info.n_bytes}): a partial download?")
+        tensors[name] = info
     return Header(fields, tensors)
 
 

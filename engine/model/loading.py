@@ -13,13 +13,15 @@ from typing import Callable
 
 import torch
 import numpy as np
+from safetensors import SafetensorError
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from engine.errors import BadArgument, ModelLoadError
 from engine.model.attention import ATTENTION_NAME, register_with_transformers
 from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
-from engine.model.filling import load_folder_model, load_gguf_model, own_config
+from engine.model.file_checks import check_folder_before_planning, check_folder_weights
+from engine.model.filling import load_folder_model, load_gguf_model, own_config, transformers_model
 from engine.model.gguf_files import HELD_ARCHITECTURES, ensure_converted, estimate_held_bytes, read_header
 from engine.model.linears import cpu_has_native_bf16, use_skinny_linears
 from engine.model.llama import CausalLM
@@ -101,6 +103,8 @@ def load_model(
     dev = pick_device(device)
     torch_dtype, prefill_dtype = resolve_dtype(dtype, dev)
     path = source.folder if source.gguf is None else ensure_converted(source.gguf, source.name, on_status)
+    if source.gguf is None:
+        check_folder_weights(path)  # every safetensors header against its file, before anything reads one
     own = own_config(path, gguf=source.gguf is not None) if classes == "auto" else None
     try:  # given our config, AutoTokenizer does not build transformers' (engine.model.llama: why)
         tokenizer = load_tokenizer(path, own)
@@ -109,13 +113,8 @@ def load_model(
         else:
             model = load_folder_model(path, own, torch_dtype, holds_blocks(dev, dtype)) if own else None
         if model is None:
-            from transformers import AutoModelForCausalLM
-
-            register_with_transformers()
-            model = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, dtype=torch_dtype, attn_implementation=ATTENTION_NAME
-            )
-    except (OSError, ValueError, KeyError) as exc:
+            model = transformers_model(path, torch_dtype)
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
     prepare_model(model.to(dev), prefill_dtype)
@@ -159,6 +158,7 @@ def estimate_weight_bytes(source: ModelSource, dtype: str = "auto") -> int:
             return estimate_held_bytes(header)
         return sum(int(np.prod(t.ne)) for t in header.tensors.values()) * 4
     config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
+    check_folder_before_planning(source.folder, config)
     sixteen = str(config.get("torch_dtype") or config.get("dtype") or "").endswith(("float16", "bfloat16"))
     if sixteen and holds_blocks(torch.device("cpu"), dtype) and own_config(source.folder, gguf=False) is not None:
         return source.size_bytes  # held as they are (load_folder_model)
