@@ -5,7 +5,10 @@ GGUF loader gives (norms as w); greedy tokens equal transformers' class on those
 Gemma 3 270M file (/work/models, or $SPECACHE_GEMMA3_GGUF) when present: the same tokens, 64 of them."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -100,6 +103,13 @@ def write_gemma_gguf(path: Path, arch: str, seed: int = 0) -> Path:
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
+    """Conversions into the test's folder; the native library as already built (not compiled again)."""
+    from engine.paths import cache_root
+
+    native = cache_root() / "native"
+    (tmp_path / "cache").mkdir()
+    if native.is_dir():
+        (tmp_path / "cache" / "native").symlink_to(native)
     monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "cache"))
 
 
@@ -157,3 +167,52 @@ def test_real_gemma3_270m_greedy_tokens_equal_transformers_class():
     want = greedy(prepare_model(stock.eval()), prompt, 64)
     assert greedy(exact.model, prompt, 64) == want
     assert greedy(held.model, prompt, 64) == want
+
+
+def test_a_gemma_gguf_run_imports_no_transformers_modeling(tmp_path):
+    """`specache summarize` on a Gemma 3 GGUF (our classes, held) imports none of transformers' modeling code."""
+    from tests.test_llama import HEAVY
+
+    path = write_gemma_gguf(tmp_path / "tiny-gemma3.gguf", "gemma3")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("a cab bad dab " * 40)
+    code = ("import json, sys\n"
+            "from specache_cli.app import app\n"
+            f"try:\n    app(['summarize', {str(doc)!r}, '--model', {str(path)!r}, '--max-tokens', '4', '--no-store',"
+            " '--quiet', '--json'])\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]), file=sys.stderr)\n")
+    env = {**os.environ, "SPECACHE_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["generated_tokens"] >= 1
+    assert json.loads(out.stderr.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("which", ["embedded", "tiny-gemma3"])
+def test_a_converted_tokenizer_is_autotokenizers(tmp_path, which, embedded_dir):
+    """engine.model.loading.load_tokenizer builds a converted GGUF's tokenizer from its tokenizer.json: the same
+    ids, text, special tokens and chat prompt as AutoTokenizer's class for it."""
+    from transformers import AutoTokenizer
+
+    from engine.model.loading import load_tokenizer, resolve_model_dir
+
+    if which == "embedded":  # (a session fixture: converted once per machine in the user's cache, before
+        folder = embedded_dir  # private_cache points SPECACHE_CACHE_DIR elsewhere)
+    else:
+        folder = resolve_model_dir(str(write_gemma_gguf(tmp_path / "tiny.gguf", "gemma3")))[1]
+    ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours).__name__ == "TokenizersBackend"  # (Gemma's is GemmaTokenizer, SmolLM2's this one too)
+    for text in ["The committee met on Tuesday.\n\n  It  approved a cab bad", "émoji 🙂\ttabs <bos> </s>", ""]:
+        ids = theirs(text).input_ids
+        assert ours(text).input_ids == ids and ours.decode(ids) == theirs.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "padding_side",
+                 "chat_template", "model_max_length"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert len(ours) == len(theirs)
+    if theirs.chat_template:
+        chat = [{"role": "user", "content": "Summarize: a cab."}]
+        assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
