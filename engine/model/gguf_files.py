@@ -218,7 +218,10 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
         try:
             try:
                 config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                # Gemma: the tokenizer class named, else AutoTokenizer reads the file's 262k-token metadata again
+                # through the gguf package to build the config it has (~20 s; the same tokenizer files)
+                typed = {"tokenizer_type": config.model_type} if config.model_type in ("gemma2", "gemma3_text") else {}
+                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **typed)
             except (ValueError, KeyError, OSError, NotImplementedError) as exc:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise ModelLoadError(f"{path.name}: transformers cannot read it ({first})") from None
