@@ -69,11 +69,18 @@ def folder_cases(good: Path, root: Path) -> dict[str, Path]:
                       {k: v for k, v in header.items() if k != big}, data)
     (copy("huge-header-length") / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
     config = json.loads((good / "config.json").read_text())
-    (copy("config-wrong-sizes") / "config.json").write_text(
-        json.dumps({**config, "hidden_size": config["hidden_size"] * 2, "intermediate_size": 96}))
-    (copy("config-more-layers") / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))
+
+    def changed(**values) -> str:  # (a multimodal config's text model sizes are in its text_config)
+        out = json.loads(json.dumps(config))
+        (out["text_config"] if "text_config" in out else out).update(values)
+        return json.dumps(out)
+
+    text = config.get("text_config") or config
+    (copy("config-wrong-sizes") / "config.json").write_text(changed(intermediate_size=96))
+    (copy("config-wrong-hidden") / "config.json").write_text(changed(hidden_size=text["hidden_size"] * 2))
+    (copy("config-more-layers") / "config.json").write_text(changed(num_hidden_layers=text["num_hidden_layers"] + 3))
     (copy("config-not-json") / "config.json").write_text("{ this is not json")
-    (copy("config-huge-vocab") / "config.json").write_text(json.dumps({**config, "vocab_size": 1 << 40}))
+    (copy("config-huge-vocab") / "config.json").write_text(changed(vocab_size=1 << 40))
     out = root / "empty-folder"
     out.mkdir()
     cases["empty-folder"] = out

@@ -1,4 +1,4 @@
-"""Gemma 2 / 3 GGUF files in the engine's own classes, held in their blocks: tiny files written here (the
+"""Gemma 2 / 3 (and Phi-3: fused qkv and gate_up) GGUF files in the engine's own classes, held in their blocks: tiny files written here (the
 formats a Q4_K_M file mixes: Q8_0 embedding, Q5_0 / Q4_K / Q6_K linears, F32 norms stored as 1 + w as
 llama.cpp writes them) load without transformers' modeling code, with exactly the tensors transformers'
 GGUF loader gives (norms as w); greedy tokens equal transformers' class on those weights. The real
@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
 from engine.model.gemma import GemmaCausalLM
+from engine.model.llama import CausalLM
 from engine.model.loading import load_model, prepare_model
 
 HIDDEN, INNER, HEADS, KV, HEAD_DIM, LAYERS, WINDOW = 256, 512, 2, 1, 128, 3, 16
@@ -55,7 +56,10 @@ def write_gemma_gguf(path: Path, arch: str, seed: int = 0) -> Path:
     w.add_value_length(HEAD_DIM)
     w.add_rope_freq_base(1000000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_sliding_window(WINDOW)
+    if arch == "phi3":
+        w.add_rope_dimension_count(HEAD_DIM)
+    else:
+        w.add_sliding_window(WINDOW)
     if arch == "gemma2":
         w.add_float32(f"{arch}.attn_logit_softcapping", 5.0)
         w.add_float32(f"{arch}.final_logit_softcapping", 4.0)
@@ -79,6 +83,14 @@ def write_gemma_gguf(path: Path, arch: str, seed: int = 0) -> Path:
     add("token_embd.weight", Q.Q8_0, len(TOKENS), HIDDEN, 1.0)
     for i in range(LAYERS):
         p = f"blk.{i}."
+        if arch == "phi3":  # fused: attn_qkv (q, k, v rows), ffn_up (gate rows, then up rows); untied output
+            add(p + "attn_norm.weight", Q.F32, 1, HIDDEN)
+            add(p + "attn_qkv.weight", Q.Q5_0, (HEADS + 2 * KV) * HEAD_DIM, HIDDEN, 0.2)
+            add(p + "attn_output.weight", Q.Q4_K, HIDDEN, HEADS * HEAD_DIM)
+            add(p + "ffn_norm.weight", Q.F32, 1, HIDDEN)
+            add(p + "ffn_up.weight", Q.Q8_0, 2 * INNER, HIDDEN)
+            add(p + "ffn_down.weight", Q.Q6_K, HIDDEN, INNER)
+            continue
         add(p + "attn_norm.weight", Q.F32, 1, HIDDEN)
         add(p + "attn_q.weight", Q.Q5_0, HEADS * HEAD_DIM, HIDDEN, 0.2)
         add(p + "attn_k.weight", Q.Q5_0, KV * HEAD_DIM, HIDDEN, 0.2)
@@ -94,6 +106,8 @@ def write_gemma_gguf(path: Path, arch: str, seed: int = 0) -> Path:
         add(p + "ffn_down.weight", Q.Q6_K, HIDDEN, INNER)
         add(p + "post_ffw_norm.weight", Q.F32, 1, HIDDEN)
     add("output_norm.weight", Q.F32, 1, HIDDEN)
+    if arch == "phi3":
+        add("output.weight", Q.Q6_K, len(TOKENS), HIDDEN)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -120,21 +134,24 @@ def greedy(model, prompt: list[int], n: int, mode: str = "full") -> list[int]:
     return fin.tokens[0]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3"])
 def test_tiny_gemma_gguf_loads_transformers_tensors_into_our_classes(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     path = write_gemma_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
     exact = load_model(str(path), device="cpu", dtype="float32")  # dequantized: transformers' values
     held = load_model(str(path), device="cpu")  # in the file's blocks
-    assert isinstance(exact.model, GemmaCausalLM) and isinstance(held.model, GemmaCausalLM)
-    assert held.model.specache_held and held.model.lm_head.held is held.model.model.embed_tokens.held  # tied
+    own = CausalLM if arch == "phi3" else GemmaCausalLM
+    assert type(exact.model) is own and type(held.model) is own and held.model.specache_held
+    if arch != "phi3":  # tied: one held weight
+        assert held.model.lm_head.held is held.model.model.embed_tokens.held
     stock = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ours = exact.model.state_dict()
     theirs = {k: v for k, v in stock.state_dict().items() if k in ours}
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     norm = "model.layers.0.input_layernorm.weight"
-    assert ours[norm].abs().max() < 0.6  # w, not the 1 + w the file holds
+    if arch != "phi3":
+        assert ours[norm].abs().max() < 0.6  # w, not the 1 + w the file holds
     prompt = torch.randint(5, len(TOKENS), (60,), generator=torch.Generator().manual_seed(1)).tolist()  # > window
     want = greedy(prepare_model(stock), prompt, 16)
     assert greedy(exact.model, prompt, 16) == want

@@ -49,7 +49,7 @@ CONVERSION_VERSION = 1  # bump when the converted folder's contents change
 # architectures whose GGUF tensors map one to one onto the Hugging Face model's parameters (Q and K
 # rows permuted back for llama-style files): held in their blocks. Other architectures transformers
 # reads from GGUF load through transformers (dequantized to fp32).
-HELD_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+HELD_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 def identity(path: Path) -> str:

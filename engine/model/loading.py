@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 import numpy as np
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -114,8 +115,8 @@ def load_model(
             model = load_folder_model(path, own, torch_dtype, holds_blocks(dev, dtype)) if own else None
         if model is None:
             model = transformers_model(path, torch_dtype)
-    except (OSError, ValueError, KeyError, SafetensorError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as exc:  # (the last: a config.json
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # its class refuses)
         raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
     prepare_model(model.to(dev), prefill_dtype)
     config = json.loads((path / "config.json").read_text())
