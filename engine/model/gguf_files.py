@@ -297,10 +297,19 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
     if kind in BLOCK_KINDS:  # the file's own blocks, each row's codes then its scales (fmt 2, 3, 9, 10, 11)
         return PackedWeight(BLOCK_KINDS[kind], torch.from_numpy(split_block_rows(raw, BLOCK_KINDS[kind], n)), (n, k))
     if kind in (Q.Q4_K, Q.Q5_K):
-        return KQuantWeight(Q4K_FMT if kind == Q.Q4_K else Q5K_FMT, torch.from_numpy(raw.copy()), (n, k))
+        return KQuantWeight(Q4K_FMT if kind == Q.Q4_K else Q5K_FMT, torch.from_numpy(_owned(raw)), (n, k))
     if kind == Q.Q6_K:
-        return Q6KWeight(Q6K_FMT, torch.from_numpy(raw.copy()), (n, k))
+        return Q6KWeight(Q6K_FMT, torch.from_numpy(_owned(raw)), (n, k))
     return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
+
+
+def _owned(raw: np.ndarray) -> np.ndarray:
+    """raw itself when it is a buffer of its own to keep (TensorFile.raw's: writable, contiguous), else a copy
+    (a read-only map of the file, a strided view)."""
+    return raw if raw.flags.writeable and raw.flags.c_contiguous else raw.copy()
+
+
+AS_READ = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # held as the file's bytes: read whole into the held buffer, no chunks
 
 
 BLOCK_KINDS = {Q.Q4_0: Q40_FMT, Q.Q4_1: Q41_FMT, Q.Q8_0: Q80_FMT, Q.Q5_0: Q50_FMT, Q.Q5_1: Q51_FMT}
@@ -327,7 +336,7 @@ def held_from_file(tensors: TensorFile, name: str, order: np.ndarray | None = No
     order: the rows in this order (the whole tensor is read at once then; Q and K are small)."""
     n, k = tensors.shape(name)
     kind, step = tensors.kind(name), max(1, CHUNK_BYTES // tensors.row_bytes(name))
-    if order is not None or step >= n:
+    if order is not None or step >= n or kind in AS_READ:
         raw = tensors.raw(name)
         return held_from_raw(raw[order] if order is not None else raw, kind, n, k)
     full = None
