@@ -107,7 +107,7 @@ SHAPES = {
     "gemma3-1b": dict(arch="gemma3", layers=26, hidden=1152, intermediate=6912, heads=4, kv_heads=1, head_dim=256,
                       vocab=262144, window=512),
     "phi3-mini": dict(arch="phi3", layers=32, hidden=3072, intermediate=8192, heads=32, kv_heads=32, head_dim=96,
-                      vocab=32064, window=2047),
+                      vocab=49152, window=2047),  # vocab: SmolLM2's tokenizer has 49152 tokens (Phi-3: 32064)
 }
 
 
