@@ -139,3 +139,21 @@ def test_what_our_gemma_does_not_run_loads_in_transformers_classes(tmp_path, cha
     assert own_config(tmp_path) is None  # the loader then builds transformers' class
     del values["query_pre_attn_scalar"]
     assert why_not_gemma(transformers.PreTrainedConfig(**values)).startswith("config.json lacks query_pre_attn_scalar")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+def test_a_folder_of_safetensors_loads_into_our_classes_with_transformers_tokens(arch, tmp_path):
+    """A Hugging Face folder (tests/tiny_archs: windows narrower than the prompt, Gemma 2's softcaps) runs in our
+    classes and gives transformers' own greedy tokens (its generate, eager attention)."""
+    from engine.model.llama import CausalLM
+    from engine.model.loading import load_model
+    from tests.tiny_archs import eager_greedy, save_model_dir, tiny_model
+
+    stock = tiny_model(arch)
+    loaded = load_model(str(save_model_dir(stock, tmp_path / arch)), device="cpu", dtype="float32")
+    assert type(loaded.model) is (CausalLM if arch == "phi3" else GemmaCausalLM)
+    prompt = torch.randint(3, 320, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    config = CacheConfig(mode="full", chunk_size=64)
+    fin = next(e for e in Engine(loaded.model, config).generate([prompt], GenerationConfig(max_tokens=12))
+               if isinstance(e, Finished))
+    assert fin.tokens[0] == eager_greedy(stock, prompt, 12)
