@@ -95,7 +95,8 @@ def load_model(
     classes: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from local files only, with our attention function. classes:
-    "auto" builds a llama, mistral, qwen2 or qwen3 GGUF in engine.model.llama (no transformers modeling import),
+    "auto" builds a llama, mistral, qwen2, qwen3 or phi3 GGUF (or safetensors folder) in engine.model.llama, a
+    gemma2 / gemma3 one in engine.model.gemma (no transformers modeling import),
     everything else in transformers' classes; "transformers" always in transformers' (the `hf` baseline,
     which needs their generate, and the tests that compare the two)."""
     hf_logging.disable_progress_bar()  # stderr is for our own progress
