@@ -60,11 +60,33 @@ def tokenizer_fields(vocab: int) -> dict:
 
 def tensor_plan(a) -> list[tuple[str, Q, int, int]]:
     """(name, kind, rows, row length) of every tensor, in the order llama.cpp writes them."""
-    head_dim = a.hidden // a.heads
+    head_dim = a.head_dim or a.hidden // a.heads
     lin = Q[a.linears]
     out = [("token_embd.weight", lin, a.vocab, a.hidden)]
     for i in range(a.layers):
         p = f"blk.{i}."
+        if a.arch in ("gemma2", "gemma3"):  # tied embedding; four norms a layer (Gemma 3: q / k norms too)
+            out += [(p + "attn_norm.weight", Q.F32, 1, a.hidden),
+                    (p + "attn_q.weight", lin, a.heads * head_dim, a.hidden),
+                    (p + "attn_k.weight", lin, a.kv_heads * head_dim, a.hidden),
+                    (p + "attn_v.weight", lin, a.kv_heads * head_dim, a.hidden),
+                    (p + "attn_output.weight", lin, a.hidden, a.heads * head_dim)]
+            if a.arch == "gemma3":
+                out += [(p + "attn_q_norm.weight", Q.F32, 1, head_dim), (p + "attn_k_norm.weight", Q.F32, 1, head_dim)]
+            out += [(p + "post_attention_norm.weight", Q.F32, 1, a.hidden), (p + "ffn_norm.weight", Q.F32, 1, a.hidden),
+                    (p + "ffn_gate.weight", lin, a.intermediate, a.hidden),
+                    (p + "ffn_up.weight", lin, a.intermediate, a.hidden),
+                    (p + "ffn_down.weight", Q.Q6_K, a.hidden, a.intermediate),
+                    (p + "post_ffw_norm.weight", Q.F32, 1, a.hidden)]
+            continue
+        if a.arch == "phi3":  # fused qkv and gate_up
+            out += [(p + "attn_norm.weight", Q.F32, 1, a.hidden),
+                    (p + "attn_qkv.weight", lin, (a.heads + 2 * a.kv_heads) * head_dim, a.hidden),
+                    (p + "attn_output.weight", lin, a.hidden, a.heads * head_dim),
+                    (p + "ffn_norm.weight", Q.F32, 1, a.hidden),
+                    (p + "ffn_up.weight", lin, 2 * a.intermediate, a.hidden),
+                    (p + "ffn_down.weight", Q.Q6_K, a.hidden, a.intermediate)]
+            continue
         out += [(p + "attn_norm.weight", Q.F32, 1, a.hidden),
                 (p + "attn_q.weight", lin, a.hidden, a.hidden),
                 (p + "attn_k.weight", lin, a.kv_heads * head_dim, a.hidden),
@@ -74,7 +96,19 @@ def tensor_plan(a) -> list[tuple[str, Q, int, int]]:
                 (p + "ffn_gate.weight", lin, a.intermediate, a.hidden),
                 (p + "ffn_up.weight", lin, a.intermediate, a.hidden),
                 (p + "ffn_down.weight", lin, a.hidden, a.intermediate)]
-    return out + [("output_norm.weight", Q.F32, 1, a.hidden), ("output.weight", Q.Q6_K, a.vocab, a.hidden)]
+    out.append(("output_norm.weight", Q.F32, 1, a.hidden))
+    return out if a.arch in ("gemma2", "gemma3") else out + [("output.weight", Q.Q6_K, a.vocab, a.hidden)]
+
+
+# --arch SHAPE: a real model's shapes (overriding --layers ... --vocab)
+SHAPES = {
+    "gemma2-2b": dict(arch="gemma2", layers=26, hidden=2304, intermediate=9216, heads=8, kv_heads=4, head_dim=256,
+                      vocab=256000, window=4096),
+    "gemma3-1b": dict(arch="gemma3", layers=26, hidden=1152, intermediate=6912, heads=4, kv_heads=1, head_dim=256,
+                      vocab=262144, window=512),
+    "phi3-mini": dict(arch="phi3", layers=32, hidden=3072, intermediate=8192, heads=32, kv_heads=32, head_dim=96,
+                      vocab=49152, window=2047),  # vocab: SmolLM2's tokenizer has 49152 tokens (Phi-3: 32064)
+}
 
 
 def main() -> None:
@@ -91,19 +125,28 @@ def main() -> None:
     ap.add_argument("--linears", choices=("Q4_K", "Q5_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"), default="Q4_K",
                     help="the linears' and the embedding's format (Q5_K: a Q5_K_M-style file; Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1: "
                          "a file of those, with the Q6_K output llama.cpp's quantizer keeps)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a real model's shapes: Gemma 2 2B, Gemma 3 1B, Phi-3 mini")
     a = ap.parse_args()
+    a.arch, a.head_dim, a.window = "llama", None, None
+    for key, value in SHAPES.get(a.shape, {}).items():
+        setattr(a, key, value)
     tok = tokenizer_fields(a.vocab)
-    w = gguf.GGUFWriter(str(a.out), "llama")
-    w.add_name(f"random-llama-{a.linears.lower()}_m")
+    w = gguf.GGUFWriter(str(a.out), a.arch)
+    w.add_name(f"random-{a.shape or 'llama'}-{a.linears.lower()}_m")
     w.add_block_count(a.layers)
     w.add_context_length(a.context)
     w.add_embedding_length(a.hidden)
     w.add_feed_forward_length(a.intermediate)
     w.add_head_count(a.heads)
     w.add_head_count_kv(a.kv_heads)
-    w.add_rope_dimension_count(a.hidden // a.heads)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    head_dim = a.head_dim or a.hidden // a.heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(500000.0 if a.arch == "llama" else 10000.0)
+    w.add_layer_norm_rms_eps(1e-5 if a.arch == "llama" else 1e-6)
+    if a.arch in ("gemma2", "gemma3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(a.window)
     w.add_vocab_size(a.vocab)
     w.add_file_type({"Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
                      "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,

@@ -39,6 +39,8 @@ VARIANTS = {  # name -> (transformers' class name prefix, config values beyond B
     "qwen2-window": ("Qwen2", WINDOWED),
     "qwen3": ("Qwen3", {}),
     "qwen3-biases-window": ("Qwen3", {"attention_bias": True, **WINDOWED}),
+    "phi3": ("Phi3", {"sliding_window": None}),
+    "phi3-window": ("Phi3", {"sliding_window": 32}),
 }
 
 
@@ -85,7 +87,7 @@ def test_bf16_logits_equal_transformers():
 
 @pytest.mark.parametrize("mode", ["full", "specache"])
 @pytest.mark.parametrize("variant", ["llama-llama3-rope", "llama-linear-rope-tied-biases", "mistral-window",
-                                     "qwen2-window", "qwen3-biases-window"])
+                                     "qwen2-window", "qwen3-biases-window", "phi3-window"])
 def test_engine_tokens_equal_on_both_classes(variant, mode):
     """The engine's attention through either class: the same greedy tokens, batched, chunked prefill."""
     stock, own = pair(variant)
@@ -118,7 +120,7 @@ def test_config_has_llama_configs_values(values):
 
 
 @pytest.mark.parametrize("change,why", [
-    ({"model_type": "phi3"}, "model type 'phi3'"),
+    ({"model_type": "phi"}, "model type 'phi'"),
     ({"model_type": "mistral"}, "config.json lacks hidden_act, tie_word_embeddings, rope_parameters, sliding_window"),
     ({"hidden_act": "gelu"}, "activation 'gelu'"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}, "rope type 'dynamic'"),

@@ -197,6 +197,8 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
     per_layer = []
     for layer, keys in enumerate(ref_keys):
         recs = probe.records.get(layer, [])
+        if recs and not any("fidx" in rec for rec in recs):
+            continue  # a sliding-window layer (Gemma 2 / 3, Mistral, Qwen2 windows): it fetches nothing
         guided: dict[int, torch.Tensor] = {}
         layer_cov = defaultdict(list)
         for j in range(1, min(len(ref_queries[layer]), len(recs))):

@@ -12,13 +12,16 @@ import numpy as np
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig
-from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, Gemma2TensorProcessor, \
+    LlamaTensorProcessor, TensorProcessor
 
 from engine.errors import ModelLoadError
+from engine.model.file_checks import check_folder_weights, check_tensors_fit
 from engine.model.attention import ATTENTION_NAME, register_with_transformers
 from engine.model.gguf_files import HELD_ARCHITECTURES, MappedRows, TensorFile, check_architecture, dense_from_raw, \
     held_from_file
 from engine.model.linears import DenseWeight, HeldEmbedding, SkinnyLinear
+from engine.model.gemma import GEMMA_FAMILIES, GemmaCausalLM, own_gemma_config
 from engine.model.llama import FAMILIES, CausalLM, family_config, why_not_own
 from engine.native import release_freed_memory
 
@@ -30,10 +33,17 @@ def own_config(folder: Path, gguf: bool = True):
     if not gguf and (not any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
         return None
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("model_type") in GEMMA_FAMILIES:
+        return own_gemma_config(config)
     if config.get("model_type") not in FAMILIES:
         return None
     own = family_config(config)
     return own if why_not_own(own) is None else None
+
+
+def own_model(config) -> CausalLM:
+    """Our decoder for own_config's config (build it under `with torch.device("meta")`)."""
+    return GemmaCausalLM(config) if config.model_type in GEMMA_FAMILIES else CausalLM(config)
 
 
 def load_folder_model(folder: Path, config, dtype: torch.dtype, held: bool) -> torch.nn.Module | None:
@@ -44,18 +54,17 @@ def load_folder_model(folder: Path, config, dtype: torch.dtype, held: bool) -> t
 
     config.dtype = dtype
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = own_model(config)
     files = sorted(folder.glob("*.safetensors"))
-    names = set()
-    for f in files:
-        with safe_open(str(f), "pt") as tensors:
-            names.update(tensors.keys())
-    names -= {n for n in names if n.endswith("rotary_emb.inv_freq")}
+    found = {n: s for n, s in check_folder_weights(folder).items() if not n.endswith("rotary_emb.inv_freq")}
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     if config.tie_word_embeddings:
-        names.discard("lm_head.weight")
-    expected = {n for n, _ in model.named_parameters()} - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    if names != expected:
-        return None
+        found.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    if not set(found) & set(expected):
+        return None  # named otherwise: transformers' classes rename them
+    check_tensors_fit(str(folder), expected, found)
+    names = set(found)
     embedding, kept = model.get_input_embeddings(), False
     for f in files:
         with safe_open(str(f), "pt") as tensors:
@@ -77,6 +86,31 @@ def load_folder_model(folder: Path, config, dtype: torch.dtype, held: bool) -> t
     return model
 
 
+def transformers_model(folder: Path, dtype: torch.dtype, **kwargs) -> torch.nn.Module:
+    """transformers' AutoModelForCausalLM.from_pretrained(folder, **kwargs), with nothing of its loading report
+    on the terminal: weights it would leave at their random initialisation (missing, or of another shape
+    than config.json gives) raise ModelLoadError naming them."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    register_with_transformers()
+    hf_logging.set_verbosity_error()  # its LOAD REPORT table is a warning
+    source = folder / kwargs["gguf_file"] if "gguf_file" in kwargs else folder
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
+                                                           attn_implementation=ATTENTION_NAME,
+                                                           output_loading_info=True, **kwargs)
+    except RuntimeError as exc:  # size mismatches, after the report
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelLoadError(f"{source}: its weights do not fit config.json ({first})") from None
+    for what in ("missing_keys", "mismatched_keys"):
+        keys = sorted(str(k) for k in info.get(what) or ())
+        if keys:
+            raise ModelLoadError(f"{source}: {len(keys)} weights {what.split('_')[0]} for config.json's model "
+                                 f"({', '.join(keys[:3])}{'...' if len(keys) > 3 else ''})")
+    return model
+
+
 def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: bool,
                     config=None) -> torch.nn.Module:
     """The model of a GGUF file: built without weights, then filled tensor by tensor from the file;
@@ -85,16 +119,12 @@ def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: boo
     build engine.model.llama's model; None: transformers' class."""
     tensors = TensorFile(gguf_path)
     if tensors.arch not in HELD_ARCHITECTURES:
-        from transformers import AutoModelForCausalLM
-
         check_architecture(tensors.arch, gguf_path)
-        register_with_transformers()
-        return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype,
-                                                    attn_implementation=ATTENTION_NAME)
+        return transformers_model(gguf_path.parent, dtype, gguf_file=gguf_path.name)
     if config is not None:
         config.dtype = dtype
         with torch.device("meta"):
-            model = CausalLM(config)
+            model = own_model(config)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -120,6 +150,9 @@ def fill_from_gguf(model: torch.nn.Module, tensors: TensorFile, dtype: torch.dty
             continue  # e.g. rope_freqs: transformers computes those from the config
         module_name, _, attr = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
+        if tensors.shape(gguf_name) != tuple(getattr(module, attr).shape):
+            raise ModelLoadError(f"{tensors.path.name}: tensor {gguf_name} has the shape {list(tensors.shape(gguf_name))}, "
+                                 f"its header gives the model {list(getattr(module, attr).shape)}")
         order = hf_row_order(tensors, gguf_name, processor)
         if held and attr == "weight" and module is embedding:
             weight = held_from_file(tensors, gguf_name, order) if model.config.tie_word_embeddings else \
@@ -130,7 +163,10 @@ def fill_from_gguf(model: torch.nn.Module, tensors: TensorFile, dtype: torch.dty
         else:
             raw = tensors.raw(gguf_name)
             value = dense_from_raw(raw[order] if order is not None else raw, tensors.kind(gguf_name),
-                                   tensors.shape(gguf_name), dtype)
+                                   tensors.shape(gguf_name), torch.float32)
+            if isinstance(processor, Gemma2TensorProcessor):  # llama.cpp stores Gemma's norms as 1 + w
+                value = torch.from_numpy(processor.process(value.numpy(), gguf_name).weights)
+            value = value.to(dtype)
             setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
     tie_head(model, held)
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]

@@ -49,7 +49,7 @@ CONVERSION_VERSION = 1  # bump when the converted folder's contents change
 # architectures whose GGUF tensors map one to one onto the Hugging Face model's parameters (Q and K
 # rows permuted back for llama-style files): held in their blocks. Other architectures transformers
 # reads from GGUF load through transformers (dequantized to fp32).
-HELD_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+HELD_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 def identity(path: Path) -> str:
@@ -102,8 +102,16 @@ def _unpack(f, fmt: str):
     return struct.unpack(fmt, data)[0]
 
 
+def _left(f) -> int:
+    """Bytes of the file after the read position."""
+    return os.fstat(f.fileno()).st_size - f.tell()
+
+
 def _string(f) -> str:
-    return f.read(_unpack(f, "<Q")).decode("utf-8", errors="replace")
+    n = _unpack(f, "<Q")
+    if n > _left(f):  # a damaged length: never ask for terabytes
+        raise ValueError(f"a string of {n} bytes runs past the end of the file")
+    return f.read(n).decode("utf-8", errors="replace")
 
 
 def _value(f, vtype: int):
@@ -114,15 +122,31 @@ def _value(f, vtype: int):
     if vtype != V.ARRAY:
         return _unpack(f, _SCALARS[vtype])
     itype, count = V(_unpack(f, "<I")), _unpack(f, "<Q")
+    if count > _left(f):
+        raise ValueError(f"an array of {count} values runs past the end of the file")
     if itype == V.STRING:
-        for _ in range(count):
-            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+        _skip_strings(f, count)
     elif itype == V.ARRAY:
         for _ in range(count):
             _value(f, V.ARRAY)
     else:
         f.seek(count * struct.calcsize(_SCALARS[itype]), os.SEEK_CUR)
     return None
+
+
+def _skip_strings(f, count: int) -> None:
+    """Skip count length-prefixed strings (a tokenizer's 262k tokens: one struct.unpack_from each on a
+    buffer, not a read and a seek)."""
+    start, buf, off = f.tell(), b"", 0
+    for _ in range(count):
+        if off + 8 > len(buf):
+            start += off
+            f.seek(start)
+            buf, off = f.read(1 << 20), 0
+            if len(buf) < 8:
+                raise ValueError("the file ends inside its header")
+        off += 8 + struct.unpack_from("<Q", buf, off)[0]
+    f.seek(start + off)
 
 
 def read_header(path: Path) -> Header:
@@ -136,6 +160,8 @@ def read_header(path: Path) -> Header:
             if version < 2:
                 raise ValueError(f"GGUF version {version} is not supported")
             n_tensors, n_fields = _unpack(f, "<Q"), _unpack(f, "<Q")
+            if max(n_tensors, n_fields) > _left(f):
+                raise ValueError(f"its header counts {n_tensors} tensors and {n_fields} fields, more than it has bytes")
             fields = {}
             for _ in range(n_fields):
                 key = _string(f)
@@ -143,16 +169,30 @@ def read_header(path: Path) -> Header:
             infos = []
             for _ in range(n_tensors):
                 name = _string(f)
-                ne = tuple(_unpack(f, "<Q") for _ in range(_unpack(f, "<I")))
-                infos.append((name, ne, Q(_unpack(f, "<I")), _unpack(f, "<Q")))
+                n_dims = _unpack(f, "<I")
+                if not 1 <= n_dims <= 4:
+                    raise ValueError(f"tensor {name} has {n_dims} dimensions")
+                ne = tuple(_unpack(f, "<Q") for _ in range(n_dims))
+                kind = _unpack(f, "<I")
+                if kind not in Q._value2member_map_ or Q(kind) not in gguf.GGML_QUANT_SIZES:
+                    raise ValueError(f"tensor {name} has the unknown block type {kind}")
+                infos.append((name, ne, Q(kind), _unpack(f, "<Q")))
             align = int(fields.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT)
             start = -(-f.tell() // align) * align
-    except (OSError, ValueError, KeyError, UnicodeDecodeError, struct.error) as exc:
+            file_size = os.fstat(f.fileno()).st_size
+    except (OSError, ValueError, KeyError, UnicodeDecodeError, struct.error, OverflowError) as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     tensors = {}
     for name, ne, kind, offset in infos:
         block, size = gguf.GGML_QUANT_SIZES[kind]
-        tensors[name] = TensorInfo(name, ne, kind, start + offset, int(np.prod(ne)) // block * size)
+        if min(ne) < 1 or ne[0] % block:
+            raise ModelLoadError(f"{path} is damaged: tensor {name} has the shape {list(ne)}, not whole {kind.name} "
+                                 f"blocks of {block}")
+        info = TensorInfo(name, ne, kind, start + offset, int(np.prod(ne, dtype=object)) // block * size)
+        if info.offset + info.n_bytes > file_size:
+            raise ModelLoadError(f"{path} ends inside tensor {name} (the file has {file_size} bytes, the tensor "
+                                 f"needs up to byte {info.offset + info.n_bytes}): a partial download?")
+        tensors[name] = info
     return Header(fields, tensors)
 
 
@@ -178,7 +218,10 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
         try:
             try:
                 config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                # Gemma: the tokenizer class named, else AutoTokenizer reads the file's 262k-token metadata again
+                # through the gguf package to build the config it has (~20 s; the same tokenizer files)
+                typed = {"tokenizer_type": config.model_type} if config.model_type in ("gemma2", "gemma3_text") else {}
+                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **typed)
             except (ValueError, KeyError, OSError, NotImplementedError) as exc:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise ModelLoadError(f"{path.name}: transformers cannot read it ({first})") from None
@@ -254,10 +297,19 @@ def held_from_raw(raw: np.ndarray, kind: Q, n: int, k: int):
     if kind in BLOCK_KINDS:  # the file's own blocks, each row's codes then its scales (fmt 2, 3, 9, 10, 11)
         return PackedWeight(BLOCK_KINDS[kind], torch.from_numpy(split_block_rows(raw, BLOCK_KINDS[kind], n)), (n, k))
     if kind in (Q.Q4_K, Q.Q5_K):
-        return KQuantWeight(Q4K_FMT if kind == Q.Q4_K else Q5K_FMT, torch.from_numpy(raw.copy()), (n, k))
+        return KQuantWeight(Q4K_FMT if kind == Q.Q4_K else Q5K_FMT, torch.from_numpy(_owned(raw)), (n, k))
     if kind == Q.Q6_K:
-        return Q6KWeight(Q6K_FMT, torch.from_numpy(raw.copy()), (n, k))
+        return Q6KWeight(Q6K_FMT, torch.from_numpy(_owned(raw)), (n, k))
     return DenseWeight(torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, kind)).reshape(n, k)))
+
+
+def _owned(raw: np.ndarray) -> np.ndarray:
+    """raw itself when it is a buffer of its own to keep (TensorFile.raw's: writable, contiguous), else a copy
+    (a read-only map of the file, a strided view)."""
+    return raw if raw.flags.writeable and raw.flags.c_contiguous else raw.copy()
+
+
+AS_READ = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # held as the file's bytes: read whole into the held buffer, no chunks
 
 
 BLOCK_KINDS = {Q.Q4_0: Q40_FMT, Q.Q4_1: Q41_FMT, Q.Q8_0: Q80_FMT, Q.Q5_0: Q50_FMT, Q.Q5_1: Q51_FMT}
@@ -284,7 +336,7 @@ def held_from_file(tensors: TensorFile, name: str, order: np.ndarray | None = No
     order: the rows in this order (the whole tensor is read at once then; Q and K are small)."""
     n, k = tensors.shape(name)
     kind, step = tensors.kind(name), max(1, CHUNK_BYTES // tensors.row_bytes(name))
-    if order is not None or step >= n:
+    if order is not None or step >= n or kind in AS_READ:
         raw = tensors.raw(name)
         return held_from_raw(raw[order] if order is not None else raw, kind, n, k)
     full = None

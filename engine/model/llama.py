@@ -1,6 +1,6 @@
 """Llama-family decoders of our own, for the run path: the same modules, parameter names and floating-point
-operations as transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM
-(tests/test_llama.py checks the logits bit for bit), without importing transformers' modeling_utils, which
+operations as transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
+Phi3ForCausalLM (tests/test_llama.py checks the logits bit for bit), without importing transformers' modeling_utils, which
 brings torch._dynamo, torch.distributed and sympy (~90 MB of a run's RSS, ~1 s of its start). GGUF models of
 those architectures load into them (engine.model.loading); every other model, and the `hf` bench baseline (it
 needs transformers' generate), loads into transformers' own classes. Attention is looked up by
@@ -32,6 +32,7 @@ class Family:
     windows: str = "none"  # sliding windows: "none"; "config": config.sliding_window on every layer (Mistral);
     #                        "layer_types": on the layers layer_types calls sliding_attention (Qwen2 / 3)
     required: tuple[str, ...] = ()  # config.json keys without which transformers' classes load it instead
+    fused: bool = False  # Phi-3: one qkv_proj and one gate_up_proj (gate, then up) instead of q/k/v and gate/up
 
 
 def _flag(name: str) -> Callable[[PreTrainedConfig], bool]:
@@ -47,6 +48,7 @@ FAMILIES = {
     "qwen2": Family(_YES, _NO, _NO, windows="layer_types", required=_STRUCTURE + ("sliding_window", "layer_types")),
     "qwen3": Family(_flag("attention_bias"), _flag("attention_bias"), _NO, head_norms=True, windows="layer_types",
                     required=_STRUCTURE + ("head_dim", "attention_bias", "sliding_window", "layer_types")),
+    "phi3": Family(_NO, _NO, _NO, windows="config", required=_STRUCTURE + ("sliding_window",), fused=True),
 }
 
 # transformers' LlamaConfig defaults, for keys a config.json leaves out (tests/test_llama.py compares); the other
@@ -173,9 +175,13 @@ class Attention(nn.Module):
         self.window = layer_window(config, family, layer_idx)
         self.passes_window = family.windows != "none"  # transformers' module passes sliding_window=...
         heads, kv, bias = config.num_attention_heads, config.num_key_value_heads, family.qkv_bias(config)
-        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=bias)
+        self.split = (heads * self.head_dim, kv * self.head_dim)  # the query's and a key's share of qkv_proj
+        if family.fused:
+            self.qkv_proj = nn.Linear(config.hidden_size, (heads + 2 * kv) * self.head_dim, bias=bias)
+        else:
+            self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
+            self.k_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=bias)
+            self.v_proj = nn.Linear(config.hidden_size, kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=family.o_bias(config))
         if family.head_norms:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -183,10 +189,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask, cos: torch.Tensor, sin: torch.Tensor, cache, kwargs: dict) -> torch.Tensor:
         shape = (*x.shape[:-1], -1, self.head_dim)  # x [b, T, hidden] -> q/k/v [b, T, H, D] -> [b, H, T, D]
-        q, k = self.q_proj(x).view(shape), self.k_proj(x).view(shape)
+        if hasattr(self, "qkv_proj"):
+            qkv, (nq, nk) = self.qkv_proj(x), self.split
+            q, k, v = qkv[..., :nq].view(shape), qkv[..., nq : nq + nk].view(shape), qkv[..., nq + nk :].view(shape)
+        else:
+            q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), self.v_proj(x).view(shape).transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
@@ -200,11 +210,17 @@ class MLP(nn.Module):
     def __init__(self, config, family: Family):
         super().__init__()
         size, inner, bias = config.hidden_size, config.intermediate_size, family.mlp_bias(config)
-        self.gate_proj = nn.Linear(size, inner, bias=bias)
-        self.up_proj = nn.Linear(size, inner, bias=bias)
+        if family.fused:
+            self.gate_up_proj = nn.Linear(size, 2 * inner, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(size, inner, bias=bias)
+            self.up_proj = nn.Linear(size, inner, bias=bias)
         self.down_proj = nn.Linear(inner, size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * nn.functional.silu(gate))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
