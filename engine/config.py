@@ -9,7 +9,7 @@ from engine.errors import BadArgument
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes (a negative seed wraps around)
 GAMMA_MAX = 16  # exact: most draft tokens per verification
 PREFETCH = ("speculative", "current")
-GROUPS = (32, 64, 128)  # key quantization groups (tokens); values use min(group, head_dim) channels
+GROUPS = (32, 64, 128)  # key quantization groups (tokens); values use gcd(group, head_dim) channels (sizes.value_group)
 OUTLIERS_MAX = 16  # outlier key channels per KV head at most (engine/kvcache/outliers.py)
 ROTATIONS = ("none", "hadamard")  # engine/kvcache/rotation.py (which checks it is the same list)
 # per guide bits, from `specache bench fidelity` on the three shipped documents (README, Results): Hadamard

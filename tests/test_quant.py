@@ -579,3 +579,22 @@ def test_outlier_channels_are_kept_at_4_bits_beside_the_1_bit_guide():
     layer = type("Shape", (), {"layers": 1, "kv_heads": 3, "head_dim": 64})
     assert allocated == guide_bytes(layer, guide_capacity(300, 32), 1, 32, outliers=2)
     assert side.bytes(256) - plain.bytes(256) == 3 * (256 * (1 + 2 * 4 / 32) + 2 * 8)
+
+
+@pytest.mark.parametrize("head_dim,group,channels", [(96, 64, 32), (96, 128, 32), (64, 128, 64), (128, 64, 64)])
+def test_value_groups_divide_every_head(head_dim, group, channels):
+    """Values are quantized in groups of gcd(group, head_dim) channels (Phi-3's heads of 96 with the default
+    group 64: 32), so a guide exists for every head size the models have; its values reconstruct as the
+    reference says."""
+    from engine.kvcache.guide import Guide
+    from engine.kvcache.sizes import value_group
+
+    assert value_group(group, head_dim) == channels
+    guide = Guide(1, 2, 256, head_dim, 2, group, torch.device("cpu"))
+    assert guide.values.group == channels
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 2 * group, head_dim, generator=gen), torch.randn(1, 2, 2 * group, head_dim, generator=gen)
+    guide.add(0, 0, k, v)
+    p = torch.rand(1, 2, 3, 2 * group, generator=gen)
+    want = quant.guide_weighted_values_reference(p, guide.values, 2 * group)
+    torch.testing.assert_close(guide.weighted_values(p, slice(0, 1), 2 * group), want, rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ from engine.kvcache import quant
 from engine.kvcache.base import import_tensors
 from engine.kvcache.outliers import OutlierKeys
 from engine.kvcache.rotation import rotation_matrix
-from engine.kvcache.sizes import guide_bytes, guide_capacity
+from engine.kvcache.sizes import guide_bytes, guide_capacity, value_group
 
 
 class Guide:
@@ -27,7 +27,7 @@ class Guide:
         self.rotation = rotation_matrix(rotation, head_dim, device)  # R fp32 [D, D], or None
         self.outliers = OutlierKeys.empty(batch, kv_heads, cap, outliers, group, device) if outliers else None
         self.keys = quant.empty_keys(batch, kv_heads, cap, head_dim, bits, group, device)
-        self.values = quant.empty_values(batch, kv_heads, cap, head_dim, bits, min(group, head_dim), device)
+        self.values = quant.empty_values(batch, kv_heads, cap, head_dim, bits, value_group(group, head_dim), device)
         self.bits, self.group = bits, group
         self.shape = _LayerShape(kv_heads, head_dim)
 

@@ -39,18 +39,24 @@ def guide_bytes(shape, tokens: int, bits: int, group: int, layers: int | None = 
                 rows: int = 1) -> int:
     """Bytes of the quantized guide of `tokens` tokens (over `rows` rows) and `layers` layers (default
     all): bit-packed codes + fp16 scale and zero per group (keys in groups of g tokens, values in
-    groups of min(g, head_dim) channels; engine.kvcache.quant), and with `outliers` channels the
+    groups of value_group(g, head_dim) channels; engine.kvcache.quant), and with `outliers` channels the
     side guide of 4-bit codes + fp16 scale and zero per g tokens, and its channel indices per row
     (engine.kvcache.outliers)."""
     layers = shape.layers if layers is None else layers
     key_bits = guide_bits_per_element(bits, group)
-    value_bits = guide_bits_per_element(bits, min(group, shape.head_dim))
+    value_bits = guide_bits_per_element(bits, value_group(group, shape.head_dim))
     total = tokens * layers * shape.kv_heads * shape.head_dim * (key_bits + value_bits) / 8
     if outliers:
         code_bytes = -(-outliers * OUTLIER_BITS // 8)  # per token: the channels' codes packed in bytes
         total += tokens * layers * shape.kv_heads * (code_bytes + outliers * 4 / group)  # + fp16 scale, zero
         total += rows * layers * shape.kv_heads * outliers * OUTLIER_INDEX_BYTES
     return math.ceil(total)
+
+
+def value_group(group: int, head_dim: int) -> int:
+    """Channels per value quantization group: the key group where it divides the head, else their greatest
+    common divisor (a head of 96 channels with group 64: groups of 32)."""
+    return math.gcd(group, head_dim)
 
 
 def quant_boundary(length: torch.Tensor | int, residual: int, group: int) -> torch.Tensor | int:
