@@ -71,7 +71,7 @@ def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch, mode):
     if mode != "full":
         cuda_layout(monkeypatch)
     ps = prompts((60, 133, 97))
-    eager = generate(tiny_model, ps, config, max_tokens=40)
+    eager = generate(tiny_model, ps, config, max_tokens=24)
     recorded = []
 
     def record(run):
@@ -80,10 +80,10 @@ def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch, mode):
 
     monkeypatch.setattr(steps, "graphs_wanted", lambda cache: cache.capturable)
     monkeypatch.setattr(steps, "DecodeGraphs", functools.partial(graphs.DecodeGraphs, record=record))
-    replayed = generate(tiny_model, ps, config, max_tokens=40)
+    replayed = generate(tiny_model, ps, config, max_tokens=24)
     assert replayed.tokens == eager.tokens
     assert len(recorded) >= 1
-    assert len(recorded) == len({len([t for t in eager.tokens if len(t) > i]) for i in range(1, 40)})
+    assert len(recorded) == len({len([t for t in eager.tokens if len(t) > i]) for i in range(1, 24)})
 
 
 def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_model, monkeypatch):
