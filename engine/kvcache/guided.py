@@ -45,6 +45,7 @@ from engine.kvcache.sizes import (
     sink_slots,
 )
 from engine.kvcache.transfer import HostStore, Transfer
+from engine.kvcache.watch import coverage_ratio
 
 NEG_INF = float("-inf")
 
@@ -82,6 +83,7 @@ class GuidedLayer(CacheLayer):
         self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
         self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
+        self.watch = None  # engine.kvcache.watch.GuideWatch of a fetching policy (make_cache attaches it)
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
@@ -266,7 +268,8 @@ class GuidedLayer(CacheLayer):
         rows, t = step.rows, step.n_new
         b, h, g = q.shape[0], self.shape.kv_heads, self.shape.group
         qg = grouped_query(q, h)  # [b, H_kv, G*T, D]
-        if softcap is None and fused_applies(self, q):  # one native call does all of the below on the CPU
+        exact_region = self.watch is not None and self.watched(qg, scaling, step, softcap)
+        if softcap is None and not exact_region and fused_applies(self, q):  # one native call does all of the below on the CPU
             self.fused = self.fused or FusedDecode(self)
             return ungroup_output(self.fused(qg, scaling, step).to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
@@ -275,7 +278,9 @@ class GuidedLayer(CacheLayer):
         cols = torch.arange(nq + 1, device=dev)  # guide columns plus one trash column at nq
         # 1. guide region scores [b, H_kv, GT, nq + 1]
         scores = torch.full((b, h, g * t, nq + 1), NEG_INF, dtype=torch.float32, device=dev)
-        if nq:
+        if nq and exact_region:  # the guide is lost (engine/kvcache/watch.py): the store's exact keys instead
+            scores[..., :nq] = (qg.float() @ self.store.k[rows, :, :nq].to(dev).float().transpose(-1, -2)) * scaling
+        elif nq:
             scores[..., :nq] = self.guide.scores(qg.float(), rows, nq) * scaling
         # 2. sinks: exact scores where the sink is in the quantized region
         s = min(self.sinks, nq)
@@ -319,12 +324,35 @@ class GuidedLayer(CacheLayer):
             guide_p[..., :s] = 0
             if kf:
                 guide_p.scatter_(-1, fidx, 0.0)  # invalid entries hit the trash column
-            out = out + self.guide.weighted_values(guide_p[..., :nq], rows, nq)
+            if exact_region:
+                out = out + guide_p[..., :nq] @ self.store.v[rows, :, :nq].to(dev).float()
+            else:
+                out = out + self.guide.weighted_values(guide_p[..., :nq], rows, nq)
         if self.config.measure_hits and kf and step.select != 0:
             self.count_hits(qg, rscores, idx, step, nq, scaling)
         if step.select is not None and self.topk:
             self.select_and_prefetch(probs, step, nq, n_res, qend, rpos)
         return ungroup_output(out.to(q.dtype), self.shape.heads, t)
+
+    def watched(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> bool:
+        """The watch's part of a decode pass: check the guide when it is this layer's turn; True when the
+        watch has found the guide lost (the pass then attends its guide region exactly)."""
+        if self.watch.due(self):
+            self.check_guide(qg, scaling, step, softcap)
+        return self.watch.lost
+
+    def check_guide(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> None:
+        """One check (engine/kvcache/watch.py): the output token's queries of the step's first row, its guide
+        region [sinks, qend) scored by the guide and by the exact store; skipped while k covers the region."""
+        row, (h, g, t) = step.rows.start, (self.shape.kv_heads, self.shape.group, step.n_new)
+        qend = int(self.qend[row])
+        if qend - self.sinks <= self.topk:
+            return
+        q0 = qg[:1].reshape(1, h, g, t, -1)[:, :, :, 0].float()  # [1, H_kv, G, D]
+        keys = self.store.k[row : row + 1, :, self.sinks : qend].to(qg.device).float()
+        exact = soft_cap((q0 @ keys.transpose(-1, -2)) * scaling, softcap)[0]
+        guide = soft_cap(self.guide.scores(q0, slice(row, row + 1), qend) * scaling, softcap)[0, ..., self.sinks :]
+        self.watch.record(coverage_ratio(exact, guide, self.topk))
 
     # ---- accounting ----------------------------------------------------------------------
     def device_bytes(self, lengths: torch.Tensor) -> int:

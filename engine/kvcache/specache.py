@@ -18,6 +18,7 @@ class SpecacheLayer(GuidedLayer):
     """Guide + sinks + residual window + the fetched set of k exact positions (k = config.k)."""
 
     fetches = True
+    watches = True  # its decode is checked against the exact store (engine/kvcache/watch.py)
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
@@ -145,6 +146,8 @@ class SpecacheLayer(GuidedLayer):
         if self.config.measure_hits:
             hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
             stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
+        if self.watch is not None:
+            stats["guide_check"] = self.watch.stats()
         reused, total = sum(x.reused for x in layers), sum(x.reuse_total for x in layers)
         if total:  # corrected speculative sets: the share the prefetch had brought in time
             stats["prefetch_reuse"] = round(reused / total, 4)
