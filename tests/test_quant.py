@@ -579,3 +579,44 @@ def test_outlier_channels_are_kept_at_4_bits_beside_the_1_bit_guide():
     layer = type("Shape", (), {"layers": 1, "kv_heads": 3, "head_dim": 64})
     assert allocated == guide_bytes(layer, guide_capacity(300, 32), 1, 32, outliers=2)
     assert side.bytes(256) - plain.bytes(256) == 3 * (256 * (1 + 2 * 4 / 32) + 2 * 8)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("rotation,outliers", [("none", 0), ("hadamard", 2)])
+def test_keys_beyond_fp16_give_finite_guide_scores(bits, rotation, outliers):
+    """A key channel past fp16's range (65504) must not make the guide's fp16 scale / zero inf (and its
+    scores inf or nan, issue 38): they saturate, every score stays finite, in the torch and native paths."""
+    from engine.kvcache.guide import Guide
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 128, 64, generator=gen)
+    k[..., 7] = 2e5  # a constant channel beyond fp16
+    k[:, :, ::3, 9] = -1e6
+    g = Guide(1, 2, 128, 64, bits, 64, torch.device("cpu"), rotation, outliers)
+    g.add(0, 0, k, torch.randn(1, 2, 128, 64, generator=gen) * 1e5)
+    q = torch.randn(1, 2, 3, 64, generator=gen)
+    assert torch.isfinite(g.scores(q, slice(0, 1), 128)).all()
+    p = torch.softmax(torch.randn(1, 2, 3, 128, generator=gen), -1)
+    assert torch.isfinite(g.weighted_values(p, slice(0, 1), 128)).all()
+
+
+def test_a_constant_key_offset_costs_the_guide_nothing():
+    """Qwen2's large key channels are k_proj biases (after RoPE, constant over tokens on the slow channels:
+    mean -355, std 1.5 in Qwen2.5-Coder-1.5B's layer 0): the keys' per-channel zero points (groups of g
+    tokens) absorb a constant, with or without the rotation, so the scores move by q . c alone (the same for
+    every position: softmax does not see it) up to fp16's rounding of the zeros."""
+    from engine.kvcache.guide import Guide
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 256, 64, generator=gen)
+    c = torch.zeros(64)
+    c[[60, 61, 62, 63]] = torch.tensor([-355.0, 320.0, 290.0, -280.0])
+    q = torch.randn(1, 2, 4, 64, generator=gen) * 3
+    for rotation in ("none", "hadamard"):
+        errs = []
+        for offset in (torch.zeros(64), c):
+            g = Guide(1, 2, 256, 64, 2, 64, torch.device("cpu"), rotation, 0)
+            g.add(0, 0, k + offset, k)
+            s = g.scores(q, slice(0, 1), 256) - q @ (k + offset).transpose(-1, -2)
+            errs.append((s - s.mean(-1, keepdim=True)).std())  # a constant per query does not count
+        assert errs[1] < 1.05 * errs[0], rotation

@@ -150,7 +150,7 @@ def compare_distributions(ref: torch.Tensor, other: torch.Tensor) -> dict:
     """ref/other: log-probs [N, V]. Top-1 agreement and KL(ref || other) per step."""
     n = min(len(ref), len(other))
     ref, other = ref[:n].double(), other[:n].double()
-    kl = (ref.exp() * (ref - other)).sum(-1).clamp(min=0.0)
+    kl = torch.where(torch.isneginf(ref), 0.0, ref.exp() * (ref - other)).sum(-1).clamp(min=0.0)  # 0 log 0 = 0
     agree = (ref.argmax(-1) == other.argmax(-1)).double()
     return {"steps": n, "top1_agreement": float(agree.mean()) if n else None,
             "mean_kl": float(kl.mean()) if n else None, "max_kl": float(kl.max()) if n else None,
