@@ -365,6 +365,8 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
                    "host_bytes": stats.get("host_bytes"), "full_fp16_bytes": stats.get("full_fp16_bytes"),
                    # corrected speculative prefetch (free run): the share of each step's set the prefetch had brought
                    "prefetch_reuse": stats.get("prefetch_reuse"),
+                   # the free run's check of its guide against the exact store (engine/kvcache/watch.py)
+                   "guide_check": stats.get("guide_check"),
                    "reference_text": tok.decode(ref_tokens, skip_special_tokens=True),
                    "text": tok.decode(tokens_m, skip_special_tokens=True),
                    "seconds": round(time.perf_counter() - t0, 2)}
@@ -376,6 +378,9 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
                 sel = f", coverage {f['coverage']:.3f} ({f['coverage_vs_oracle']:.3f} of oracle)"
             if row["prefetch_reuse"] is not None:
                 sel += f", prefetch reuse {row['prefetch_reuse']:.3f}"
+            if row["guide_check"] and row["guide_check"]["checks"]:
+                check = row["guide_check"]
+                sel += f", guide check {check['coverage_vs_oracle']:.3f}{' LOST' if check['lost'] else ''}"
             yield BenchProgress(f"fidelity {src} {spec.label}: top-1 {forced['top1_agreement']:.3f}, "
                                 f"KL {forced['mean_kl']:.4f}{sel} ({row['seconds']:.1f} s)", done, total)
     result["rows"] = rows
@@ -399,6 +404,9 @@ def summarize(rows: list[dict], modes: Sequence[ModeSpec]) -> dict:
             "device_fraction_of_fp16": mean([r["device_bytes"] / r["full_fp16_bytes"] for r in mine
                                              if r["full_fp16_bytes"]]),
             "prefetch_reuse": mean([r["prefetch_reuse"] for r in mine if r.get("prefetch_reuse") is not None]),
+            "guide_check": mean([r["guide_check"]["coverage_vs_oracle"] for r in mine
+                                 if r.get("guide_check") and r["guide_check"]["checks"]]),
+            "guide_lost": any(r["guide_check"]["lost"] for r in mine if r.get("guide_check")),
         }
         sels = [r["selection"] for r in mine if r["selection"]]
         if sels:
