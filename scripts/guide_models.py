@@ -2,7 +2,7 @@
 the real code) does to one layer's attention, per layer and KV head, against the exact attention.
 
   capture  the full cache's greedy run over a document (as `bench fidelity`): exact K/V (post-RoPE) per
-           layer and the query of every decoded position -> a .pt file
+           global layer (not the model's sliding-window layers) and the query of every decoded position -> .pt
   study    per layer: recall of the exact top-k by the guide's ranking (prefetch "current": the token's own
            attention with guide scores, sinks and residual exact), the exact attention mass that set covers
            (and the exact top-k's, "oracle"), and the relative error of the layer's attention output with
@@ -41,11 +41,12 @@ def capture(a) -> None:
     t0 = time.perf_counter()
     with fidelity.probing(lm.model) as probe:
         ref, _, cache = fidelity.free_run(lm.model, prompt, CacheConfig(mode="full"), a.tokens, stop_ids(lm.tokenizer))
-    n, length = len(cache.layers), int(cache.lengths[0])
-    torch.save({"prompt_len": len(prompt), "scaling": probe.scaling,
-                "keys": torch.stack([cache.layers[i].k[0, :, :length].float() for i in range(n)]),
-                "values": torch.stack([cache.layers[i].v[0, :, :length].float() for i in range(n)]),
-                "q": torch.stack([torch.stack([r["q"][:, 0] for r in probe.records[i]]) for i in range(n)])}, a.out)
+    length = int(cache.lengths[0])
+    kept = [i for i, layer in enumerate(cache.layers) if layer.window is None]  # not the model's window layers
+    torch.save({"prompt_len": len(prompt), "scaling": probe.scaling, "layers": kept,
+                "keys": torch.stack([cache.layers[i].k[0, :, :length].float() for i in kept]),
+                "values": torch.stack([cache.layers[i].v[0, :, :length].float() for i in kept]),
+                "q": torch.stack([torch.stack([r["q"][:, 0] for r in probe.records[i]]) for i in kept])}, a.out)
     print(f"{a.doc}: {len(prompt)} prompt tokens, {len(ref)} decoded, {time.perf_counter() - t0:.0f} s -> {a.out}",
           file=sys.stderr)
 

@@ -620,3 +620,37 @@ def test_a_constant_key_offset_costs_the_guide_nothing():
             s = g.scores(q, slice(0, 1), 256) - q @ (k + offset).transpose(-1, -2)
             errs.append((s - s.mean(-1, keepdim=True)).std())  # a constant per query does not count
         assert errs[1] < 1.05 * errs[0], rotation
+
+
+def test_auto_rotation_is_measured_per_layer_and_travels_with_the_row():
+    """``auto`` (the default): keys with a few channels that jump by 40 on one token in 16 (like Gemma 3's
+    global layers' keys): the Hadamard would spread those jumps over every channel's per-channel range, so
+    the guide keeps none; keys and values without such channels keep the Hadamard. The choice
+    is exported with a row and taken by a fresh cache's guide (a decided one with the other choice refuses)."""
+    from engine.kvcache.guide import Guide
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 128, 64, generator=gen)
+    keys[..., :8] += (torch.rand(1, 2, 128, 1, generator=gen) < 1 / 16).float() * 40
+    q = torch.randn(1, 2, 12, 64, generator=gen)
+    v = torch.randn(1, 2, 128, 64, generator=gen)
+    spiky = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    spiky.add(0, 0, keys, v, q)
+    plain = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    v_spiky = v.clone()
+    v_spiky[..., 5] *= 20  # a value channel 20x the others: the rotation helps the values
+    plain.add(0, 0, torch.randn(1, 2, 128, 64, generator=gen), v_spiky, torch.randn(1, 2, 12, 64, generator=gen))
+    assert not spiky.rotated and plain.rotated and not spiky.auto and not plain.auto
+    exact = q @ keys.transpose(-1, -2)
+    rotated = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "hadamard", 2)
+    rotated.add(0, 0, keys, v)
+    assert (spiky.scores(q, slice(0, 1), 128) - exact).norm() < (rotated.scores(q, slice(0, 1), 128) - exact).norm()
+    saved = {n: t.clone() for n, t in spiky.export_row(0, 128).items()}
+    assert int(saved["rotated"]) == 0
+    fresh = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    fresh.import_row(0, 128, saved, check=True)
+    fresh.import_row(0, 128, saved)
+    assert not fresh.rotated and not fresh.auto
+    torch.testing.assert_close(fresh.scores(q, slice(0, 1), 128), spiky.scores(q, slice(0, 1), 128))
+    with pytest.raises(ValueError):
+        plain.import_row(0, 128, saved, check=True)

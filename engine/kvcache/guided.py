@@ -84,6 +84,7 @@ class GuidedLayer(CacheLayer):
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
         self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
         self.watch = None  # engine.kvcache.watch.GuideWatch of a fetching policy (make_cache attaches it)
+        self.recent_q: torch.Tensor | None = None  # the latest pass's queries [1, H_kv, G*<=32, D] (Guide.add: auto rotation)
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
@@ -118,7 +119,7 @@ class GuidedLayer(CacheLayer):
                 continue
             if self.guide is not None:
                 k, v = self.store.read(row, old, new)
-                self.guide.add(row, old, k, v)
+                self.guide.add(row, old, k, v, self.recent_q)
             if not self.res_in_store:  # drop the quantized tokens from the residual buffer
                 shift = new - old
                 keep = self.res_k.shape[2] - shift
@@ -211,6 +212,8 @@ class GuidedLayer(CacheLayer):
     def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """q [b, H, T, D] -> [b, T, H, D]. See the module docstring (softcap: every score, exact or
         from the guide, is capped before the one softmax, as the model caps its own)."""
+        if self.guide is not None and self.guide.auto:  # until its rotation is chosen: the last 32 tokens' queries
+            self.recent_q = grouped_query(q[:1, :, -32:].float(), self.shape.kv_heads).clone()
         if step.prefill:
             return self.attend_prefill(q, scaling, step, softcap)
         return self.attend_decode(q, scaling, step, softcap)
@@ -394,4 +397,5 @@ class GuidedLayer(CacheLayer):
         """Settings for --json."""
         return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,
                 "sinks": self.sinks, "rotation": self.config.guide_rotation if self.use_guide else None,
-                "outliers": self.guide.outlier_count if self.use_guide else None}
+                "outliers": self.guide.outlier_count if self.use_guide else None,
+                **({"rotated_layers": sum(x.guide.rotated for x in layers)} if self.use_guide else {})}
