@@ -56,8 +56,8 @@ def test_a_failed_guide_is_noticed_once_and_falls_back_to_exact(tiny_model, refe
     prompt, forced, full = reference
     real_add = guide_module.Guide.add
 
-    def noise(self, row, start, k, v):  # a guide of keys that have nothing to do with the model's
-        real_add(self, row, start, torch.randn_like(k) * 8, v)
+    def noise(self, row, start, k, v, q=None):  # a guide of keys that have nothing to do with the model's
+        real_add(self, row, start, torch.randn_like(k) * 8, v, q)
 
     monkeypatch.setattr(guide_module.Guide, "add", noise)
     logits, stats = watch_stats(tiny_model, CONFIG, prompt, forced)
@@ -71,8 +71,8 @@ def test_a_lost_guide_attends_exactly(tiny_model, reference, monkeypatch, prefet
     the full cache's logits, however bad the guide."""
     prompt, forced, full = reference
     real_add = guide_module.Guide.add
-    monkeypatch.setattr(guide_module.Guide, "add", lambda self, row, start, k, v: real_add(
-        self, row, start, torch.randn_like(k) * 8, torch.randn_like(v)))
+    monkeypatch.setattr(guide_module.Guide, "add", lambda self, row, start, k, v, q=None: real_add(
+        self, row, start, torch.randn_like(k) * 8, torch.randn_like(v), q))
     monkeypatch.setattr(GuideWatch, "due", lambda self, layer: setattr(self, "lost", True) or False)
     logits, stats = watch_stats(tiny_model, CacheConfig(**{**CONFIG.__dict__, "prefetch": prefetch}), prompt, forced)
     assert stats["lost"]
