@@ -11,11 +11,13 @@ GAMMA_MAX = 16  # exact: most draft tokens per verification
 PREFETCH = ("speculative", "current")
 GROUPS = (32, 64, 128)  # key quantization groups (tokens); values use gcd(group, head_dim) channels (sizes.value_group)
 OUTLIERS_MAX = 16  # outlier key channels per KV head at most (engine/kvcache/outliers.py)
-ROTATIONS = ("none", "hadamard")  # engine/kvcache/rotation.py (which checks it is the same list)
+ROTATIONS = ("none", "hadamard", "auto")  # engine/kvcache/rotation.py (which checks it is the same list)
 # per guide bits, from `specache bench fidelity` on the three shipped documents (README, Results): Hadamard
 # took 1 bit from 0.952 / 0.0168 (top-1 / KL) to 0.981 / 0.0018 and 2 bits at k 128 from 0.974 / 0.0034 to
 # 0.978 / 0.0009 (at k 512 0.997 / 0.0004 -> 0.992 / 0.0001: one token in 242, KL 4x lower)
-DEFAULT_ROTATION = {1: "hadamard", 2: "hadamard"}
+# since issue 38 "auto": the Hadamard per layer unless it measurably errs far more than none on the layer's first
+# keys and values (engine/kvcache/rotation.py: Gemma 3's global layers; SmolLM2 and Qwen2 keep it on every layer)
+DEFAULT_ROTATION = {1: "auto", 2: "auto"}
 # outlier key channels per guide bits, from the same bench (bench-results/fidelity-2bit-k512-outliers.md,
 # fidelity-2bit-k128-outliers.md): 2 bits with 2 took k 512 from 0.992 / 9.0e-5 to 0.997 / 8.8e-5 and k 128 (the
 # CPU default) from 0.978 / 0.0009 to 0.997 / 0.0008, for ~1% more device bytes; 1 bit with 4 helped at k 512

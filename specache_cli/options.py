@@ -57,8 +57,9 @@ class CacheOptions:
         "own queries before it attends and fetches what the prefetch missed (default); --no-correct: the paper's "
         "set, chosen by the speculative guess alone (no fetch on the critical path).")] = None
     rotation: Annotated[Optional[str], typer.Option(
-        "--rotation", help="Guide transform: none or hadamard (K, V and the queries rotated before the guide "
-        "quantizes them; exact parts untouched). Default: the one `bench fidelity` chose for the bits.")] = None
+        "--rotation", help="Guide transform: none, hadamard (K, V and the queries rotated before the guide "
+        "quantizes them; exact parts untouched) or auto (per layer: the Hadamard unless it measurably errs more "
+        "on the layer's first keys). Default: auto.")] = None
     outliers: Annotated[Optional[int], typer.Option(
         "--outliers", help="Outlier key channels per KV head held at 4 bits beside the guide, 0..16 (taken "
         "out of the keys before they are rotated and quantized). Default: the one `bench fidelity` chose for "

@@ -350,3 +350,11 @@ def test_the_hf_baseline_runs_a_model_whose_weights_are_held_in_blocks(tiny_mode
         assert type(lin) is SkinnyLinear and lin.weight is None
     finally:
         lin.weight, lin.held = saved
+
+
+def test_kl_takes_zero_log_zero_as_zero():
+    """A token both distributions give probability 0 (log-prob -inf) adds nothing to the KL (it was nan)."""
+    ref = torch.log_softmax(torch.tensor([[0.0, 1.0, float("-inf")]]), -1)
+    other = torch.log_softmax(torch.tensor([[0.1, 1.0, float("-inf")]]), -1)
+    out = compare_distributions(ref, other)
+    assert out["mean_kl"] is not None and 0 < out["mean_kl"] < 0.01

@@ -155,11 +155,11 @@ def test_kivi_equals_the_kivi_reference(name, bits, outliers):
     p = ps[0]
     group, residual, sinks, steps = 32, 16, 4, 24
     config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64,
-                         outliers=outliers)
+                         outliers=outliers, rotation="hadamard")  # set: the default's choice is per layer (auto)
     cache = make_cache(model.config, config, 1, 400, torch.float32, torch.device("cpu"))
     *_, logits = prefill(model, cache, p, 0, 64)
     chosen_from = int(quant_boundary(torch.tensor(64), residual, group))  # the first chunk's quantized keys
-    ref = KiviWindowReference(bits, group, residual, sinks, config.guide_rotation,  # the default rotation
+    ref = KiviWindowReference(bits, group, residual, sinks, config.guide_rotation,
                               outliers, chosen_from)
     AttentionInterface.register("kivi_window_reference", ref.attention)
     impl = model.config._attn_implementation

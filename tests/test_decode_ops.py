@@ -4,7 +4,8 @@ a kernel launch and each read of a device value on the host a synchronization, a
 of the H200 check (bench-results/gpu/) are bound by those, not by the GPU's work. So:
 
 - every steady step issues the same program (the same ops in the same order: what replaying a
-  recorded step as a CUDA graph needs);
+  recorded step as a CUDA graph needs), the guide watch's check aside (engine/kvcache/watch.py: one layer
+  every few passes, on the host);
 - a step reads no device value on the host beyond the output tokens (one tolist per step), and, in
   specache with the corrected speculative set, one count per layer (how many fetched rows missed);
 - ops per layer per step stay within a budget per mode (the GPU profile's 1,498 / 6,044 device events
@@ -57,9 +58,11 @@ def record_steps(monkeypatch, layers: int, config: CacheConfig, steps: int = 3) 
     in them), the cache laid out as on a GPU and decoded by the torch path; tolist calls recorded as ops."""
     import engine.kvcache
     import engine.kvcache.guided
+    from engine.kvcache.specache import SpecacheLayer
     from engine.kvcache.transfer import Transfer
 
     monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
+    monkeypatch.setattr(SpecacheLayer, "watches", False)  # (its check, every few passes, reads the host store)
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
     model = make_tiny_model(layers=layers)
     engine = Engine(model, config)

@@ -53,10 +53,14 @@ GUIDED = {"specache": CacheConfig(mode="specache", k=16, group=32, residual=16, 
 
 
 def cuda_layout(monkeypatch):
-    """Guided layers laid out as on CUDA (residual buffers of their own), decoded by the torch code."""
+    """Guided layers laid out as on CUDA (residual buffers of their own), decoded by the torch code, without
+    the guide watch (a watched layer is not replayed: its check runs on the host)."""
     import engine.kvcache
     import engine.kvcache.guided
+    from engine.kvcache.specache import SpecacheLayer
     from engine.kvcache.transfer import Transfer
+
+    monkeypatch.setattr(SpecacheLayer, "watches", False)
 
     monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
@@ -88,7 +92,9 @@ def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch, mode):
 
 def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_model, monkeypatch):
     """Replayable: full; the guided caches in the CUDA layout without a speculative prefetch or hit count
-    (exact mode verifies from the store: not)."""
+    (exact mode verifies from the store: not; nor a watched layer)."""
+    from engine.kvcache.specache import SpecacheLayer
+
     cpu = torch.device("cpu")
 
     def capturable(config):
@@ -101,6 +107,8 @@ def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_mode
     assert not capturable(CacheConfig(mode="specache", prefetch="speculative"))
     assert not capturable(CacheConfig(mode="specache", prefetch="current", measure_hits=True))
     assert not capturable(CacheConfig(mode="exact"))
+    monkeypatch.setattr(SpecacheLayer, "watches", True)
+    assert not capturable(GUIDED["specache"])  # watched
     monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
     assert not graphs.graphs_wanted(make_cache(tiny_model.config, CacheConfig(mode="full"), 1, 64, torch.float32,
                                                cpu))  # (CUDA only)

@@ -598,3 +598,76 @@ def test_value_groups_divide_every_head(head_dim, group, channels):
     p = torch.rand(1, 2, 3, 2 * group, generator=gen)
     want = quant.guide_weighted_values_reference(p, guide.values, 2 * group)
     torch.testing.assert_close(guide.weighted_values(p, slice(0, 1), 2 * group), want, rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("rotation,outliers", [("none", 0), ("hadamard", 2)])
+def test_keys_beyond_fp16_give_finite_guide_scores(bits, rotation, outliers):
+    """A key channel past fp16's range (65504) must not make the guide's fp16 scale / zero inf (and its
+    scores inf or nan, issue 38): they saturate, every score stays finite, in the torch and native paths."""
+    from engine.kvcache.guide import Guide
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 128, 64, generator=gen)
+    k[..., 7] = 2e5  # a constant channel beyond fp16
+    k[:, :, ::3, 9] = -1e6
+    g = Guide(1, 2, 128, 64, bits, 64, torch.device("cpu"), rotation, outliers)
+    g.add(0, 0, k, torch.randn(1, 2, 128, 64, generator=gen) * 1e5)
+    q = torch.randn(1, 2, 3, 64, generator=gen)
+    assert torch.isfinite(g.scores(q, slice(0, 1), 128)).all()
+    p = torch.softmax(torch.randn(1, 2, 3, 128, generator=gen), -1)
+    assert torch.isfinite(g.weighted_values(p, slice(0, 1), 128)).all()
+
+
+def test_a_constant_key_offset_costs_the_guide_nothing():
+    """Qwen2's large key channels are k_proj biases (after RoPE, constant over tokens on the slow channels:
+    mean -355, std 1.5 in Qwen2.5-Coder-1.5B's layer 0): the keys' per-channel zero points (groups of g
+    tokens) absorb a constant, with or without the rotation, so the scores move by q . c alone (the same for
+    every position: softmax does not see it) up to fp16's rounding of the zeros."""
+    from engine.kvcache.guide import Guide
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 256, 64, generator=gen)
+    c = torch.zeros(64)
+    c[[60, 61, 62, 63]] = torch.tensor([-355.0, 320.0, 290.0, -280.0])
+    q = torch.randn(1, 2, 4, 64, generator=gen) * 3
+    for rotation in ("none", "hadamard"):
+        errs = []
+        for offset in (torch.zeros(64), c):
+            g = Guide(1, 2, 256, 64, 2, 64, torch.device("cpu"), rotation, 0)
+            g.add(0, 0, k + offset, k)
+            s = g.scores(q, slice(0, 1), 256) - q @ (k + offset).transpose(-1, -2)
+            errs.append((s - s.mean(-1, keepdim=True)).std())  # a constant per query does not count
+        assert errs[1] < 1.05 * errs[0], rotation
+
+
+def test_auto_rotation_is_measured_per_layer_and_travels_with_the_row():
+    """``auto`` (the default): keys with a few channels that jump by 40 on one token in 16 (like Gemma 3's
+    global layers' keys): the Hadamard would spread those jumps over every channel's per-channel range, so
+    the guide keeps none; keys and values without such channels keep the Hadamard. The choice
+    is exported with a row and taken by a fresh cache's guide (a decided one with the other choice refuses)."""
+    from engine.kvcache.guide import Guide
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 2, 128, 64, generator=gen)
+    keys[..., :8] += (torch.rand(1, 2, 128, 1, generator=gen) < 1 / 16).float() * 40
+    q = torch.randn(1, 2, 12, 64, generator=gen)
+    v = torch.randn(1, 2, 128, 64, generator=gen)
+    spiky = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    spiky.add(0, 0, keys, v, q)
+    plain = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    v_spiky = v.clone()
+    v_spiky[..., 5] *= 20  # a value channel 20x the others: the rotation helps the values
+    plain.add(0, 0, torch.randn(1, 2, 128, 64, generator=gen), v_spiky, torch.randn(1, 2, 12, 64, generator=gen))
+    assert not spiky.rotated and plain.rotated and not spiky.auto and not plain.auto
+    exact = q @ keys.transpose(-1, -2)
+    rotated = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "hadamard", 2)
+    rotated.add(0, 0, keys, v)
+    assert (spiky.scores(q, slice(0, 1), 128) - exact).norm() < (rotated.scores(q, slice(0, 1), 128) - exact).norm()
+    saved = {n: t.clone() for n, t in spiky.export_row(0, 128).items()}
+    assert int(saved["rotated"]) == 0
+    fresh = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    fresh.import_row(0, 128, saved, check=True)
+    fresh.import_row(0, 128, saved)
+    assert not fresh.rotated and not fresh.auto
+    torch.testing.assert_close(fresh.scores(q, slice(0, 1), 128), spiky.scores(q, slice(0, 1), 128))
+    with pytest.raises(ValueError):
+        plain.import_row(0, 128, saved, check=True)

@@ -23,6 +23,7 @@ and the next-token distribution before each. Then, per mode:
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -40,10 +41,12 @@ from engine.bench.common import (
     target,
 )
 from engine.config import CacheConfig
+from engine.errors import BadArgument
 from engine.generate.engine import Engine
 from engine.generate.steps import decode_headroom, greedy
 from engine.inputs.prompts import SUMMARIZE, build_prompt, stop_ids
 from engine.kvcache import ModelShape, policy, quant
+from engine.kvcache.base import soft_cap
 from engine.kvcache.sizes import quant_boundary
 from engine.model.attention import specache_attention
 
@@ -72,6 +75,7 @@ class Probe:
         self.records: dict[int, list[dict]] = defaultdict(list)
         self.cache = None
         self.scaling: float | None = None
+        self.softcap: float | None = None  # the model's attention-logit softcap (Gemma 2), applied by _mass
         self.last_ids: torch.Tensor | None = None  # input ids of the current forward pass
 
 
@@ -90,6 +94,7 @@ def _probe_attention(module, query, key, value, attention_mask, **kwargs):
         probe.cache = cache
         if probe.scaling is None:
             probe.scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        probe.softcap = kwargs.get("softcap", probe.softcap)
     return out
 
 
@@ -145,7 +150,7 @@ def compare_distributions(ref: torch.Tensor, other: torch.Tensor) -> dict:
     """ref/other: log-probs [N, V]. Top-1 agreement and KL(ref || other) per step."""
     n = min(len(ref), len(other))
     ref, other = ref[:n].double(), other[:n].double()
-    kl = (ref.exp() * (ref - other)).sum(-1).clamp(min=0.0)
+    kl = torch.where(torch.isneginf(ref), 0.0, ref.exp() * (ref - other)).sum(-1).clamp(min=0.0)  # 0 log 0 = 0
     agree = (ref.argmax(-1) == other.argmax(-1)).double()
     return {"steps": n, "top1_agreement": float(agree.mean()) if n else None,
             "mean_kl": float(kl.mean()) if n else None, "max_kl": float(kl.max()) if n else None,
@@ -165,12 +170,12 @@ def compare_tokens(ref: list[int], other: list[int]) -> dict:
 
 # ---- selection quality -------------------------------------------------------------------
 
-def _mass(q: torch.Tensor, keys: torch.Tensor, scaling: float, upto: int) -> torch.Tensor:
-    """q [H, D], keys [H_kv, L, D] -> attention over positions [0, upto], summed over each KV head's
-    query heads and divided by the group size: [H_kv, upto + 1]."""
+def _mass(q: torch.Tensor, keys: torch.Tensor, scaling: float, upto: int, softcap: float | None = None) -> torch.Tensor:
+    """q [H, D], keys [H_kv, L, D] -> attention over positions [0, upto] (scores capped as the model caps
+    them), summed over each KV head's query heads and divided by the group size: [H_kv, upto + 1]."""
     h_kv, _, d = keys.shape
     qg = q.reshape(h_kv, -1, d)  # [H_kv, G, D] (query heads of a KV head are consecutive)
-    p = torch.softmax((qg @ keys[:, : upto + 1].transpose(-1, -2)) * scaling, -1)
+    p = torch.softmax(soft_cap((qg @ keys[:, : upto + 1].transpose(-1, -2)) * scaling, softcap), -1)
     return p.mean(1)
 
 
@@ -187,15 +192,25 @@ def selects(config: CacheConfig) -> bool:
     return cls.fetches and not cls.verifies and config.k > 0
 
 
+def fetching_layer(probe: Probe, layer: int) -> bool:
+    """The engine's layer `layer` fetches a set (not one of the model's sliding-window layers)."""
+    cache = probe.cache
+    return cache is not None and getattr(cache.layers[layer], "topk", 0) > 0
+
+
 def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch.Tensor]], probe: Probe,
-                      config: CacheConfig, prompt_len: int, scaling: float, ref_tokens: list[int]) -> dict:
+                      config: CacheConfig, prompt_len: int, scaling: float, ref_tokens: list[int]) -> dict | None:
     """See the module docstring. ref_keys[layer] [H_kv, L, D] exact; ref_queries[layer][j] [H, D] is the
-    exact query of forced token j at position prompt_len + j."""
+    exact query of forced token j at position prompt_len + j. Only the layers that fetch are scored: a
+    model's sliding-window layers (engine/kvcache/sliding.py) keep their window exact and fetch nothing."""
     s, r, g, k = config.sinks, config.residual, config.group, config.k
     current = config.prefetch == "current"
     sums: dict[str, list[float]] = defaultdict(list)
     per_layer = []
+    mass = functools.partial(_mass, scaling=scaling, softcap=probe.softcap)
     for layer, keys in enumerate(ref_keys):
+        if not fetching_layer(probe, layer):
+            continue
         recs = probe.records.get(layer, [])
         if recs and not any("fidx" in rec for rec in recs):
             continue  # a sliding-window layer (Gemma 2 / 3, Mistral, Qwen2 windows): it fetches nothing
@@ -223,9 +238,9 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
                 guided = {qb: kg}
             kg = guided[qb]
             q_own = ref_queries[layer][j]
-            target = _mass(q_own, keys, scaling, pos)[:, s:qb]  # [H_kv, n]
+            target = mass(q_own, keys, upto=pos)[:, s:qb]  # [H_kv, n]
             region = target.sum(-1)  # [H_kv]
-            total = _mass(q_own, keys, scaling, pos).sum(-1)
+            total = mass(q_own, keys, upto=pos).sum(-1)
             oracle = _topk_mask(target, kk)
             valid = rec["fvalid"] & (rec["fidx"] >= s) & (rec["fidx"] < qb)
             fetched = torch.zeros(oracle.shape[0], qb - s + 1, dtype=torch.bool)  # last column: invalid entries
@@ -233,13 +248,13 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
             fetched = fetched[:, :-1]
             masks = {
                 "oracle": oracle, "fetched": fetched,
-                "guide_own": _topk_mask(_mass(q_own, kg, scaling, pos)[:, s:qb], kk),
-                "guide_output": _topk_mask(_mass(q_out, kg, scaling, pos - 1)[:, s:qb], kk),
-                "exact_output": _topk_mask(_mass(q_out, keys, scaling, pos - 1)[:, s:qb], kk),
+                "guide_own": _topk_mask(mass(q_own, kg, upto=pos)[:, s:qb], kk),
+                "guide_output": _topk_mask(mass(q_out, kg, upto=pos - 1)[:, s:qb], kk),
+                "exact_output": _topk_mask(mass(q_out, keys, upto=pos - 1)[:, s:qb], kk),
             }
             if q_spec is not None:
-                masks["guide_spec"] = _topk_mask(_mass(q_spec, kg, scaling, pos)[:, s:qb], kk)
-                masks["exact_spec"] = _topk_mask(_mass(q_spec, keys, scaling, pos)[:, s:qb], kk)
+                masks["guide_spec"] = _topk_mask(mass(q_spec, kg, upto=pos)[:, s:qb], kk)
+                masks["exact_spec"] = _topk_mask(mass(q_spec, keys, upto=pos)[:, s:qb], kk)
             for name, mask in masks.items():
                 cov = ((target * mask).sum(-1) / region.clamp(min=1e-30)).tolist()
                 rec_ = ((mask & oracle).sum(-1).double() / kk).tolist()
@@ -251,6 +266,8 @@ def selection_quality(ref_keys: list[torch.Tensor], ref_queries: list[list[torch
             sums["region_mass"] += (region / total).tolist()
         per_layer.append({"layer": layer, "oracle_coverage": mean(layer_cov["oracle"]),
                           "fetched_coverage": mean(layer_cov["fetched"])})
+    if not per_layer:  # every layer is one of the model's windows: no fetched set to score
+        return None
     passes = probe.records.get(0, [])[1:len(ref_tokens)]
     hits = [float(rec["ids"][1] == ref_tokens[j]) for j, rec in enumerate(passes, start=1)
             if rec.get("ids") and len(rec["ids"]) > 1]
@@ -295,6 +312,9 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
     stops = stop_ids(tok)
     full_cfg = CacheConfig(mode="full")
     prompts = [(src, *fit_prompt(tok, text, budget)) for src, text in texts]
+    for src, prompt, _ in prompts:
+        if not prompt:
+            raise BadArgument(f"{src}: the model's tokenizer gives no tokens for this document")
     settings = {"documents": [{"source": s, "prompt_tokens": len(p), "truncated": t} for s, p, t in prompts],
                 "forced_tokens": tokens, "instruction": SUMMARIZE, "context_budget": budget,
                 "selectors": SELECTOR_HELP}
@@ -347,6 +367,8 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
                    "host_bytes": stats.get("host_bytes"), "full_fp16_bytes": stats.get("full_fp16_bytes"),
                    # corrected speculative prefetch (free run): the share of each step's set the prefetch had brought
                    "prefetch_reuse": stats.get("prefetch_reuse"),
+                   # the free run's check of its guide against the exact store (engine/kvcache/watch.py)
+                   "guide_check": stats.get("guide_check"),
                    "reference_text": tok.decode(ref_tokens, skip_special_tokens=True),
                    "text": tok.decode(tokens_m, skip_special_tokens=True),
                    "seconds": round(time.perf_counter() - t0, 2)}
@@ -358,6 +380,9 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
                 sel = f", coverage {f['coverage']:.3f} ({f['coverage_vs_oracle']:.3f} of oracle)"
             if row["prefetch_reuse"] is not None:
                 sel += f", prefetch reuse {row['prefetch_reuse']:.3f}"
+            if row["guide_check"] and row["guide_check"]["checks"]:
+                check = row["guide_check"]
+                sel += f", guide check {check['coverage_vs_oracle']:.3f}{' LOST' if check['lost'] else ''}"
             yield BenchProgress(f"fidelity {src} {spec.label}: top-1 {forced['top1_agreement']:.3f}, "
                                 f"KL {forced['mean_kl']:.4f}{sel} ({row['seconds']:.1f} s)", done, total)
     result["rows"] = rows
@@ -381,6 +406,9 @@ def summarize(rows: list[dict], modes: Sequence[ModeSpec]) -> dict:
             "device_fraction_of_fp16": mean([r["device_bytes"] / r["full_fp16_bytes"] for r in mine
                                              if r["full_fp16_bytes"]]),
             "prefetch_reuse": mean([r["prefetch_reuse"] for r in mine if r.get("prefetch_reuse") is not None]),
+            "guide_check": mean([r["guide_check"]["coverage_vs_oracle"] for r in mine
+                                 if r.get("guide_check") and r["guide_check"]["checks"]]),
+            "guide_lost": any(r["guide_check"]["lost"] for r in mine if r.get("guide_check")),
         }
         sels = [r["selection"] for r in mine if r["selection"]]
         if sels:

@@ -19,6 +19,7 @@ from engine.kvcache.base import CacheLayer, KVCache, ModelShape, Step, sliding_w
 from engine.kvcache.registry import POLICIES, policy
 from engine.kvcache.sliding import SlidingWindowLayer
 from engine.kvcache.transfer import Transfer
+from engine.kvcache.watch import GuideWatch
 
 __all__ = ["KVCache", "ModelShape", "Step", "POLICIES", "layer_classes", "make_cache", "policy", "sliding_windows"]
 
@@ -40,4 +41,10 @@ def make_cache(model_config, config: CacheConfig, batch: int, max_len: int,
     layers = [cls.build(shape, config, batch, max_len, dtype, device, transfer, w)
               for cls, w in layer_classes(model_config, config)]
     transfer.pin_host()  # CUDA: the exact store pinned at its bytes, or DoesNotFit before anything is pinned
+    watched = [layer for layer in layers if layer.policy == config.mode and getattr(layer, "watches", False)
+               and layer.topk > 0]
+    if watched:  # a run that notices when its guide is lost (engine/kvcache/watch.py)
+        watch = GuideWatch(watched)
+        for layer in watched:
+            layer.watch = watch
     return KVCache(layers, shape, config, batch, max_len, device, transfer)

@@ -51,6 +51,7 @@ class ExactLayer(SpecacheLayer):
     """A specache layer that drafts with the guide and verifies with the exact host store."""
 
     verifies = True  # decoded by engine.generate.steps.exact_steps (draft, then one exact pass)
+    watches = False  # its output is the exact store's: a lost guide only costs acceptance
     summary = "specache drafts, the exact store verifies: the output of full"
     # `specache plan` has an exact column (its verification's figures); a run's batch is planned as
     # its draft cache's, specache's

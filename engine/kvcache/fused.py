@@ -118,6 +118,8 @@ class FusedDecode:
             step.start.to(torch.long).contiguous()
         out = torch.empty(b, a.H, nq, d, dtype=torch.float32)
         a.B, a.T, a.row0, a.keep = b, step.n_new, step.rows.start, step.keep
+        rot = self.layer.guide.rotation  # an auto rotation is decided at the guide's first add
+        a.rot = rot.data_ptr() if rot is not None else None
         a.select = -1 if step.select is None else step.select
         a.scaling = scaling
         a.q, a.q_sb, a.q_sh = qg.data_ptr(), qg.stride(0), qg.stride(1)

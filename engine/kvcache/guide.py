@@ -12,7 +12,7 @@ import torch
 from engine.kvcache import quant
 from engine.kvcache.base import import_tensors
 from engine.kvcache.outliers import OutlierKeys
-from engine.kvcache.rotation import rotation_matrix
+from engine.kvcache.rotation import rotation_helps, rotation_matrix
 from engine.kvcache.sizes import guide_bytes, guide_capacity, value_group
 
 
@@ -25,14 +25,16 @@ class Guide:
         if not 0 <= outliers < head_dim:
             raise ValueError(f"outliers must be in 0..{head_dim - 1} for head_dim {head_dim}, not {outliers}")
         self.rotation = rotation_matrix(rotation, head_dim, device)  # R fp32 [D, D], or None
+        self.auto = self.auto_made = rotation == "auto"  # R or none, chosen at the first add (rotation_helps)
         self.outliers = OutlierKeys.empty(batch, kv_heads, cap, outliers, group, device) if outliers else None
         self.keys = quant.empty_keys(batch, kv_heads, cap, head_dim, bits, group, device)
         self.values = quant.empty_values(batch, kv_heads, cap, head_dim, bits, value_group(group, head_dim), device)
         self.bits, self.group = bits, group
         self.shape = _LayerShape(kv_heads, head_dim)
 
-    def add(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize exact k/v [1, H_kv, n, D] of positions [start, start + n) of one row (n % g == 0)."""
+    def add(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None) -> None:
+        """Quantize exact k/v [1, H_kv, n, D] of positions [start, start + n) of one row (n % g == 0); q: the
+        layer's latest queries [1, H_kv, m, D], for an auto rotation's choice."""
         keys = replace(self.keys, codes=self.keys.codes[row : row + 1], scale=self.keys.scale[row : row + 1],
                        zero=self.keys.zero[row : row + 1])
         values = replace(self.values, codes=self.values.codes[row : row + 1],
@@ -40,10 +42,23 @@ class Guide:
         k, v = k.to(keys.codes.device), v.to(values.codes.device)
         if self.outliers is not None:  # their channels to the side guide, zero in the main one (before R)
             k = self.outliers.split(row, start, k)
+        if self.auto:  # the layer's first keys decide, for every row (export_row carries the choice)
+            self.decide(rotation_helps(k.float(), v.float(), self.rotation, self.bits, self.group,
+                                       None if q is None else q.to(k.device)))
         if self.rotation is not None:  # [1, H_kv, n, D] @ R
             k, v = k.float() @ self.rotation, v.float() @ self.rotation
         quant.quantize_keys_into(keys, k, start)
         quant.quantize_values_into(values, v, start)
+
+    def decide(self, rotate: bool) -> None:
+        """Fix an ``auto`` guide's rotation: R, or none."""
+        if not rotate:
+            self.rotation = None
+        self.auto = False
+
+    @property
+    def rotated(self) -> bool:
+        return self.rotation is not None
 
     def copy_row(self, src: int, dst: int) -> None:
         """Row dst's guide becomes a copy of row src's."""
@@ -61,10 +76,27 @@ class Guide:
                "v_codes": v.codes[row, :, :vb], "v_scale": v.scale[row, :, :n], "v_zero": v.zero[row, :, :n]}
         if self.outliers is not None:
             out.update(self.outliers.export_row(row, n))
+        if self.choice is not None:  # an auto guide's choice (the codes mean nothing without it)
+            out["rotated"] = self.choice
         return out
 
+    @property
+    def choice(self) -> torch.Tensor | None:
+        """An auto guide's decided rotation as a tensor (1: rotated), None for a set one or one not decided."""
+        return None if self.auto or not self.auto_made else torch.tensor([int(self.rotated)])
+
     def import_row(self, row: int, n: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
-        """Make row `row`'s guide hold an export_row() of n tokens (check: only validate)."""
+        """Make row `row`'s guide hold an export_row() of n tokens (check: only validate); an auto guide
+        not decided yet takes the stored row's choice, a decided one must have made the same."""
+        got = tensors.get("rotated")
+        if got is not None and self.auto_made:
+            if not self.auto and int(got) != int(self.rotated):
+                raise ValueError("the stored guide's rotation differs from this cache's")
+            if self.auto and not check:
+                self.decide(bool(int(got)))
+            own = {k: t for k, t in self.export_row(row, n).items() if k != "rotated"}
+            import_tensors(own, {k: t for k, t in tensors.items() if k != "rotated"}, check, strict=True)
+            return
         import_tensors(self.export_row(row, n), tensors, check, strict=True)
 
     def scores(self, q: torch.Tensor, rows: slice, n: int) -> torch.Tensor:

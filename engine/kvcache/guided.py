@@ -46,6 +46,7 @@ from engine.kvcache.sizes import (
     sink_slots,
 )
 from engine.kvcache.transfer import HostStore, Transfer
+from engine.kvcache.watch import coverage_ratio
 
 NEG_INF = float("-inf")
 
@@ -90,6 +91,8 @@ class GuidedLayer(CacheLayer):
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
         self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
         self.stored = [0] * batch  # per row: positions [0, stored) are in the host store (flush_to_store)
+        self.watch = None  # engine.kvcache.watch.GuideWatch of a fetching policy (make_cache attaches it)
+        self.recent_q: torch.Tensor | None = None  # the latest pass's queries [1, H_kv, G*<=32, D] (Guide.add: auto rotation)
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
@@ -135,8 +138,9 @@ class GuidedLayer(CacheLayer):
     def capturable(self) -> bool:
         """Decodes fixed-shape passes (Step.fixed): the CUDA layout (residual buffers of its own, the store
         written as positions leave the window), no speculative prefetch or hit count, and a fetch that
-        can gather on the compute stream (HostStore.gather_now)."""
-        if self.res_in_store or self.store_on_update or self.config.measure_hits:
+        can gather on the compute stream (HostStore.gather_now); not a watched layer (engine/kvcache/watch.py:
+        its check runs on the host every few passes, which a recorded pass cannot)."""
+        if self.res_in_store or self.store_on_update or self.config.measure_hits or self.watch is not None:
             return False
         return self.topk == 0 or (self.config.prefetch == "current" and self.store.can_gather_now())
 
@@ -157,7 +161,7 @@ class GuidedLayer(CacheLayer):
                 self.flush_to_store(row, new)  # guide take them from there (CUDA: nothing copied back from the host)
                 k, v = self.res_k[row : row + 1, :, : new - old], self.res_v[row : row + 1, :, : new - old]
             if self.guide is not None:
-                self.guide.add(row, old, k, v)
+                self.guide.add(row, old, k, v, self.recent_q)
             if not self.res_in_store:  # drop the quantized tokens from the residual buffer
                 shift = new - old
                 keep = self.res_k.shape[2] - shift
@@ -270,6 +274,8 @@ class GuidedLayer(CacheLayer):
     def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """q [b, H, T, D] -> [b, T, H, D]. See the module docstring (softcap: every score, exact or
         from the guide, is capped before the one softmax, as the model caps its own)."""
+        if self.guide is not None and self.guide.auto:  # until its rotation is chosen: the last 32 tokens' queries
+            self.recent_q = grouped_query(q[:1, :, -32:].float(), self.shape.kv_heads).clone()
         if step.prefill:
             return self.attend_prefill(q, scaling, step, softcap)
         return self.attend_decode(q, scaling, step, softcap)
@@ -329,7 +335,8 @@ class GuidedLayer(CacheLayer):
         rows, t = step.rows, step.n_new
         b, h, g = q.shape[0], self.shape.kv_heads, self.shape.group
         qg = grouped_query(q, h)  # [b, H_kv, G*T, D]
-        if softcap is None and not step.fixed and fused_applies(self, q):  # one native call does all of the below
+        exact_region = self.watch is not None and self.watched(qg, scaling, step, softcap)
+        if softcap is None and not step.fixed and not exact_region and fused_applies(self, q):  # one native call: below
             self.fused = self.fused or FusedDecode(self)
             return ungroup_output(self.fused(qg, scaling, step).to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
@@ -341,7 +348,10 @@ class GuidedLayer(CacheLayer):
         cols = torch.arange(nq + 1, device=dev)  # guide columns plus one trash column at nq
         # 1. guide region scores [b, H_kv, GT, nq + 1]
         scores = torch.full((b, h, g * t, nq + 1), NEG_INF, dtype=torch.float32, device=dev)
-        if nq:
+        if nq and exact_region:  # the guide is lost (engine/kvcache/watch.py): the store's exact keys instead
+            self.store.transfer.host_ready()  # (CUDA: the store's own copies done)
+            scores[..., :nq] = (qg.float() @ self.store.k[rows, :, :nq].to(dev).float().transpose(-1, -2)) * scaling
+        elif nq:
             scores[..., :nq] = self.guide.scores(qg.float(), rows, nq) * scaling
         # 2. sinks: exact scores where the sink is in the quantized region
         s = min(self.sinks, nq)
@@ -385,12 +395,36 @@ class GuidedLayer(CacheLayer):
             guide_p[..., :s] = 0
             if kf:
                 guide_p.scatter_(-1, fidx, 0.0)  # invalid entries hit the trash column
-            out = out + self.guide.weighted_values(guide_p[..., :nq], rows, nq)
+            if exact_region:
+                out = out + guide_p[..., :nq] @ self.store.v[rows, :, :nq].to(dev).float()
+            else:
+                out = out + self.guide.weighted_values(guide_p[..., :nq], rows, nq)
         if self.config.measure_hits and kf and step.select != 0:
             self.count_hits(qg, rscores, idx, step, nq, scaling)
         if step.select is not None and self.topk:
             self.select_and_prefetch(probs, step, nq, n_res, qend, rpos)
         return ungroup_output(out.to(q.dtype), self.shape.heads, t)
+
+    def watched(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> bool:
+        """The watch's part of a decode pass: check the guide when it is this layer's turn; True when the
+        watch has found the guide lost (the pass then attends its guide region exactly)."""
+        if self.watch.due(self):
+            self.check_guide(qg, scaling, step, softcap)
+        return self.watch.lost
+
+    def check_guide(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> None:
+        """One check (engine/kvcache/watch.py): the output token's queries of the step's first row, its guide
+        region [sinks, qend) scored by the guide and by the exact store; skipped while k covers the region."""
+        row, (h, g, t) = step.rows.start, (self.shape.kv_heads, self.shape.group, step.n_new)
+        qend = int(self.qend[row])
+        if qend - self.sinks <= self.topk:
+            return
+        q0 = qg[:1].reshape(1, h, g, t, -1)[:, :, :, 0].float()  # [1, H_kv, G, D]
+        self.store.transfer.host_ready()  # (CUDA: the store's own copies done)
+        keys = self.store.k[row : row + 1, :, self.sinks : qend].to(qg.device).float()
+        exact = soft_cap((q0 @ keys.transpose(-1, -2)) * scaling, softcap)[0]
+        guide = soft_cap(self.guide.scores(q0, slice(row, row + 1), qend) * scaling, softcap)[0, ..., self.sinks :]
+        self.watch.record(coverage_ratio(exact, guide, self.topk))
 
     # ---- accounting ----------------------------------------------------------------------
     def device_bytes(self, lengths: torch.Tensor) -> int:
@@ -433,4 +467,5 @@ class GuidedLayer(CacheLayer):
         return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,
                 "sinks": self.sinks, "rotation": self.config.guide_rotation if self.use_guide else None,
                 "outliers": self.guide.outlier_count if self.use_guide else None,
-                "guide_kernel": guide_kernel(self.sink_k.device) if self.use_guide else None}
+                "guide_kernel": guide_kernel(self.sink_k.device) if self.use_guide else None,
+                **({"rotated_layers": sum(x.guide.rotated for x in layers)} if self.use_guide else {})}

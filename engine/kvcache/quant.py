@@ -153,14 +153,18 @@ def _slice_weights(rows: int, device: torch.device) -> Tensor:
 # ------------------------------------------------------------------------ quantization
 
 
+FP16_MAX = torch.finfo(torch.float16).max
+
+
 def _params(lo: Tensor, hi: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """Group min/max (fp32) -> (scale, zero) rounded to fp16."""
+    """Group min/max (fp32) -> (scale, zero) rounded to fp16, within fp16's finite range: a group beyond it
+    (|x| > 65504) saturates instead of giving inf (and inf - inf = nan) scores."""
     rng = hi - lo
     if bits == 1:
         s, z = rng / 2, lo + rng / 4  # z = (3 min + max) / 4
     else:  # plain min-max (2 bits; 4 for the outlier channels, engine/kvcache/outliers.py)
         s, z = rng / ((1 << bits) - 1), lo
-    return s.to(torch.float16), z.to(torch.float16)
+    return s.clamp(0, FP16_MAX).to(torch.float16), z.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
 
 
 def _codes(x: Tensor, s16: Tensor, z16: Tensor, bits: int) -> Tensor:

@@ -20,6 +20,7 @@ class SpecacheLayer(GuidedLayer):
     """Guide + sinks + residual window + the fetched set of k exact positions (k = config.k)."""
 
     fetches = True
+    watches = True  # its decode is checked against the exact store (engine/kvcache/watch.py)
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
@@ -155,6 +156,8 @@ class SpecacheLayer(GuidedLayer):
         if self.config.measure_hits:
             hits, total = sum(x.hits for x in layers), sum(x.hit_total for x in layers)
             stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
+        if self.watch is not None:
+            stats["guide_check"] = self.watch.stats()
         if self.store.cuda and self.topk:  # how the fetched rows crossed: a kernel reading the pinned store in
             in_place = sum(x.store.in_place for x in layers)  # place, or the worker thread's gather and copy
             stats["fetch_path"] = "kernel" if in_place else "thread"

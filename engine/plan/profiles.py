@@ -31,6 +31,11 @@ MIB = 1024**2
 KINDS = ("cuda", "cpu")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 PCIE_GBPS_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # GB/s per lane, after line encoding
+# The guide of a model without a profile (issue 38): what held on every real model measured (SmolLM2-135M,
+# Qwen2.5-Coder-1.5B, Gemma-3-270M; bench-results/fidelity-models.md): 2 bits (with engine.config's 2 outlier
+# channels and Hadamard rotation), k 128 with current prefetch (the CPU's), 256 with speculative. Until then a
+# model of 1B parameters or more got 1 bit and k 64: Qwen2.5-Coder-1.5B top-1 0.891 / KL 0.074 on report.pdf.
+UNPROFILED_DEFAULTS = {"default_bits": 2, "default_k": 256, "default_k_current": 128}
 
 
 def _check(ok: bool, source: str, field: str, problem: str) -> None:
@@ -275,12 +280,11 @@ def model_profile_from_config(config: Any, name: str | None = None, source: str 
                                          bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
     label = name or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model"
     window, window_layers = sliding_layers(cfg, layers)
-    small = parameters < 1_000_000_000
     return ModelProfile(
         name=str(label), display_name=str(label), layers=layers, heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, hidden_size=hidden, intermediate_size=intermediate, vocab_size=vocab,
         max_context=int(cfg.get("max_position_embeddings") or 2048), parameters=int(parameters),
-        default_bits=2 if small else 1, default_k=256 if small else 64, sliding_window=window,
+        **UNPROFILED_DEFAULTS, sliding_window=window,
         sliding_window_layers=window_layers, source=source)
 
 

@@ -1,0 +1,80 @@
+"""A run that notices when its guide has lost the model (issue 38).
+
+Every EVERY decode passes one specache layer (round robin over the cache's fetching layers) checks
+its guide against the exact host store for the output token's own queries: over the guide region
+[sinks, qend) of the step's first row, the exact attention (summed over the query heads of each KV
+head) that the guide's top-k positions hold, divided by what the exact top-k would hold (1: the guide
+ranks as well as exact keys; the share of a random set is about k / region). The ratio is the same
+"coverage of the oracle" `specache bench fidelity` reports, for one layer and one token.
+
+When the mean of the last WINDOW checks falls below THRESHOLD the guide is lost: one `warning:`
+line on stderr, and from then on every watched layer attends its guide region with the exact keys
+and values of the host store instead of the guide (the full cache's attention: slower, not wrong);
+`--json` says so (GuideWatch.stats under the cache's "guide_check"). A watch that has fired stays so.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+
+EVERY = 4  # decode passes between two checks (one layer each)
+WINDOW = 4  # checks averaged
+THRESHOLD = 0.5  # guide top-k's exact mass / exact top-k's mass below this: the guide is lost
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class GuideWatch:
+    """The check's state, shared by the fetching layers of one cache (module docstring)."""
+
+    def __init__(self, layers: list, every: int = EVERY, threshold: float = THRESHOLD, window: int = WINDOW,
+                 notify: Callable[[str], None] | None = None):
+        self.layers = layers
+        self.every, self.threshold, self.window = every, threshold, window
+        self.notify = notify or _warn
+        self.passes = 0  # decode passes seen (counted at the first layer)
+        self.ratios: list[float] = []
+        self.lost = False
+
+    def due(self, layer) -> bool:
+        """Called by each watched layer at each of its decode passes: True when it checks this one."""
+        if layer is self.layers[0]:
+            self.passes += 1
+        if self.lost or self.passes % self.every:
+            return False
+        return layer is self.layers[(self.passes // self.every) % len(self.layers)]
+
+    def record(self, ratio: float) -> None:
+        """One check's ratio; fires (once) when the mean of the last `window` is below the threshold."""
+        self.ratios.append(ratio)
+        recent = self.ratios[-self.window:]
+        if not self.lost and len(recent) == self.window and sum(recent) / len(recent) < self.threshold:
+            self.lost = True
+            self.notify(f"the guide has lost the model (its top-k holds {sum(recent) / len(recent):.2f} of the "
+                        f"exact top-k's attention over the last {self.window} checks, below {self.threshold}): "
+                        "attending exactly from the host store from here on (slower, the full cache's output)")
+
+    def stats(self) -> dict:
+        """For --json: the checks made, their mean and lowest ratio, and whether the watch fired."""
+        r = self.ratios
+        return {"checks": len(r), "coverage_vs_oracle": round(sum(r) / len(r), 4) if r else None,
+                "lowest": round(min(r), 4) if r else None, "lost": self.lost,
+                "fallback": "exact" if self.lost else None}
+
+
+def coverage_ratio(exact: torch.Tensor, guide: torch.Tensor, k: int) -> float:
+    """exact, guide: scores [H_kv, G, n] of one token's query heads over a region of n positions (scaled and
+    capped as the model does). -> the mean over KV heads of the exact attention mass (each query head's
+    softmax over the region, summed over the KV head's query heads) on the guide's top-k positions,
+    divided by the mass on the exact top-k."""
+    if not bool(torch.isfinite(guide).all()):  # a guide that scores inf or nan has lost the model
+        return 0.0
+    mass = torch.softmax(exact.float(), -1).sum(1)  # [H_kv, n]
+    ranked = torch.softmax(guide.float(), -1).sum(1)
+    guide_mass = mass.gather(-1, ranked.topk(k, -1).indices).sum(-1)
+    best = mass.topk(k, -1).values.sum(-1)
+    return float((guide_mass / best.clamp(min=1e-30)).mean())
