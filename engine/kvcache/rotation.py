@@ -26,6 +26,8 @@ import math
 import torch
 
 from engine.config import ROTATIONS
+from engine.kvcache import quant
+from engine.kvcache.sizes import value_group
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -63,7 +65,6 @@ def rotation_helps(k: torch.Tensor, v: torch.Tensor, r: torch.Tensor, bits: int,
     than KEEP_MARGIN times the guide of K and V. The error: the keys' relative squared score error with those queries (the
     scores' spread over positions is what softmax sees; the relative reconstruction error without them)
     plus the values' relative squared reconstruction error (R orthogonal: the same norms both ways)."""
-    from engine.kvcache import quant
 
     def key_error(x: torch.Tensor, queries: torch.Tensor | None) -> float:
         err = quant.dequantize_keys(quant.quantize_keys(x, bits, group)) - x
@@ -74,7 +75,7 @@ def rotation_helps(k: torch.Tensor, v: torch.Tensor, r: torch.Tensor, bits: int,
         return float(spread(e) / spread(s).clamp(min=1e-30))
 
     def value_error(x: torch.Tensor) -> float:
-        back = quant.dequantize_values(quant.quantize_values(x, bits, min(group, x.shape[-1])))
+        back = quant.dequantize_values(quant.quantize_values(x, bits, value_group(group, x.shape[-1])))
         return float((back - x).square().sum() / x.square().sum().clamp(min=1e-30))
 
     qr = None if q is None else q.float() @ r
