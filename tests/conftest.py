@@ -118,3 +118,20 @@ def tiny_model_dir(tmp_path_factory, embedded_dir):
         if (embedded_dir / extra).exists() and not (out / extra).exists():
             shutil.copy(embedded_dir / extra, out / extra)
     return out
+
+
+def tokens_on_both_classes(stock, own, mode: str) -> None:
+    """The engine's attention through a model's transformers class (stock) and our own (own): the same
+    greedy tokens in `mode`, two rows of different lengths, chunked prefill (tests/test_llama.py,
+    tests/test_gemma.py)."""
+    from engine.config import CacheConfig, GenerationConfig
+    from engine.generate.engine import Engine, Finished
+
+    prompts = [torch.randint(3, 320, (150,)).tolist(), torch.randint(3, 320, (120,)).tolist()]
+    config = CacheConfig(mode=mode, chunk_size=64, **({"k": 24} if mode == "specache" else {}))
+    runs = []
+    for model in (prepare_model(stock), prepare_model(own)):
+        fin = next(e for e in Engine(model, config).generate(prompts, GenerationConfig(max_tokens=12))
+                   if isinstance(e, Finished))
+        runs.append(fin.tokens)
+    assert runs[0] == runs[1] and len(runs[0][0]) == 12

@@ -14,11 +14,9 @@ import torch
 import transformers
 from transformers import LlamaConfig
 
-from engine.config import CacheConfig, GenerationConfig
-from engine.generate.engine import Engine, Finished
 from engine.model.llama import LLAMA_DEFAULTS, CausalLM, family_config, why_not_own
 from engine.model.filling import own_config
-from engine.model.loading import prepare_model
+from tests.conftest import tokens_on_both_classes
 
 BASE = dict(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
@@ -90,15 +88,7 @@ def test_bf16_logits_equal_transformers():
                                      "qwen2-window", "qwen3-biases-window", "phi3-window"])
 def test_engine_tokens_equal_on_both_classes(variant, mode):
     """The engine's attention through either class: the same greedy tokens, batched, chunked prefill."""
-    stock, own = pair(variant)
-    prompts = [torch.randint(3, 320, (150,)).tolist(), torch.randint(3, 320, (120,)).tolist()]
-    config = CacheConfig(mode=mode, chunk_size=64, **({"k": 24} if mode == "specache" else {}))
-    runs = []
-    for model in (prepare_model(stock), prepare_model(own)):
-        fin = next(e for e in Engine(model, config).generate(prompts, GenerationConfig(max_tokens=12))
-                   if isinstance(e, Finished))
-        runs.append(fin.tokens)
-    assert runs[0] == runs[1] and len(runs[0][0]) == 12
+    tokens_on_both_classes(*pair(variant), mode)
 
 
 @pytest.mark.parametrize("values", [

@@ -17,7 +17,8 @@ from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
 
 from engine.model.attention import ATTENTION_NAME
-from engine.model.llama import DYNAMIC_ROPE, CausalLM, Output, apply_rope, attention_function, rope_tables
+from engine.model.llama import (DYNAMIC_ROPE, CausalLM, Output, apply_rope, attention_function, meta_embedding,
+                                rope_tables)
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config, family: GemmaFamily):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id,  # no init
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size, device="meta"))
+        self.embed_tokens = meta_embedding(config)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, family, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 

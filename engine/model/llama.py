@@ -238,11 +238,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def meta_embedding(config) -> nn.Embedding:
+    """The token embedding on the meta device, without its init (nn.Embedding's normal_ on meta imports
+    torch._dynamo): filled from the file afterwards."""
+    return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id,
+                        _weight=torch.empty(config.vocab_size, config.hidden_size, device="meta"))
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config, family: Family):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id,  # no init
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size, device="meta"))
+        self.embed_tokens = meta_embedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, family, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
