@@ -430,11 +430,11 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
     captured = []
     fetch_top = layer.fetch_top
 
-    def capture(cand, bound, rows_):
+    def capture(cand, bound, rows_, now=False):
         pos = torch.arange(cand.shape[-1])
         outside = (pos[None, :] >= bound[:, None]) | (pos[None, :] < layer.sinks)
         captured.append(cand.masked_fill(outside[:, None, :], -1.0).clone())
-        return fetch_top(cand, bound, rows_)
+        return fetch_top(cand, bound, rows_, now)
 
     layer.fetch_top = capture
     with torch.no_grad():
