@@ -216,3 +216,28 @@ def test_a_16bit_folder_is_held_as_it_is_and_gives_the_fp32_output(tmp_path, emb
         runs.append(next(e for e in engine.generate([prompt], GenerationConfig(max_tokens=12))
                          if isinstance(e, Finished)).tokens[0])
     assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_a_converted_folder_follows_its_gguf_to_a_new_path(tmp_path):
+    """A converted folder is keyed by its GGUF's content: found again at another path (a new venv's copy of
+    the wheel) while the path it recorded is gone, the folder names the new path, so it still loads as
+    --model; a recorded path that still exists is kept."""
+    from engine.model.gguf_files import GGUF_POINTER, repoint
+    from engine.model.sources import gguf_of_converted
+
+    folder = tmp_path / "gguf-m-key"
+    folder.mkdir()
+    pointer = folder / GGUF_POINTER
+    old, new = tmp_path / "old" / "m.gguf", tmp_path / "new" / "m.gguf"
+    new.parent.mkdir()
+    new.write_bytes(b"GGUF" + bytes(60))
+    pointer.write_text(json.dumps({"source": str(old), "size": 64, "identity": "x", "version": 1}))
+    with pytest.raises(ModelLoadError, match="which is gone"):
+        gguf_of_converted(pointer)
+    repoint(pointer, new)
+    assert gguf_of_converted(pointer) == new.resolve()
+    assert json.loads(pointer.read_text())["identity"] == "x"  # only the path changes
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + bytes(60))
+    repoint(pointer, other)
+    assert gguf_of_converted(pointer) == new.resolve()  # the recorded file exists: kept

@@ -243,7 +243,26 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
 
 def ensure_converted(path: Path, name: str, on_status: Callable[[str], None] | None = None) -> Path:
     dest = converted_dir(path, name)
-    return dest if (dest / GGUF_POINTER).is_file() else convert(path, dest, on_status)
+    if not (dest / GGUF_POINTER).is_file():
+        return convert(path, dest, on_status)
+    repoint(dest / GGUF_POINTER, path)
+    return dest
+
+
+def repoint(pointer: Path, path: Path) -> None:
+    """A converted folder is keyed by its GGUF's content (converted_dir), so the same file found at another
+    path (the wheel reinstalled in another venv, the file moved) uses it: when the file it names is gone,
+    name this one instead (written to a temp file, then renamed), so the folder given as --model still loads."""
+    try:
+        recorded = json.loads(pointer.read_text(encoding="utf-8"))
+        if Path(recorded["source"]).is_file():
+            return
+        recorded["source"] = str(path.resolve())
+        tmp = pointer.with_name(pointer.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(recorded, indent=1), encoding="utf-8")
+        os.replace(tmp, pointer)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # unreadable: loading from the folder says so (sources.gguf_of_converted); this path still loads
 
 
 # --- tensors -------------------------------------------------------------------------------------
