@@ -54,8 +54,8 @@ def limit_tests(out: Path, timeout: float) -> dict:
     log = out / "tests.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
-                                 "tests/test_guide_triton.py", "tests/test_transfer.py", "tests/test_verify_stream.py",
-                                 "tests/test_engine.py"],
+                                 "tests/test_guide_triton.py", "tests/test_transfer.py", "tests/test_graphs.py",
+                                 "tests/test_verify_stream.py", "tests/test_engine.py"],
                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
         try:
             code = proc.wait(timeout=timeout)
