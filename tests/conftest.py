@@ -135,3 +135,30 @@ def tokens_on_both_classes(stock, own, mode: str) -> None:
                    if isinstance(e, Finished))
         runs.append(fin.tokens)
     assert runs[0] == runs[1] and len(runs[0][0]) == 12
+
+
+def logits_on_both_classes(stock, own, attention: str) -> torch.Tensor:
+    """Both classes with `attention`, on two rows of 90 tokens: logits equal bit for bit, and with
+    logits_to_keep=3 too (tests/test_llama.py, tests/test_gemma.py). -> our class's logits."""
+    ids = torch.randint(3, 320, (2, 90))
+    stock.set_attn_implementation(attention)
+    own.set_attn_implementation(attention)
+    with torch.inference_mode():
+        want, got = stock(input_ids=ids).logits, own(input_ids=ids).logits
+        last = own(input_ids=ids, logits_to_keep=3).logits
+        assert last.shape[1] == 3 and torch.equal(last, stock(input_ids=ids, logits_to_keep=3).logits)
+    assert torch.equal(got, want)
+    return got
+
+
+def cuda_layout(monkeypatch) -> None:
+    """Guided layers laid out as on CUDA (residual buffers of their own), decoded by the torch code (not the
+    CPU's fused call), without the guide watch (its check, every few passes, runs on the host)."""
+    import engine.kvcache
+    import engine.kvcache.guided
+    from engine.kvcache.specache import SpecacheLayer
+    from engine.kvcache.transfer import Transfer
+
+    monkeypatch.setattr(SpecacheLayer, "watches", False)
+    monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)

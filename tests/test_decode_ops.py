@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import CacheConfig
 from engine.generate.engine import Engine
 from engine.generate.steps import greedy
-from tests.conftest import make_tiny_model
+from tests.conftest import cuda_layout, make_tiny_model
 
 # ops that make views or allocate (no kernel on a GPU); the rest count as launches
 NO_LAUNCH = frozenset({"empty", "empty_like", "view", "_unsafe_view", "reshape", "slice", "select", "unsqueeze", "squeeze", "expand", "transpose",
@@ -56,14 +56,7 @@ class Recorder(TorchDispatchMode):
 def record_steps(monkeypatch, layers: int, config: CacheConfig, steps: int = 3) -> list[list[str]]:
     """Ops of `steps` steady decode steps of two rows (prompts 150 and 190: no quantization boundary moves
     in them), the cache laid out as on a GPU and decoded by the torch path; tolist calls recorded as ops."""
-    import engine.kvcache
-    import engine.kvcache.guided
-    from engine.kvcache.specache import SpecacheLayer
-    from engine.kvcache.transfer import Transfer
-
-    monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
-    monkeypatch.setattr(SpecacheLayer, "watches", False)  # (its check, every few passes, reads the host store)
-    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+    cuda_layout(monkeypatch)
     model = make_tiny_model(layers=layers)
     engine = Engine(model, config)
     cache = engine.new_cache(2, 400)

@@ -15,6 +15,7 @@ import engine.generate.steps as steps
 from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
 from engine.kvcache import make_cache
+from tests.conftest import cuda_layout
 
 
 def generate(model, prompts, config, max_tokens=12):
@@ -50,20 +51,6 @@ GUIDED = {"specache": CacheConfig(mode="specache", k=16, group=32, residual=16, 
                                   prefetch="current"),
           "kivi": CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64),
           "window": CacheConfig(mode="window", group=32, residual=16, sinks=4, chunk_size=64)}
-
-
-def cuda_layout(monkeypatch):
-    """Guided layers laid out as on CUDA (residual buffers of their own), decoded by the torch code, without
-    the guide watch (a watched layer is not replayed: its check runs on the host)."""
-    import engine.kvcache
-    import engine.kvcache.guided
-    from engine.kvcache.specache import SpecacheLayer
-    from engine.kvcache.transfer import Transfer
-
-    monkeypatch.setattr(SpecacheLayer, "watches", False)
-
-    monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
-    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
 
 
 @pytest.mark.parametrize("mode", ["full", *GUIDED])

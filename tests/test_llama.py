@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from engine.model.llama import LLAMA_DEFAULTS, CausalLM, family_config, why_not_own
 from engine.model.filling import own_config
-from tests.conftest import tokens_on_both_classes
+from tests.conftest import logits_on_both_classes, tokens_on_both_classes
 
 BASE = dict(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
@@ -62,15 +62,7 @@ def pair(variant: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Mod
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_equal_transformers_bit_for_bit(variant, attention):
-    stock, own = pair(variant)
-    ids = torch.randint(3, 320, (2, 90))  # beyond llama3-rope's original 64 positions
-    stock.set_attn_implementation(attention)
-    own.set_attn_implementation(attention)
-    with torch.inference_mode():
-        want, got = stock(input_ids=ids).logits, own(input_ids=ids).logits
-        last = own(input_ids=ids, logits_to_keep=3).logits
-        assert last.shape[1] == 3 and torch.equal(last, stock(input_ids=ids, logits_to_keep=3).logits)
-    assert torch.equal(got, want)
+    logits_on_both_classes(*pair(variant), attention)  # (90 tokens: beyond llama3-rope's original 64 positions)
 
 
 def test_bf16_logits_equal_transformers():
