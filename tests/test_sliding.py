@@ -97,3 +97,24 @@ def test_a_window_layer_keeps_only_its_window_and_the_global_layers_their_policy
         kept = x._kept(300)
         assert torch.equal(x.k[1, :, kept], x.k[0, :, kept]) and torch.equal(x.pos[1, kept], x.pos[0, kept])
     cache.close()
+
+
+@pytest.mark.parametrize("mode", ["full", "specache"])
+def test_the_device_fraction_counts_16_bit_on_both_sides_of_an_fp32_run(mode):
+    """An fp32 run (the CPU) holds exact K/V at 4 bytes: its `device_vs_full_fp16` counts them as 16-bit,
+    as a GPU would hold them, so a full cache of every token is 1.0 whatever the run's dtype, and a
+    guided cache is its fp16 share, not twice it."""
+    shape = tiny_config("llama")
+    model = prepare_model(tiny_model("llama"))
+    config = CacheConfig(mode=mode, k=16, group=32, residual=16, chunk_size=64)
+    cache = make_cache(shape, config, 1, 400, torch.float32, torch.device("cpu"))
+    list(prefill(model, cache, list(range(3, 303)), 0, 64))
+    stats = cache.stats()
+    assert stats["device_bytes"] > stats["device_fp16_bytes"]  # fp32 exact parts
+    if mode == "full":
+        assert stats["device_bytes"] == 2 * stats["device_fp16_bytes"] == 2 * stats["full_fp16_bytes"]
+        assert stats["device_vs_full_fp16"] == 1.0
+    else:
+        exact_fp32 = stats["device_bytes"] - stats["device_fp16_bytes"]  # the exact parts' second half
+        assert stats["device_vs_full_fp16"] == round(stats["device_fp16_bytes"] / stats["full_fp16_bytes"], 4)
+        assert 0 < exact_fp32 < stats["device_fp16_bytes"] < stats["full_fp16_bytes"]

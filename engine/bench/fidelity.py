@@ -364,6 +364,7 @@ def run_fidelity(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec]
             row = {"document": src, "mode": spec.label, "prompt_tokens": len(prompt),
                    "teacher_forced": forced, "free_running": compare_tokens(ref_tokens, tokens_m),
                    "selection": selection, "device_bytes": stats.get("device_bytes"),
+                   "device_fp16_bytes": stats.get("device_fp16_bytes"),
                    "host_bytes": stats.get("host_bytes"), "full_fp16_bytes": stats.get("full_fp16_bytes"),
                    # corrected speculative prefetch (free run): the share of each step's set the prefetch had brought
                    "prefetch_reuse": stats.get("prefetch_reuse"),
@@ -403,7 +404,8 @@ def summarize(rows: list[dict], modes: Sequence[ModeSpec]) -> dict:
             "identical_prefix": mean([r["free_running"]["identical_prefix"] for r in mine]),
             "equal_share": mean([r["free_running"]["equal_share"] for r in mine]),
             "device_bytes": mean([r["device_bytes"] for r in mine]),
-            "device_fraction_of_fp16": mean([r["device_bytes"] / r["full_fp16_bytes"] for r in mine
+            # 16-bit both sides (an fp32 CPU run holds its exact parts at twice a GPU's bytes)
+            "device_fraction_of_fp16": mean([r["device_fp16_bytes"] / r["full_fp16_bytes"] for r in mine
                                              if r["full_fp16_bytes"]]),
             "prefetch_reuse": mean([r["prefetch_reuse"] for r in mine if r.get("prefetch_reuse") is not None]),
             "guide_check": mean([r["guide_check"]["coverage_vs_oracle"] for r in mine

@@ -364,8 +364,9 @@ class CacheLayer:
         """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
         import_tensors(self.export_row(row, length), tensors, check, strict=True)
 
-    def device_bytes(self, lengths: torch.Tensor) -> int:
-        """Bytes held on the compute device for rows of these lengths."""
+    def device_bytes(self, lengths: torch.Tensor, element_size: int | None = None) -> int:
+        """Bytes held on the compute device for rows of these lengths (exact K/V at `element_size` bytes
+        per value when given: 2 counts them as the fp16 a GPU holds, whatever this run's dtype)."""
         raise NotImplementedError
 
     def host_bytes(self, lengths: torch.Tensor) -> int:
@@ -491,8 +492,8 @@ class KVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lengths.max())
 
-    def device_bytes(self) -> int:
-        return sum(layer.device_bytes(self.lengths) for layer in self.layers)
+    def device_bytes(self, element_size: int | None = None) -> int:
+        return sum(layer.device_bytes(self.lengths, element_size) for layer in self.layers)
 
     def host_bytes(self) -> int:
         return sum(layer.host_bytes(self.lengths) for layer in self.layers)
@@ -500,8 +501,10 @@ class KVCache(Cache):
     def stats(self) -> dict:
         """Cache statistics for --json: bytes per tier plus whatever the layers measured."""
         stats = {"mode": self.config.mode, "device_bytes": self.device_bytes(),
-                 "host_bytes": self.host_bytes(), "full_fp16_bytes": self.full_fp16_bytes()}
-        stats["device_vs_full_fp16"] = round(stats["device_bytes"] / max(stats["full_fp16_bytes"], 1), 4)
+                 "device_fp16_bytes": self.device_bytes(2), "host_bytes": self.host_bytes(),
+                 "full_fp16_bytes": self.full_fp16_bytes()}
+        # both in 16-bit terms: an fp32 run (the CPU) holds its exact parts at twice a GPU's bytes
+        stats["device_vs_full_fp16"] = round(stats["device_fp16_bytes"] / max(stats["full_fp16_bytes"], 1), 4)
         if self.policy_layers:
             stats.update(self.policy_layers[0].run_stats(self.policy_layers))
         windows = [layer for layer in self.layers if layer.window is not None]

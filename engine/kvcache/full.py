@@ -79,8 +79,8 @@ class FullLayer(CacheLayer):
         """Row `row`'s state after `length` tokens (views), for the document store."""
         return {"k": self.k[row, :, :length], "v": self.v[row, :, :length]}
 
-    def device_bytes(self, lengths: torch.Tensor) -> int:
-        return int(lengths.sum()) * layer_kv_bytes_per_token(self.shape, self.k.element_size())
+    def device_bytes(self, lengths: torch.Tensor, element_size: int | None = None) -> int:
+        return int(lengths.sum()) * layer_kv_bytes_per_token(self.shape, element_size or self.k.element_size())
 
     def allocated_device_bytes(self) -> int:
         return (self.k.numel() + self.v.numel()) * self.k.element_size() // self.k.shape[0]

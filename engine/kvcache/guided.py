@@ -427,8 +427,8 @@ class GuidedLayer(CacheLayer):
         self.watch.record(coverage_ratio(exact, guide, self.topk))
 
     # ---- accounting ----------------------------------------------------------------------
-    def device_bytes(self, lengths: torch.Tensor) -> int:
-        per_token = layer_kv_bytes_per_token(self.shape, self.sink_k.element_size())
+    def device_bytes(self, lengths: torch.Tensor, element_size: int | None = None) -> int:
+        per_token = layer_kv_bytes_per_token(self.shape, element_size or self.sink_k.element_size())
         qend = quant_boundary(lengths, self.residual, self.group)
         exact = int((lengths - qend).sum()) + int(torch.minimum(qend, torch.tensor(self.sinks)).sum())
         total = exact * per_token

@@ -105,10 +105,10 @@ class SlidingWindowLayer(CacheLayer):
             self.pos[row] = -1
             self.pos[row, slots] = torch.arange(length - slots.numel(), length, device=self.pos.device)
 
-    def device_bytes(self, lengths: torch.Tensor) -> int:
+    def device_bytes(self, lengths: torch.Tensor, element_size: int | None = None) -> int:
         """Exact K/V of the window per row (what it keeps; the slack only passes through)."""
         kept = sum(sliding_kept_tokens(self.window, int(n)) for n in lengths.tolist())
-        return kept * layer_kv_bytes_per_token(self.shape, self.k.element_size())
+        return kept * layer_kv_bytes_per_token(self.shape, element_size or self.k.element_size())
 
     def allocated_device_bytes(self) -> int:
         return (self.k.numel() + self.v.numel()) * self.k.element_size() // self.k.shape[0]
