@@ -188,10 +188,29 @@ def print_timings(result: Result) -> None:
     if c:
         line += (f" · cache {c.get('mode')}: device {c.get('device_bytes', 0) / 2**20:.1f} MiB, "
                  f"host {c.get('host_bytes', 0) / 2**20:.1f} MiB, fp16 full {c.get('full_fp16_bytes', 0) / 2**20:.1f} MiB")
+        guide = guide_settings(c)
+        if guide:
+            line += f" · guide {guide}"
         if c.get("acceptance_rate") is not None:  # exact mode: how well the drafts did
             line += (f", drafts accepted {100 * c['acceptance_rate']:.0f}%, {c['tokens_per_verify']:.1f} tokens "
                      f"per verification")
     err_console.print(line + "[/]", highlight=False, soft_wrap=True)
+
+
+def guide_settings(c: dict) -> str:
+    """What the guide ran with (the model's defaults, a profile's or the flags') and how its watch found it:
+    "2-bit, k 128, 2 outlier channels, Hadamard on 28 of 28 layers, check 0.94"; "" without a guide."""
+    if c.get("bits") is None or c.get("guided_layers") is None:
+        return ""
+    parts = [f"{c['bits']}-bit", f"k {c.get('k')}"]
+    if c.get("outliers"):
+        parts.append(f"{c['outliers']} outlier channels")
+    if c.get("rotation") not in (None, "none"):
+        parts.append(f"rotation {c['rotation']} ({c.get('rotated_layers', 0)} of {c['guided_layers']} layers rotated)")
+    check = c.get("guide_check") or {}
+    if check.get("checks"):
+        parts.append(f"check {check['coverage_vs_oracle']:.2f}" + (" (lost: exact from here)" if check["lost"] else ""))
+    return ", ".join(parts)
 
 
 def emit_json(obj: dict, lines: bool) -> None:

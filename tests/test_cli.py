@@ -356,3 +356,22 @@ def test_plan_on_a_cpu_has_no_host_or_transfer_rows():
     assert "prefetch hidden" not in r.stdout and "exact store (same RAM)" in r.stdout
     gpu = runner.invoke(app, ["plan", "--gpu", "rtx-a6000"])
     assert "transfer / step" in gpu.stdout and "pass --host-ram to check" in gpu.stdout
+
+
+def test_the_timings_line_says_what_the_guide_ran_with(tiny_model_dir):
+    """stderr's closing line names the guide's settings (the model's defaults or the flags) and its
+    watch, as --json's cache object has them; a mode without a guide says nothing of one."""
+    runner = CliRunner()
+    base = ["summarize", str(DATA / "sample.txt"), "--model", str(tiny_model_dir), "--no-store", "--max-tokens", "8",
+            "--json", "--group", "32"]
+    r = runner.invoke(app, base + ["--bits", "1", "--k", "24", "--rotation", "none"])
+    assert r.exit_code == 0, r.stderr
+    c = json.loads(r.stdout)["cache"]
+    assert (c["bits"], c["k"], c["rotation"], c["rotated_layers"]) == (1, 24, "none", 0)
+    assert c["guided_layers"] >= 1
+    assert f"guide 1-bit, k 24" in r.stderr and "rotation" not in r.stderr.split("guide 1-bit")[1]
+    r = runner.invoke(app, base + ["--rotation", "hadamard"])
+    c = json.loads(r.stdout)["cache"]
+    assert f"rotation hadamard ({c['guided_layers']} of {c['guided_layers']} layers rotated)" in r.stderr
+    r = runner.invoke(app, base + ["--cache", "full"])
+    assert r.exit_code == 0 and "guide" not in r.stderr.split("single:")[1]

@@ -95,3 +95,21 @@ def test_the_watch_fires_on_the_mean_of_its_window():
     assert watch.lost and len(notes) == 1 and watch.stats()["checks"] == 5
     watch.record(0.0)
     assert len(notes) == 1  # once
+
+
+def test_every_row_of_a_batch_is_watched(tiny_model, reference, capsys, monkeypatch):
+    """Two documents decoded together, the guide ruined for the second only: the rows take turns being
+    checked and a row's own checks fire the watch (a first-row-only check, or one mean over the rows,
+    would stay quiet)."""
+    from engine.config import GenerationConfig
+    prompt, _, _ = reference
+    real_add = guide_module.Guide.add
+
+    def noise_on_row_1(self, row, start, k, v, q=None):
+        real_add(self, row, start, torch.randn_like(k) * 8 if row == 1 else k, v, q)
+
+    monkeypatch.setattr(guide_module.Guide, "add", noise_on_row_1)
+    events = list(Engine(tiny_model, CONFIG).generate([prompt, prompt[::-1]], GenerationConfig(max_tokens=36)))
+    stats = events[-1].cache_stats["guide_check"]
+    assert stats["lost"] and stats["checks"] >= 4
+    assert capsys.readouterr().err.count("lost the model") == 1

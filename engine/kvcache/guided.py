@@ -413,18 +413,20 @@ class GuidedLayer(CacheLayer):
         return self.watch.lost
 
     def check_guide(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> None:
-        """One check (engine/kvcache/watch.py): the output token's queries of the step's first row, its guide
-        region [sinks, qend) scored by the guide and by the exact store; skipped while k covers the region."""
-        row, (h, g, t) = step.rows.start, (self.shape.kv_heads, self.shape.group, step.n_new)
+        """One check (engine/kvcache/watch.py): the output token's queries of one row of the step (the rows take
+        turns, check by check: a batch's every document is watched), its guide region [sinks, qend) scored by
+        the guide and by the exact store; skipped while k covers the region."""
+        i = (self.watch.passes // self.watch.every) % (step.rows.stop - step.rows.start)
+        row, (h, g, t) = step.rows.start + i, (self.shape.kv_heads, self.shape.group, step.n_new)
         qend = int(self.qend[row])
         if qend - self.sinks <= self.topk:
             return
-        q0 = qg[:1].reshape(1, h, g, t, -1)[:, :, :, 0].float()  # [1, H_kv, G, D]
+        q0 = qg[i : i + 1].reshape(1, h, g, t, -1)[:, :, :, 0].float()  # [1, H_kv, G, D]
         self.store.transfer.host_ready()  # (CUDA: the store's own copies done)
         keys = self.store.k[row : row + 1, :, self.sinks : qend].to(qg.device).float()
         exact = soft_cap((q0 @ keys.transpose(-1, -2)) * scaling, softcap)[0]
         guide = soft_cap(self.guide.scores(q0, slice(row, row + 1), qend) * scaling, softcap)[0, ..., self.sinks :]
-        self.watch.record(coverage_ratio(exact, guide, self.topk))
+        self.watch.record(coverage_ratio(exact, guide, self.topk), row)
 
     # ---- accounting ----------------------------------------------------------------------
     def device_bytes(self, lengths: torch.Tensor, element_size: int | None = None) -> int:
@@ -468,4 +470,5 @@ class GuidedLayer(CacheLayer):
                 "sinks": self.sinks, "rotation": self.config.guide_rotation if self.use_guide else None,
                 "outliers": self.guide.outlier_count if self.use_guide else None,
                 "guide_kernel": guide_kernel(self.sink_k.device) if self.use_guide else None,
-                **({"rotated_layers": sum(x.guide.rotated for x in layers)} if self.use_guide else {})}
+                **({"rotated_layers": sum(x.guide.rotated for x in layers), "guided_layers": len(layers)}
+                   if self.use_guide else {})}

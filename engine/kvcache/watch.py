@@ -2,12 +2,12 @@
 
 Every EVERY decode passes one specache layer (round robin over the cache's fetching layers) checks
 its guide against the exact host store for the output token's own queries: over the guide region
-[sinks, qend) of the step's first row, the exact attention (summed over the query heads of each KV
-head) that the guide's top-k positions hold, divided by what the exact top-k would hold (1: the guide
+[sinks, qend) of one row of the step (the rows take turns), the exact attention (summed over the query
+heads of each KV head) that the guide's top-k positions hold, divided by what the exact top-k would hold (1: the guide
 ranks as well as exact keys; the share of a random set is about k / region). The ratio is the same
 "coverage of the oracle" `specache bench fidelity` reports, for one layer and one token.
 
-When the mean of the last WINDOW checks falls below THRESHOLD the guide is lost: one `warning:`
+When the mean of a row's last WINDOW checks falls below THRESHOLD the guide is lost: one `warning:`
 line on stderr, and from then on every watched layer attends its guide region with the exact keys
 and values of the host store instead of the guide (the full cache's attention: slower, not wrong);
 `--json` says so (GuideWatch.stats under the cache's "guide_check"). A watch that has fired stays so.
@@ -38,6 +38,7 @@ class GuideWatch:
         self.notify = notify or _warn
         self.passes = 0  # decode passes seen (counted at the first layer)
         self.ratios: list[float] = []
+        self.by_row: dict[int, list[float]] = {}  # each row's checks: one lost document is enough
         self.lost = False
 
     def due(self, layer) -> bool:
@@ -48,10 +49,13 @@ class GuideWatch:
             return False
         return layer is self.layers[(self.passes // self.every) % len(self.layers)]
 
-    def record(self, ratio: float) -> None:
-        """One check's ratio; fires (once) when the mean of the last `window` is below the threshold."""
+    def record(self, ratio: float, row: int = 0) -> None:
+        """One check's ratio on a row; fires (once) when the mean of that row's last `window` checks is below
+        the threshold."""
         self.ratios.append(ratio)
-        recent = self.ratios[-self.window:]
+        mine = self.by_row.setdefault(row, [])
+        mine.append(ratio)
+        recent = mine[-self.window:]
         if not self.lost and len(recent) == self.window and sum(recent) / len(recent) < self.threshold:
             self.lost = True
             self.notify(f"the guide has lost the model (its top-k holds {sum(recent) / len(recent):.2f} of the "
