@@ -78,8 +78,8 @@ def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch, mode):
 
 
 def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_model, monkeypatch):
-    """Replayable: full; the guided caches in the CUDA layout without a speculative prefetch or hit count
-    (exact mode verifies from the store: not; nor a watched layer)."""
+    """Replayable: full; the guided caches in the CUDA layout without a speculative prefetch or hit count,
+    watched ones until their watch fires (exact mode verifies from the store: not)."""
     from engine.kvcache.specache import SpecacheLayer
 
     cpu = torch.device("cpu")
@@ -95,7 +95,10 @@ def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_mode
     assert not capturable(CacheConfig(mode="specache", prefetch="current", measure_hits=True))
     assert not capturable(CacheConfig(mode="exact"))
     monkeypatch.setattr(SpecacheLayer, "watches", True)
-    assert not capturable(GUIDED["specache"])  # watched
+    watched = make_cache(tiny_model.config, GUIDED["specache"], 1, 256, torch.float32, cpu)
+    assert watched.watch is not None and watched.capturable  # its check runs after each replay
+    watched.watch.lost = True
+    assert not watched.capturable  # a fired watch attends exactly, eagerly
     monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
     assert not graphs.graphs_wanted(make_cache(tiny_model.config, CacheConfig(mode="full"), 1, 64, torch.float32,
                                                cpu))  # (CUDA only)
@@ -154,3 +157,28 @@ def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model, monk
         fixed = passes(True, (90, 141), config)
         assert fixed[0] == fixed[1], config.mode
         assert passes(False, (90, 141), config)[0] != passes(False, (90, 141), config)[1]
+
+
+def replaying(monkeypatch):
+    """steps' decode loop through DecodeGraphs with the eager stand-in recorder, as on CUDA."""
+    monkeypatch.setattr(steps, "graphs_wanted", lambda cache: cache.capturable)
+    monkeypatch.setattr(steps, "DecodeGraphs", functools.partial(graphs.DecodeGraphs, record=graphs.eager_graph))
+
+
+def test_a_watched_cache_replays_with_its_guide_checks_after_each_pass(tiny_model, monkeypatch):
+    """The default specache (watched) in the CUDA layout, replayed: the same tokens as eager decoding and
+    the same guide checks (the replay keeps each pass's queries; the checks run after it, in the order an
+    eager pass runs them), two rows taking turns."""
+    from engine.kvcache.specache import SpecacheLayer
+
+    cuda_layout(monkeypatch)
+    monkeypatch.setattr(SpecacheLayer, "watches", True)
+    ps = prompts((160, 233))
+    eager = generate(tiny_model, ps, GUIDED["specache"], max_tokens=20)
+    replaying(monkeypatch)
+    replayed = generate(tiny_model, ps, GUIDED["specache"], max_tokens=20)
+    assert replayed.tokens == eager.tokens
+    a, b = eager.cache_stats["guide_check"], replayed.cache_stats["guide_check"]
+    assert a["checks"] == b["checks"] >= 4 and not b["lost"]
+    assert b["coverage_vs_oracle"] == pytest.approx(a["coverage_vs_oracle"], abs=1e-4)
+

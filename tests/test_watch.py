@@ -113,3 +113,32 @@ def test_every_row_of_a_batch_is_watched(tiny_model, reference, capsys, monkeypa
     stats = events[-1].cache_stats["guide_check"]
     assert stats["lost"] and stats["checks"] >= 4
     assert capsys.readouterr().err.count("lost the model") == 1
+
+
+def test_a_replayed_decode_whose_guide_is_lost_goes_on_exactly(tiny_model, reference, capsys, monkeypatch):
+    """Under CUDA-graph replay (the eager stand-in recorder, the CUDA layout): a guide of noise fires the
+    watch once, in the check after a replayed pass (the passes up to it are eager decoding's); the passes
+    after it run eagerly with the exact store's attention: near the full cache's logits from there (the
+    tokens decoded under the noisy guide keep their K/V), far from them before."""
+    from engine.kvcache.specache import SpecacheLayer
+    from tests.conftest import cuda_layout
+    from tests.test_graphs import replaying
+
+    prompt, forced, full = reference
+    cuda_layout(monkeypatch)
+    monkeypatch.setattr(SpecacheLayer, "watches", True)
+    real_add = guide_module.Guide.add
+    monkeypatch.setattr(guide_module.Guide, "add", lambda self, row, start, k, v, q=None: real_add(
+        self, row, start, torch.randn_like(k) * 8, torch.randn_like(v), q))
+    torch.manual_seed(0)
+    eager, eager_stats = watch_stats(tiny_model, CONFIG, prompt, forced)
+    replaying(monkeypatch)
+    torch.manual_seed(0)
+    logits, stats = watch_stats(tiny_model, CONFIG, prompt, forced)
+    assert stats["lost"] and capsys.readouterr().err.count("lost the model") == 2  # (once per run)
+    assert stats["checks"] == eager_stats["checks"]
+    fired = GuideWatch([None]).every * stats["checks"]  # the decode pass whose check fired (logits[fired])
+    assert fired + 2 < FORCED
+    torch.testing.assert_close(logits[:fired], eager[:fired], rtol=1e-4, atol=1e-4)
+    after = (logits[fired + 1:] - full[fired + 1:]).abs().max()
+    assert after < 0.25 * (logits[1:fired] - full[1:fired]).abs().max()

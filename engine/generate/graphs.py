@@ -4,7 +4,8 @@ H200 check: 7 ms of device time in a 34-80 ms full-cache step). A replay launche
 
 A pass can be replayed when it reads positions and lengths only from device tensors (Step.fixed: the
 cache writes at step.positions() and attends over its whole preallocated length with a mask), and every
-layer of the cache decodes such passes (KVCache.capturable; the full cache today). Per batch size, the
+layer of the cache decodes such passes (KVCache.capturable: full, and the guided caches in the CUDA layout
+with the current prefetch; a watched layer keeps its queries and its guide check runs after the replay). Per batch size, the
 first pass is run eagerly to warm up, then recorded with static input ids; each later pass copies its ids
 in, does the cache's host bookkeeping (begin, then commit: the device lengths advance outside the graph),
 replays, and hands out a copy of the logits. `SPECACHE_CUDA_GRAPHS=1` turns it on (off by default until a
@@ -64,6 +65,8 @@ class DecodeGraphs:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n, 1] -> logits [n, 1, V] (a copy), the pass committed like forward's."""
         n = ids.shape[0]
+        if not self.cache.capturable:  # a guide watch that fired: its layers attend exactly, eagerly
+            return self.forward(self.model, self.cache, ids, slice(0, n))
         if n not in self.graphs:
             static = ids.clone()
             graph, out = self.record(lambda: self.forward(self.model, self.cache, static, slice(0, n), fixed=True,
@@ -73,5 +76,7 @@ class DecodeGraphs:
         static.copy_(ids)
         self.cache.begin(slice(0, n), 1, fixed=True)  # host bookkeeping of the pass the replay runs
         graph.replay()
+        if self.cache.watch is not None:  # the guide check of the pass, on the queries it kept
+            self.cache.watch.after_fixed_pass(slice(0, n))
         self.cache.commit()
         return out.clone()

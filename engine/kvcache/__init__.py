@@ -43,8 +43,9 @@ def make_cache(model_config, config: CacheConfig, batch: int, max_len: int,
     transfer.pin_host()  # CUDA: the exact store pinned at its bytes, or DoesNotFit before anything is pinned
     watched = [layer for layer in layers if layer.policy == config.mode and getattr(layer, "watches", False)
                and layer.topk > 0]
+    cache = KVCache(layers, shape, config, batch, max_len, device, transfer)
     if watched:  # a run that notices when its guide is lost (engine/kvcache/watch.py)
-        watch = GuideWatch(watched)
+        cache.watch = GuideWatch(watched)
         for layer in watched:
-            layer.watch = watch
-    return KVCache(layers, shape, config, batch, max_len, device, transfer)
+            layer.watch = cache.watch
+    return cache

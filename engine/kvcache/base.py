@@ -401,6 +401,7 @@ class KVCache(Cache):
         # the layers of the configured policy (the others: the model's sliding-window layers, sliding.py)
         self.policy_layers = [layer for layer in layers if layer.policy == config.mode]
         self.decode_stats: dict = {}  # what a step loop measured (exact mode: gamma, acceptance), for --json
+        self.watch = None  # engine.kvcache.watch.GuideWatch of the fetching layers (make_cache), if any
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
               prefill: bool = False, exact: bool = False, draft: bool = False, fixed: bool = False) -> Step:

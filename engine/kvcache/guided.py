@@ -92,6 +92,8 @@ class GuidedLayer(CacheLayer):
         self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
         self.stored = [0] * batch  # per row: positions [0, stored) are in the host store (flush_to_store)
         self.watch = None  # engine.kvcache.watch.GuideWatch of a fetching policy (make_cache attaches it)
+        self.kept_q: torch.Tensor | None = None  # a recorded pass's output-token queries [B, H_kv, G, D] (watched)
+        self.kept_args: tuple = ()  # (scaling, softcap) of that pass
         self.recent_q: torch.Tensor | None = None  # the latest pass's queries [1, H_kv, G*<=32, D] (Guide.add: auto rotation)
 
     # ---- writing -------------------------------------------------------------------------
@@ -138,9 +140,10 @@ class GuidedLayer(CacheLayer):
     def capturable(self) -> bool:
         """Decodes fixed-shape passes (Step.fixed): the CUDA layout (residual buffers of its own, the store
         written as positions leave the window), no speculative prefetch or hit count, and a fetch that
-        can gather on the compute stream (HostStore.gather_now); not a watched layer (engine/kvcache/watch.py:
-        its check runs on the host every few passes, which a recorded pass cannot)."""
-        if self.res_in_store or self.store_on_update or self.config.measure_hits or self.watch is not None:
+        can gather on the compute stream (HostStore.gather_now); a watched layer until its watch fires
+        (engine/kvcache/watch.py: a recorded pass keeps its queries, the check runs after it; a fired watch
+        attends exactly, eagerly)."""
+        if self.res_in_store or self.store_on_update or self.config.measure_hits or (self.watch and self.watch.lost):
             return False
         return self.topk == 0 or (self.config.prefetch == "current" and self.store.can_gather_now())
 
@@ -407,23 +410,41 @@ class GuidedLayer(CacheLayer):
 
     def watched(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> bool:
         """The watch's part of a decode pass: check the guide when it is this layer's turn; True when the
-        watch has found the guide lost (the pass then attends its guide region exactly)."""
+        watch has found the guide lost (the pass then attends its guide region exactly). A recorded pass
+        (Step.fixed) only keeps its queries: the check runs after it (check_kept), on the host."""
+        if step.fixed:
+            q0 = self.output_queries(qg, step)
+            if self.kept_q is None:
+                self.kept_q = torch.empty(self.fidx.shape[0], *q0.shape[1:], dtype=torch.float32, device=q0.device)
+            self.kept_q[step.rows].copy_(q0)
+            self.kept_args = (scaling, softcap)
+            return False
         if self.watch.due(self):
-            self.check_guide(qg, scaling, step, softcap)
+            self.check_guide(self.output_queries(qg, step), scaling, step.rows, softcap)
         return self.watch.lost
 
-    def check_guide(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> None:
-        """One check (engine/kvcache/watch.py): the output token's queries of one row of the step (the rows take
-        turns, check by check: a batch's every document is watched), its guide region [sinks, qend) scored by
-        the guide and by the exact store; skipped while k covers the region."""
-        i = (self.watch.passes // self.watch.every) % (step.rows.stop - step.rows.start)
-        row, (h, g, t) = step.rows.start + i, (self.shape.kv_heads, self.shape.group, step.n_new)
-        qend = int(self.qend[row])
+    def check_kept(self, rows: slice) -> None:
+        """After a recorded pass of `rows`: the check it kept the queries for, when it is this layer's turn."""
+        if self.watch.due(self):
+            self.check_guide(self.kept_q[rows], *self.kept_args[:1], rows, self.kept_args[1])
+
+    def output_queries(self, qg: torch.Tensor, step: Step) -> torch.Tensor:
+        """qg [b, H_kv, G*T, D] -> the output token's queries [b, H_kv, G, D]."""
+        b, h, g, t = qg.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
+        return qg.reshape(b, h, g, t, -1)[:, :, :, 0]
+
+    def check_guide(self, q0s: torch.Tensor, scaling: float, rows: slice, softcap: float | None) -> None:
+        """One check (engine/kvcache/watch.py): the output token's queries q0s [b, H_kv, G, D] of one row of
+        `rows` (the rows take turns, check by check: a batch's every document is watched), its guide region
+        [sinks, qend) scored by the guide and by the exact store; skipped while k covers the region."""
+        i = (self.watch.passes // self.watch.every) % (rows.stop - rows.start)
+        row = rows.start + i
+        qend = self.qend_host[row]
         if qend - self.sinks <= self.topk:
             return
-        q0 = qg[i : i + 1].reshape(1, h, g, t, -1)[:, :, :, 0].float()  # [1, H_kv, G, D]
+        q0 = q0s[i : i + 1].float()  # [1, H_kv, G, D]
         self.store.transfer.host_ready()  # (CUDA: the store's own copies done)
-        keys = self.store.k[row : row + 1, :, self.sinks : qend].to(qg.device).float()
+        keys = self.store.k[row : row + 1, :, self.sinks : qend].to(q0.device).float()
         exact = soft_cap((q0 @ keys.transpose(-1, -2)) * scaling, softcap)[0]
         guide = soft_cap(self.guide.scores(q0, slice(row, row + 1), qend) * scaling, softcap)[0, ..., self.sinks :]
         self.watch.record(coverage_ratio(exact, guide, self.topk), row)

@@ -49,6 +49,12 @@ class GuideWatch:
             return False
         return layer is self.layers[(self.passes // self.every) % len(self.layers)]
 
+    def after_fixed_pass(self, rows: slice) -> None:
+        """After a recorded (replayed) pass of `rows`: each layer's turn as a pass of its own would take it
+        (GuidedLayer.check_kept: the queries the pass kept)."""
+        for layer in self.layers:
+            layer.check_kept(rows)
+
     def record(self, ratio: float, row: int = 0) -> None:
         """One check's ratio on a row; fires (once) when the mean of that row's last `window` checks is below
         the threshold."""
