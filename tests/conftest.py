@@ -39,7 +39,12 @@ def kivi_guide_part(keys, values, qend: int, bits: int, group: int, value_group:
     With `outliers` channels: per KV head the channels of largest |k| over the first `chosen_from`
     positions are min-max quantized at 4 bits per group of g tokens (fp16 scale and zero) and zeroed
     before the keys are rotated and quantized (outlier_keys_reference), their reconstruction added after R^T.
-    -> (keys, values) [b, H_kv, L, D] with the positions from qend on untouched."""
+    -> (keys, values) [b, H_kv, L, D] with the positions from qend on untouched.
+
+    Kept apart from the engine on purpose: the engine's guided attention (engine/kvcache/guided.py's
+    torch path, the native fused call) scores the packed codes and mixes exact and guide parts in one
+    softmax; this reference dequantizes and attends densely, so a bug in those paths shows as a mismatch.
+    Only the quantizer itself (quantize / dequantize, tested on its own in tests/test_quant.py) is shared."""
     from engine.kvcache import quant
 
     kr, vr = keys[:, :, :qend], values[:, :, :qend]
@@ -62,7 +67,9 @@ def kivi_guide_part(keys, values, qend: int, bits: int, group: int, value_group:
 def outlier_keys_reference(k, count: int, group: int, chosen_from: int):
     """k [b, H, n, D] -> (idx [b, H, n, count]: per head the `count` channels of largest |k| over the
     first chosen_from positions, expanded over the positions; their 4-bit min-max reconstruction
-    [b, H, n, count], groups of `group` positions, scale (max - min) / 15 and zero min rounded to fp16)."""
+    [b, H, n, count], groups of `group` positions, scale (max - min) / 15 and zero min rounded to fp16).
+    Written apart from engine/kvcache/outliers.py on purpose: the guide's tests compare the engine's side
+    guide with this one."""
     b, h, n, _ = k.shape
     idx = k[:, :, :chosen_from].abs().amax(2).topk(count, -1).indices[:, :, None, :].expand(-1, -1, n, -1)
     x = k.gather(-1, idx).reshape(b, h, n // group, group, count)
