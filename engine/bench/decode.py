@@ -139,7 +139,7 @@ def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Seque
 
 def targets(rows: list[dict], modes: Sequence[ModeSpec], batches: Sequence[int]) -> list[dict]:
     out = []
-    for exact in (m for m in modes if m.mode == "exact"):  # issue 14: exact >= 1.3x full per token
+    for exact in (m for m in modes if m.mode == "exact"):  # the target: exact within 1.3x of full per token
         for batch in batches:
             v = next(r for r in rows if r["mode"] == exact.label and r["batch"] == batch)["speedup_vs_full"]
             if v is not None:

@@ -1,4 +1,4 @@
-"""Bench of the persistent document KV store (issue 6): time to first token of an `ask` whose
+"""Bench of the persistent document KV store: time to first token of an `ask` whose
 document is in the store against a cold `ask`, and the store's on-disk bytes per token against
 a 16-bit full cache. Runs in a temporary store folder (the user's store is never touched).
 Per mode: a cold ask without a store, a first ask with the store (a miss: prefill + write),

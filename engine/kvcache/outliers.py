@@ -1,4 +1,4 @@
-"""Outlier key channels of the guide (issue 26, bench-results/guide-study-findings.md): in each
+"""Outlier key channels of the guide (bench-results/guide-study-findings.md): in each
 (layer, KV head) a few channels carry keys far larger than the rest, and a 1-bit code of the whole
 head spends its range on them. With ``outliers`` = O > 0 the guide keeps those O channels in a side
 guide of 4-bit codes (min-max per channel over groups of g tokens, fp16 scale and zero, like the

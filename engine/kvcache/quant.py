@@ -1,7 +1,7 @@
 """The guide's math: 1/2-bit KIVI quantization of K and V, bit packing, and kernels that
 read the packed codes.
 
-Quantization (KIVI layout, /work/shared/design/specache-algorithm.md):
+Quantization (KIVI layout, docs/algorithm.md):
 
 - keys per channel: a group is ``g`` consecutive TOKENS of one channel;
 - values per token: a group is ``g`` consecutive CHANNELS of one token;

@@ -1,4 +1,4 @@
-"""Orthogonal transforms of the guide (issue 26, bench-results/guide-study-findings.md): a guide
+"""Orthogonal transforms of the guide (bench-results/guide-study-findings.md): a guide
 built from K R and V R instead of K and V, with R an orthogonal D x D matrix, spreads a channel
 with large values over all channels before the 1/2-bit quantizer sees it. Scores stay what they
 were, q . k = (q R) . (k R), so the queries are rotated before the guide's score kernel; the
@@ -14,7 +14,7 @@ Rotations (the guide option `rotation`):
   the Hadamard where it quantizes them with less relative error than no rotation, else none. The keys
   are quantized per channel, so a rotation spreads a channel whose keys *vary* widely over every
   channel's range (Gemma 3's keys: ~10 channels of std 13-20 against a median of ~1; there the
-  rotated 2-bit guide's attention output erred 0.40, the unrotated one 0.06, issue 38); a channel
+  rotated 2-bit guide's attention output erred 0.40, the unrotated one 0.06: bench-results/fidelity-models.md); a channel
   that is only large but constant (Qwen2's k_proj bias) costs nothing either way, and values (per
   token) gain from it.
 """
@@ -54,7 +54,7 @@ def rotation_matrix(name: str, d: int, device: torch.device | str = "cpu") -> to
 
 # auto keeps the rotation (chosen by `bench fidelity`, README "Results") unless it errs this much more than none:
 # on SmolLM2 and Qwen2.5-Coder-1.5B the two measure within ~1.3x layer by layer, on Gemma 3's global layers the
-# rotation errs 1.7-4.2x more (its output error 0.40 against 0.06 without it; issue 38)
+# rotation errs 1.7-4.2x more (its output error 0.40 against 0.06 without it; bench-results/fidelity-models.md)
 KEEP_MARGIN = 1.5
 
 

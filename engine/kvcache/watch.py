@@ -1,4 +1,5 @@
-"""A run that notices when its guide has lost the model (issue 38).
+"""A run that notices when its guide has lost the model (a guide made on one model can rank another's keys
+badly: bench-results/fidelity-models.md).
 
 Every EVERY decode passes one specache layer (round robin over the cache's fetching layers) checks
 its guide against the exact host store for the output token's own queries: over the guide region
