@@ -92,7 +92,7 @@ class GuidedLayer(CacheLayer):
         self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
         self.stored = [0] * batch  # per row: positions [0, stored) are in the host store (flush_to_store)
         self.watch = None  # engine.kvcache.watch.GuideWatch of a fetching policy (make_cache attaches it)
-        self.kept_q: torch.Tensor | None = None  # a recorded pass's output-token queries [B, H_kv, G, D] (watched)
+        self.kept_q: torch.Tensor | None = None  # a recorded pass's output-token queries [B, H_kv, G, D]
         self.kept_args: tuple = ()  # (scaling, softcap) of that pass
         self.recent_q: torch.Tensor | None = None  # the latest pass's queries [1, H_kv, G*<=32, D] (Guide.add: auto rotation)
 
