@@ -15,8 +15,8 @@ Rotations (the guide option `rotation`):
   are quantized per channel, so a rotation spreads a channel whose keys *vary* widely over every
   channel's range (Gemma 3's keys: ~10 channels of std 13-20 against a median of ~1; there the
   rotated 2-bit guide's attention output erred 0.40, the unrotated one 0.06:
-  bench-results/fidelity-models.md); a channel that is only large but constant (Qwen2's k_proj bias) costs nothing either way, and values (per
-  token) gain from it.
+  bench-results/fidelity-models.md); a channel that is only large but constant (Qwen2's k_proj bias)
+  costs nothing either way, and values (per token) gain from it.
 """
 from __future__ import annotations
 
