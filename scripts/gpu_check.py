@@ -11,7 +11,8 @@ Stages (each written to OUT/gpu_check.json as it finishes: a killed run keeps th
 - profile: torch.profiler over 4 decode steps of full and specache at 4k tokens, batch 2: device
   events per step, their device ms against the wall ms of a step, the most frequent kernels and aten ops.
 - quick: full (batch 2) and specache (batch 4) at 4k tokens: ms per step, tokens/s and their ratio.
-- graphs: the full cache at 4k, batch 2, eager and replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1).
+- graphs: full, specache (speculative: the GPU default) and specache with prefetch current at 4k, batch 2,
+  eager and replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1).
 - dynamic: transformers' own decode with its DynamicCache and SDPA at 4k, batch 2 (the baseline).
 - variants: specache at 4k, batch 4: 1- and 2-bit, speculative with and without the corrected set,
   prefetch current.
@@ -21,6 +22,7 @@ Stages (each written to OUT/gpu_check.json as it finishes: a killed run keeps th
   store), a real chunked prefill of random tokens at that batch (seconds per row), then timed decode
   steps: tokens/s of each and their ratio (paper: 4.6x), the share of fetches complete before the
   attention needed them (paper: 96.8%), the per-step transfer bytes, the pinned host bytes.
+- paper-graphs: the paper stage with the decode passes replayed as CUDA graphs.
 - exact: greedy full and exact on the tests' tiny random GQA model (fp32), rows of different lengths:
   identical tokens; then exact at 4k, batch 2, with the verification streamed (the store's layers
   copied double-buffered on the side stream) and with a plain compute-stream copy. A random model's
@@ -223,20 +225,36 @@ def variants(model, context: int, batch: int, steps: int, chunk: int, k: int) ->
     return runs
 
 
-def graphed_full(model, context: int, batch: int, steps: int, chunk: int, k: int) -> dict:
-    """The full cache's decode eagerly and replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1), side by side:
-    ms per step of each, and the ids of the first steps equal."""
-    runs = {}
-    for graphs in ("0", "1"):
-        os.environ["SPECACHE_CUDA_GRAPHS"] = graphs
-        try:
-            runs["graphs" if graphs == "1" else "eager"] = timed_decode(model, "full", batch, context, steps, chunk, 1, k)
-        finally:
-            os.environ.pop("SPECACHE_CUDA_GRAPHS", None)
-        torch.cuda.empty_cache()
-    eager, graphed = runs["eager"], runs["graphs"]
-    return runs | {"speedup": round(eager["step_ms"] / graphed["step_ms"], 2),
-                   "same_ids": eager["first_ids"] == graphed["first_ids"]}
+def graphed(model, context: int, batch: int, steps: int, chunk: int, k: int, bits: int) -> dict:
+    """Each mode's decode eagerly and replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1), side by side: the
+    full cache, specache with its GPU default (the speculative prefetch: two-token passes, the corrected
+    set at fixed size, the prefetch on the side stream joined at the end of each pass) and with prefetch
+    current; ms per step of each, and the ids of the first steps equal."""
+    from engine.config import CacheConfig
+
+    out = {}
+    for name, mode, config in (("full", "full", None), ("specache", "specache", None),
+                               ("specache-current", "specache",
+                                CacheConfig(mode="specache", bits=bits, group=64, k=k, chunk_size=chunk,
+                                            prefetch="current"))):
+        runs = {}
+        for graphs in ("0", "1"):
+            os.environ["SPECACHE_CUDA_GRAPHS"] = graphs
+            try:
+                runs["graphs" if graphs == "1" else "eager"] = timed_decode(model, mode, batch, context, steps, chunk,
+                                                                            bits, k, config=config)
+            except Exception as exc:  # noqa: BLE001  (one mode's failure must not lose the others)
+                runs["graphs" if graphs == "1" else "eager"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            finally:
+                os.environ.pop("SPECACHE_CUDA_GRAPHS", None)
+            torch.cuda.empty_cache()
+        eager, graph = runs["eager"], runs["graphs"]
+        if "step_ms" in eager and "step_ms" in graph:
+            runs |= {"speedup": round(eager["step_ms"] / graph["step_ms"], 2),
+                     "same_ids": eager["first_ids"] == graph["first_ids"]}
+        out[name] = runs
+        print(name, runs, file=sys.stderr, flush=True)
+    return out
 
 
 def profiled_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
@@ -385,7 +403,16 @@ def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
         "k": p.mode("specache").k, "exact_transfer_per_row": per_row, "hardware": hw.display_name}
 
 
-STAGES = ("profile", "quick", "graphs", "dynamic", "variants", "paper", "exact", "tests")
+STAGES = ("profile", "quick", "graphs", "dynamic", "variants", "paper", "paper-graphs", "exact", "tests")
+
+
+def with_graphs(run):
+    """run() with decode passes replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1)."""
+    os.environ["SPECACHE_CUDA_GRAPHS"] = "1"
+    try:
+        return run()
+    finally:
+        os.environ.pop("SPECACHE_CUDA_GRAPHS", None)
 
 
 def save(report: dict, out: Path) -> None:
@@ -459,7 +486,9 @@ def main() -> int:
         "profile": lambda: [profiled_decode(model, mode, 2, quick_ctx, 4, args.chunk, args.bits, quick["k"])
                             for mode in ("full", "specache")],
         "quick": lambda: compare(model, quick_ctx, quick, 8, args),
-        "graphs": lambda: graphed_full(model, quick_ctx, 2, 8, args.chunk, quick["k"]),
+        "graphs": lambda: graphed(model, quick_ctx, 2, 8, args.chunk, quick["k"], args.bits),
+        "paper-graphs": lambda: with_graphs(lambda: compare(
+            model, args.context, plan_batches(args.context, args.budget_gb, args.bits, args.chunk), args.steps, args)),
         "dynamic": lambda: dynamic_cache_decode(model, 2, quick_ctx, 8, args.chunk),
         "variants": lambda: variants(model, quick_ctx, 4, 8, args.chunk, quick["k"]),
         "paper": lambda: compare(model, args.context, plan_batches(args.context, args.budget_gb, args.bits, args.chunk),

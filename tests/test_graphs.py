@@ -49,6 +49,8 @@ def test_a_fixed_shape_pass_gives_the_pass_it_replaces(tiny_model):
 
 GUIDED = {"specache": CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64,
                                   prefetch="current"),
+          "speculative": CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64,
+                                     prefetch="speculative"),
           "kivi": CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64),
           "window": CacheConfig(mode="window", group=32, residual=16, sinks=4, chunk_size=64)}
 
@@ -78,8 +80,8 @@ def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch, mode):
 
 
 def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_model, monkeypatch):
-    """Replayable: full; the guided caches in the CUDA layout without a speculative prefetch or hit count,
-    watched ones until their watch fires (exact mode verifies from the store: not)."""
+    """Replayable: full; the guided caches in the CUDA layout without a hit count, watched ones until their
+    watch fires (exact mode verifies from the store: not)."""
     from engine.kvcache.specache import SpecacheLayer
 
     cpu = torch.device("cpu")
@@ -91,7 +93,7 @@ def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_mode
     assert not capturable(GUIDED["specache"])  # the CPU layout: the residual window is the store's positions
     cuda_layout(monkeypatch)
     assert all(capturable(c) for c in GUIDED.values())
-    assert not capturable(CacheConfig(mode="specache", prefetch="speculative"))
+    assert capturable(CacheConfig(mode="specache", prefetch="speculative"))  # its corrected set at fixed size
     assert not capturable(CacheConfig(mode="specache", prefetch="current", measure_hits=True))
     assert not capturable(CacheConfig(mode="exact"))
     monkeypatch.setattr(SpecacheLayer, "watches", True)
@@ -136,14 +138,15 @@ def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model, monk
                               tuple(a for a in args if isinstance(a, int))))  # (a position baked in as an int)
             return out
 
-    def passes(fixed, lengths, config=CacheConfig(mode="full", chunk_size=64)):
+    def passes(fixed, lengths, config=CacheConfig(mode="full", chunk_size=64), t=1, **kw):
         cache = make_cache(tiny_model.config, config, len(lengths), 300, torch.float32, tiny_model.device)
         for row, p in enumerate(prompts(lengths)):
             list(steps.prefill(tiny_model, cache, p, row, 64))
         seen = []
         for _ in range(2):
             with Shapes() as rec:
-                steps.forward(tiny_model, cache, torch.full((len(lengths), 1), 5), slice(0, len(lengths)), fixed=fixed)
+                steps.forward(tiny_model, cache, torch.full((len(lengths), t), 5), slice(0, len(lengths)), fixed=fixed,
+                              **kw)
             seen.append(rec.seen)
         return seen
 
@@ -157,6 +160,11 @@ def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model, monk
         fixed = passes(True, (90, 141), config)
         assert fixed[0] == fixed[1], config.mode
         assert passes(False, (90, 141), config)[0] != passes(False, (90, 141), config)[1]
+    spec = dict(config=GUIDED["speculative"], t=2, keep=1, select=1, logits_to_keep=2)  # its two-token passes
+    fixed = passes(True, (90, 141), **spec)
+    assert fixed[0] == fixed[1]
+    assert "_local_scalar_dense" not in [op for op, *_ in fixed[0]]  # no device value read on the host (.item())
+    assert passes(False, (90, 141), **spec)[0] != passes(False, (90, 141), **spec)[1]
 
 
 def replaying(monkeypatch):

@@ -85,3 +85,32 @@ def test_triton_gather_takes_the_selected_rows():
     assert torch.equal(fk[1:, :, :70], torch.gather(store_k[1:], 2, want))
     assert torch.equal(fv[1:, :, :70], torch.gather(store_v[1:], 2, want))
     assert not fk[0].any() and not fk[:, :, 70:].any()  # nothing else written
+
+
+def test_triton_gather_of_the_missing_slots_keeps_the_others():
+    """The corrected set's gather in a recorded pass (transfer.corrected_rows_fixed on CUDA): only the slots
+    asked for are read from the store and written; the others keep the rows the prefetch brought; the
+    result equals the torch path's (the same function without the kernel)."""
+    from engine.kvcache import transfer
+
+    gen = torch.Generator().manual_seed(4)
+    store_k, store_v = torch.randn(2, 2, 90, 40, generator=gen), torch.randn(2, 2, 90, 40, generator=gen)
+    only = torch.rand(2, 2, 16, generator=gen) < 0.4
+    idx = torch.randint(0, 90, (2, 2, 16), generator=gen)
+    fk, fv = torch.full((2, 2, 16, 40), 7.0), torch.full((2, 2, 16, 40), -7.0)
+    assert guide_triton.gather_rows(store_k, store_v, idx, fk, fv, only=only)
+    want = torch.gather(store_k, 2, idx[..., None].expand(-1, -1, -1, 40))
+    assert torch.equal(fk[only], want[only]) and (fk[~only] == 7.0).all() and (fv[~only] == -7.0).all()
+    # corrected_rows_fixed: the prefetched positions old_idx (some invalid) reused, the rest from the store
+    old_idx = torch.where(torch.rand(2, 2, 16, generator=gen) < 0.5, idx, torch.randint(0, 90, (2, 2, 16), generator=gen))
+    old_idx = old_idx[..., torch.randperm(16, generator=gen)]
+    old_valid = torch.rand(2, 2, 16, generator=gen) < 0.8
+    old_k = torch.gather(store_k, 2, old_idx[..., None].expand(-1, -1, -1, 40))
+    old_v = torch.gather(store_v, 2, old_idx[..., None].expand(-1, -1, -1, 40))
+    k, v, reused = transfer.corrected_rows_fixed(old_k, old_v, store_k, store_v, idx, old_idx, old_valid)
+    assert torch.equal(k, want) and torch.equal(v, torch.gather(store_v, 2, idx[..., None].expand(-1, -1, -1, 40)))
+    expect = ((idx[..., :, None] == old_idx[..., None, :]) & old_valid[..., None, :]).any(-1)
+    assert torch.equal(reused, expect) and reused.any() and (~reused).any()
+    five = torch.full_like(store_k, 5.0)  # a store that differs: which slots came from where
+    k, _, _ = transfer.corrected_rows_fixed(old_k, old_v, five, five, idx, old_idx, old_valid)
+    assert torch.equal(k[reused], want[reused]) and (k[~reused] == 5.0).all()

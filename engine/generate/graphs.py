@@ -55,28 +55,45 @@ def eager_graph(run: Callable[[], torch.Tensor]):
 
 
 class DecodeGraphs:
-    """forward(model, cache, ids [n, 1], rows [0, n)) for plain_steps, replayed from one recorded pass per n."""
+    """forward(model, cache, ids [n, T], rows [0, n), keep, select, logits_to_keep) for the step loops (plain_steps:
+    one token; speculative_steps: the output token and the speculative one, keep 1, select 1), replayed
+    from one recorded pass per (n, T, keep, select, logits_to_keep)."""
 
     def __init__(self, model, cache: KVCache, forward, record=cuda_graph):
         self.model, self.cache, self.forward, self.record = model, cache, forward, record
-        self.graphs: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}  # n -> (graph, static ids, logits)
+        self.graphs: dict[tuple, tuple[object, torch.Tensor, torch.Tensor]] = {}  # key -> (graph, static ids, logits)
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [n, 1] -> logits [n, 1, V] (a copy), the pass committed like forward's."""
-        n = ids.shape[0]
+    def __call__(self, ids: torch.Tensor, keep: int | None = None, select: int | None = None,
+                 logits_to_keep: int = 1) -> torch.Tensor:
+        """ids [n, T] -> logits [n, logits_to_keep, V] (a copy), the pass committed like forward's."""
+        n, t = ids.shape
+        rows = slice(0, n)
         if not self.cache.capturable:  # a guide watch that fired: its layers attend exactly, eagerly
-            return self.forward(self.model, self.cache, ids, slice(0, n))
-        if n not in self.graphs:
+            return self.forward(self.model, self.cache, ids, rows, keep=keep, select=select,
+                                logits_to_keep=logits_to_keep)
+        key = (n, t, keep, select, logits_to_keep)
+
+        def prepare() -> None:  # host bookkeeping of the pass the recording or the replay runs
+            self.cache.begin(rows, t, keep, select, fixed=True)
+            self.cache.before_fixed_pass()
+
+        if key not in self.graphs:
+            prepare()  # (the recording runs the pass once: on CUDA to warm up, on a side stream)
             static = ids.clone()
-            graph, out = self.record(lambda: self.forward(self.model, self.cache, static, slice(0, n), fixed=True,
-                                                          commit=False))
-            self.graphs[n] = (graph, static, out)
-        graph, static, out = self.graphs[n]
+
+            def run() -> torch.Tensor:
+                out = self.forward(self.model, self.cache, static, rows, keep=keep, select=select,
+                                   logits_to_keep=logits_to_keep, fixed=True, commit=False)
+                self.cache.join()  # (a recording may not end with work on another stream)
+                return out
+
+            self.graphs[key] = (*self.record(run), static)
+        graph, out, static = self.graphs[key]
         static.copy_(ids)
-        self.cache.begin(slice(0, n), 1, fixed=True)  # host bookkeeping of the pass the replay runs
+        prepare()
         graph.replay()
         if self.cache.watch is not None:  # the guide check of the pass, on the queries it kept
-            self.cache.watch.after_fixed_pass(slice(0, n))
+            self.cache.watch.after_fixed_pass(rows)
         self.cache.commit()
         return out.clone()

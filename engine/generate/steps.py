@@ -133,6 +133,7 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
     # Pre-decoding: T1 alone against guide + residual; its row picks the first fetch set, its
     # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
     spec = forward(model, cache, out[:, None], slice(0, batch), keep=0, select=0)[:, -1].argmax(-1)
+    graphs = DecodeGraphs(model, cache, forward) if graphs_wanted(cache) else None  # replayed passes (CUDA)
     while True:
         source = drop_finished(cache, slots, finished, pick)
         if len(source) < len(slots):
@@ -142,7 +143,8 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
         if not slots:
             return
         pair = torch.stack([out, spec], dim=1)  # [n, 2] = [T_t, T'_{t+1}]
-        both = forward(model, cache, pair, slice(0, len(slots)), keep=1, select=1, logits_to_keep=2)  # [n, 2, V]
+        both = (graphs(pair, keep=1, select=1, logits_to_keep=2) if graphs is not None else  # [n, 2, V]
+                forward(model, cache, pair, slice(0, len(slots)), keep=1, select=1, logits_to_keep=2))
         fed = pair[:, 1]
         out = pick(both[:, 0], hist)
         _append(hist, out)

@@ -352,6 +352,13 @@ class CacheLayer:
         """After a commit moved a boundary to `bounds` (boundaries() of every row's committed length):
         quantize what left the exact window (quantizing layers only)."""
 
+    def before_fixed_pass(self, step: Step) -> None:
+        """Host bookkeeping before a recorded pass (engine.generate.graphs; what the pass would do on the
+        host inside, e.g. the specache layer's store writes of positions about to leave the window)."""
+
+    def join(self) -> None:
+        """The end of a recorded pass: nothing of it left on another stream (the specache prefetch)."""
+
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Make row dst hold row src's first `length` tokens (a shared document prefix)."""
         raise NotImplementedError
@@ -438,6 +445,16 @@ class KVCache(Cache):
         for layer in self._acting:
             layer.after_step(step, bounds)
         self._bounds = bounds
+
+    def before_fixed_pass(self) -> None:
+        """Before replaying the recorded pass begun (begin(..., fixed=True)): each layer's host bookkeeping."""
+        for layer in self.layers:
+            layer.before_fixed_pass(self.step)
+
+    def join(self) -> None:
+        """At the end of a recorded pass: every layer's side-stream work joined into it."""
+        for layer in self.layers:
+            layer.join()
 
     def rollback(self, rows: slice, lengths: torch.Tensor) -> None:
         """Forget the draft commits of `rows`: their lengths go back to `lengths` [b] (what they were

@@ -113,18 +113,22 @@ def guide_weighted_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
 
 
 def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, idx: torch.Tensor, dst_k: torch.Tensor,
-                dst_v: torch.Tensor) -> bool:
+                dst_v: torch.Tensor, only: torch.Tensor | None = None) -> bool:
     """dst[b, h, j] = src[b, h, idx[b, h, j]] for K and V in one launch: src [b, H, L, D] (on CUDA the pinned
     host store, read in place over the bus: mapped memory), idx [b, H, k] and dst [b, H, k, D] on the
-    device; the last dim of each contiguous. -> False where the kernel does not run (no Triton, a launch
-    error, another layout): the caller gathers otherwise."""
+    device; the last dim of each contiguous. only [b, H, k] bool: those slots alone are read and written (the
+    rest of dst is kept). -> False where the kernel does not run (no Triton, a launch error, another layout):
+    the caller gathers otherwise."""
     ks = kernels()
     b, h, k = idx.shape
     d = src_k.shape[-1]
     if not available("gather") or k == 0 or src_k.stride() != src_v.stride() or dst_k.stride() != dst_v.stride() \
-            or any(t.stride(-1) != 1 for t in (src_k, src_v, dst_k, dst_v)) or idx.stride(-1) != 1:
+            or any(t.stride(-1) != 1 for t in (src_k, src_v, dst_k, dst_v)) or idx.stride(-1) != 1 \
+            or (only is not None and only.stride(-1) != 1):
         return False
+    mask = only.view(torch.uint8) if only is not None else idx  # (a pointer the kernel ignores without a mask)
     block = min(64, _padded(k, 1))
     return launch("gather", ks[2], (b * h, -(-k // block)), src_k, src_v, src_k.stride(0), src_k.stride(1),
-                  src_k.stride(2), idx, idx.stride(0), idx.stride(1), dst_k, dst_v, dst_k.stride(0), dst_k.stride(1),
-                  dst_k.stride(2), h, k, d, BLOCK_K=block, BLOCK_D=_padded(d, 1))
+                  src_k.stride(2), idx, idx.stride(0), idx.stride(1), mask, mask.stride(0), mask.stride(1), dst_k,
+                  dst_v, dst_k.stride(0), dst_k.stride(1), dst_k.stride(2), h, k, d, BLOCK_K=block,
+                  BLOCK_D=_padded(d, 1), MASKED=only is not None)

@@ -139,13 +139,14 @@ class GuidedLayer(CacheLayer):
     @property
     def capturable(self) -> bool:
         """Decodes fixed-shape passes (Step.fixed): the CUDA layout (residual buffers of its own, the store
-        written as positions leave the window), no speculative prefetch or hit count, and a fetch that
-        can gather on the compute stream (HostStore.gather_now); a watched layer until its watch fires
+        written as positions leave the window), no hit count, and a fetch that gathers in place (on the compute
+        stream, HostStore.gather_now, or the speculative prefetch's side stream, joined at the end of the
+        pass; the corrected set at fixed size, transfer.corrected_rows_fixed); a watched layer until its watch fires
         (engine/kvcache/watch.py: a recorded pass keeps its queries, the check runs after it; a fired watch
         attends exactly, eagerly)."""
         if self.res_in_store or self.store_on_update or self.config.measure_hits or (self.watch and self.watch.lost):
             return False
-        return self.topk == 0 or (self.config.prefetch == "current" and self.store.can_gather_now())
+        return self.topk == 0 or self.store.can_gather_now()
 
     def boundaries(self, lengths: list[int]) -> list[int]:
         """Each row's quantized prefix for these lengths (what qend becomes after after_step)."""

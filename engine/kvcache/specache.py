@@ -32,8 +32,10 @@ class SpecacheLayer(GuidedLayer):
         super().__init__(shape, config, batch, max_len, dtype, device, transfer, topk=config.k, use_guide=True,
                          residual=config.residual, group=config.group)
         self.hits = self.hit_total = 0  # prefetch hit counts (config.measure_hits)
-        self.reused = self.reuse_total = 0  # corrected sets: slots the prefetch had brought, slots in all
-        # (device tensors once counted: summed on the device, read once by run_stats)
+        # corrected sets: slots the prefetch had brought, slots in all (summed on the device in place, the same
+        # op every pass, as a recorded one needs; read once by run_stats)
+        self.reused = torch.zeros((), dtype=torch.long, device=device)
+        self.reuse_total = torch.zeros((), dtype=torch.long, device=device)
 
     def count_hits(self, qg, rscores, idx, step: Step, nq: int, scaling: float) -> None:
         """Prefetch hit rate: the share of the output token's exact top-k guide positions (by exact
@@ -84,7 +86,7 @@ class SpecacheLayer(GuidedLayer):
             self.fvalid[rows] = False
             return
         idx, valid = self.top_positions(self.own_attention(scores, rscores, step, nq), qend)
-        reused = self.store.correct(rows, idx, self.fidx[rows], self.fvalid[rows], nq)
+        reused = self.store.correct(rows, idx, self.fidx[rows], self.fvalid[rows], nq, fixed=step.fixed)
         if step.n_new > 1:  # a two-token step (the pre-decoding pass has no prefetched set yet)
             self.count_reuse((reused & valid).sum(), valid.sum())
         self.fidx[rows], self.fvalid[rows] = idx, valid
@@ -102,6 +104,13 @@ class SpecacheLayer(GuidedLayer):
         rows = step.rows
         p = probs.view(b, h, g, t, -1)
         p = p.sum(dim=(2, 3)) if self.config.select_both else p[:, :, :, step.select].sum(dim=2)  # [b, H_kv, cols]
+        if step.fixed:  # a recorded pass: the general candidates, sized by the buffers, bounds on the device
+            cand = torch.full((b, h, nq + n_res), -1.0, device=p.device)  # (nq: the guide's capacity)
+            cand[..., :nq] = p[..., :nq]
+            cand.scatter_(-1, rpos[:, None, :].expand(-1, h, -1), p[..., nq + 1 :])
+            next_q = quant_boundary(step.start + step.keep, self.residual, self.group)
+            self.fetch_top(cand, next_q, rows, fixed=True)
+            return
         bounds = [quant_boundary(n + step.keep, self.residual, self.group) for n in step.starts]  # (host)
         span = max(bounds)
         if span <= self.sinks:
@@ -118,16 +127,34 @@ class SpecacheLayer(GuidedLayer):
             cand = p[..., :span]
         self.fetch_top(cand, next_q, rows)
 
-    def fetch_top(self, cand: torch.Tensor, bound: torch.Tensor, rows: slice, now: bool = False) -> None:
+    def fetch_top(self, cand: torch.Tensor, bound: torch.Tensor, rows: slice, now: bool = False,
+                  fixed: bool = False) -> None:
         """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0) become the rows'
-        fetched set; start fetching their exact K/V (now: gather them on the compute stream, HostStore.gather_now)."""
+        fetched set; start fetching their exact K/V (now: gather them on the compute stream, HostStore.gather_now;
+        fixed: a recorded pass's prefetch, HostStore.prefetch)."""
         idx, valid = self.top_positions(cand, bound)
         self.fidx[rows] = idx
         self.fvalid[rows] = valid
         if now:
             self.store.gather_now(rows, idx)
         else:
-            self.store.prefetch(rows, idx)
+            self.store.prefetch(rows, idx, fixed)
+
+    def before_fixed_pass(self, step: Step) -> None:
+        """Host bookkeeping before a recorded pass that selects the next step's set: the positions that leave
+        the residual window when it commits are candidates, so they enter the store now (the eager pass does
+        this inside, select_and_prefetch; a recorded pass cannot: flush_to_store is the host's copy)."""
+        if step.select is None or not self.topk:
+            return
+        for i, start in enumerate(step.starts):
+            row = step.rows.start + i
+            bound = quant_boundary(start + step.keep, self.residual, self.group)
+            if bound > self.qend_host[row]:
+                self.flush_to_store(row, bound)
+
+    def join(self) -> None:
+        """The end of a recorded pass: its prefetch brought back into the pass (HostStore.join)."""
+        self.store.join()
 
     def top_positions(self, cand: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k positions in [S, bound[b]) of cand [b, H_kv, L] (weights >= 0), padded to the buffer's

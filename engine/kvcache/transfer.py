@@ -197,16 +197,19 @@ class HostStore:
             out_v[0, h].copy_(v[0, h], non_blocking=True)
         return out_k, out_v
 
-    def prefetch(self, rows: slice, idx: torch.Tensor) -> None:
-        """Start fetching the exact K/V at idx [b, H_kv, k] (positions) into the device fetched set."""
+    def prefetch(self, rows: slice, idx: torch.Tensor, fixed: bool = False) -> None:
+        """Start fetching the exact K/V at idx [b, H_kv, k] (positions) into the device fetched set (fixed: a
+        recorded pass: CUDA's in-place gather on the side stream, which join() brings back into the pass)."""
         n = idx.shape[-1]
         if not self.cuda:
             gather_rows(self.k[rows], idx, self.fk[rows, :, :n])
             gather_rows(self.v[rows], idx, self.fv[rows, :, :n])
             return
         self.wait_issued()  # the previous prefetch of this layer is issued (its buffers are ours again)
-        if self.transfer.pinned and self._gather_in_place(rows, idx, n):
+        if self.transfer.pinned and self._gather_in_place(rows, idx, n, record=not fixed):
             return
+        if fixed:
+            raise RuntimeError("the in-place gather did not run: the pass cannot be fixed-shape (can_gather_now)")
         self.idx_host[rows, :, :n].copy_(idx, non_blocking=True)
         self.idx_ready.record()
         self.issued.clear()
@@ -229,7 +232,14 @@ class HostStore:
         if not guide_triton.gather_rows(self.k[rows], self.v[rows], idx, self.fk[rows, :, :n], self.fv[rows, :, :n]):
             raise RuntimeError("the in-place gather did not run: the pass cannot be fixed-shape (can_gather_now)")
 
-    def _gather_in_place(self, rows: slice, idx: torch.Tensor, n: int) -> bool:
+    def join(self) -> None:
+        """Make the compute stream wait for this layer's in-flight prefetch (the end of a recorded pass: a CUDA
+        graph may not leave work on another stream; the next pass reads the set it brought)."""
+        if self.cuda and self.pending:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            self.pending = False
+
+    def _gather_in_place(self, rows: slice, idx: torch.Tensor, n: int, record: bool = True) -> bool:
         """CUDA with the store pinned (mapped): one kernel on the side stream reads the selected rows of the
         store where they lie, over the bus, into the fetched set (no worker thread, no CPU gather, no
         staging copy), after what the compute stream queued so far (idx, and the attention that read the
@@ -242,7 +252,8 @@ class HostStore:
             if ok:
                 self.ready.record(side)
         if ok:
-            idx.record_stream(side)
+            if record:  # (not in a recorded pass: its idx is the graph's own memory)
+                idx.record_stream(side)
             self.pending = True
             self.in_place += 1
         return ok
@@ -272,26 +283,31 @@ class HostStore:
         if self.cuda and self.pending:
             self.issued.wait()
 
-    def fetched(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fetched set for rows, after making the compute stream wait for the prefetch."""
+    def fetched(self, rows: slice, fixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fetched set for rows, after making the compute stream wait for the prefetch (fixed: in a
+        recorded pass, where an event cannot be queried from the host)."""
         if self.pending:
             self.wait_issued()
             self.waits += 1
-            self.ready_in_time += int(self.ready.query())
+            self.ready_in_time += 0 if fixed else int(self.ready.query())
             torch.cuda.current_stream(self.device).wait_event(self.ready)
             self.pending = False
         return self.fk[rows], self.fv[rows]
 
     def correct(self, rows: slice, idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor,
-                bound: int) -> torch.Tensor:
+                bound: int, fixed: bool = False) -> torch.Tensor:
         """Make the fetched set hold the exact K/V at idx [b, H_kv, k] now (a synchronous fetch), reusing the
         rows that the prefetch of old_idx (valid where old_valid) brought: only the missing positions cross
-        from the host. bound: every position in idx and old_idx is below it. -> reused [b, H_kv, k] bool: the
-        slots the prefetch had already brought."""
+        from the host. bound: every position in idx and old_idx is below it; fixed: a recorded pass
+        (corrected_rows_fixed). -> reused [b, H_kv, k] bool: the slots the prefetch had already brought."""
         n = idx.shape[-1]
-        fk, fv = self.fetched(rows)
-        k, v, reused = corrected_rows(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx, old_valid,
-                                      bound)
+        fk, fv = self.fetched(rows, fixed)
+        if fixed:
+            k, v, reused = corrected_rows_fixed(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx,
+                                                old_valid)
+        else:
+            k, v, reused = corrected_rows(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx,
+                                          old_valid, bound)
         fk[:, :, :n], fv[:, :, :n] = k, v
         return reused
 
@@ -492,6 +508,29 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None
         torch.index_select(src.view(-1, d), 0, flat, out=out.view(-1, d))
     else:
         out.copy_(src.reshape(-1, d).index_select(0, flat).view(out.shape))
+
+
+def corrected_rows_fixed(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
+                         idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor):
+    """corrected_rows at fixed shapes and without a host read (a recorded pass, Step.fixed): each slot of idx
+    [b, H_kv, k] matched against the k fetched positions old_idx (valid where old_valid) pairwise, the
+    matches taken from fk/fv [b, H_kv, k, D], every other slot read from the host store host_k/v: on CUDA by
+    the in-place gather for those slots only (the mapped store read over the bus), elsewhere gathered whole
+    and chosen by torch.where. -> (k rows, v rows, reused [b, H_kv, k] bool)."""
+    d = fk.shape[-1]
+    eq = (idx[..., :, None] == old_idx[..., None, :]) & old_valid[..., None, :]  # [b, H_kv, k, k]
+    reused = eq.any(-1)
+    rows = eq.to(torch.uint8).argmax(-1)[..., None].expand(-1, -1, -1, d)
+    k, v = fk.gather(2, rows), fv.gather(2, rows)
+    missing = ~reused
+    if k.is_cuda and guide_triton.gather_rows(host_k, host_v, idx, k, v, only=missing):
+        return k, v, reused
+    got_k = torch.empty(*idx.shape, d, dtype=host_k.dtype, device=host_k.device)
+    got_v = torch.empty_like(got_k)
+    gather_rows(host_k, idx.to(host_k.device), got_k)
+    gather_rows(host_v, idx.to(host_k.device), got_v)
+    miss = missing[..., None]
+    return torch.where(miss, got_k.to(k.device), k), torch.where(miss, got_v.to(v.device), v), reused
 
 
 def corrected_rows(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor, idx: torch.Tensor,

@@ -60,13 +60,15 @@ def values_kernel(p_ptr, p_sb, p_sh, p_sq, c_ptr, c_sb, c_sh, s_ptr, z_ptr, s_sb
 
 
 @triton.jit
-def gather_kernel(sk_ptr, sv_ptr, s_sb, s_sh, s_sl, idx_ptr, i_sb, i_sh, dk_ptr, dv_ptr, d_sb, d_sh, d_sk, H, K, D,
-                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def gather_kernel(sk_ptr, sv_ptr, s_sb, s_sh, s_sl, idx_ptr, i_sb, i_sh, m_ptr, m_sb, m_sh, dk_ptr, dv_ptr, d_sb,
+                  d_sh, d_sk, H, K, D, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
     bh, kb = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     j = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     d = tl.arange(0, BLOCK_D)
     jm, dm = j < K, d < D
+    if MASKED:  # only the slots asked for (the rest of dst kept)
+        jm = jm & (tl.load(m_ptr + b * m_sb + h * m_sh + j, mask=jm, other=0) != 0)
     m2 = jm[:, None] & dm[None, :]
     pos = tl.load(idx_ptr + b * i_sb + h * i_sh + j, mask=jm, other=0)
     src = b * s_sb + h * s_sh + pos[:, None] * s_sl + d[None, :]
