@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from engine.errors import BadArgument
 
@@ -23,6 +23,9 @@ DEFAULT_ROTATION = {1: "auto", 2: "auto"}
 # CPU default) from 0.978 / 0.0009 to 0.997 / 0.0008, for ~1% more device bytes; 1 bit with 4 helped at k 512
 # (0.981 / 0.0018 -> 0.987 / 0.0015, +2% bytes) but not at k 128 (0.956 / 0.0089 -> 0.952 / 0.0075), so 0
 DEFAULT_OUTLIERS = {1: 0, 2: 2}
+RESIDUAL = 64  # newest tokens kept exact on the device (the residual window R)
+SINKS = 4  # first tokens kept exact on the device (the attention sinks S)
+CHUNK_SIZE = 512  # prefill chunk, tokens
 
 
 def outliers_for(bits: int, outliers: int | None) -> int:
@@ -32,8 +35,71 @@ def outliers_for(bits: int, outliers: int | None) -> int:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """One cache setting, declared once on its CacheConfig field (`metadata["setting"]`): everything
+    else derives from this: the flags of summarize / ask / plan (specache_cli/options.py), the run's
+    overrides, the bench label grammar (engine/bench/common.py), the validation below, the plan's
+    settings and the document store's key.
+
+    help: the flag's help (its default rule is appended: `default`). flag: the CLI flag (default
+    --name with dashes); aliases: more names for it (`specache plan`'s). default_rule: how an unset value is chosen, in words
+    ("the model profile's": engine.plan.profiles.cache_defaults gives it). choices / low / high: the
+    values allowed (None always is for a field whose default is None). cli: a flag of summarize and
+    ask; switch: a bool flag without a --no- form (given: True, absent: unset). tokens: a size in
+    tokens (no more than the model's window; cut to the longest call). label: the bench label of an
+    int (a format: "k{}" or "{}b"); words: the bench label words of a choice ({"had": "hadamard"});
+    implies: settings such a label word implies. plan: the setting's position in `specache plan`'s
+    settings (None: the planner does not read it); plan_key: its name there. store: a stored row
+    depends on it beyond what the policies' store_key reports (engine.generate.prefixes)."""
+
+    help: str
+    flag: str = ""
+    aliases: tuple[str, ...] = ()
+    default_rule: str = ""
+    choices: tuple = ()
+    low: int | None = None
+    high: int | None = None
+    cli: bool = True
+    switch: bool = False
+    tokens: bool = False
+    label: str = ""
+    words: dict = field(default_factory=dict)
+    implies: dict = field(default_factory=dict)
+    plan: int | None = None
+    plan_key: str = ""
+    store: bool = False
+
+    def check(self, value) -> None:
+        """BadArgument (exit 2) for a value outside the declared choices or bounds (None is unset)."""
+        if value is None:
+            return
+        if self.choices and value not in self.choices:
+            if all(isinstance(c, str) for c in self.choices):
+                allowed, shown = f"one of {', '.join(self.choices)}", repr(value)
+            else:
+                allowed = " or ".join(map(str, self.choices)) if len(self.choices) == 2 else \
+                    f"one of {', '.join(map(str, self.choices))}"
+                shown = value
+            raise BadArgument(f"{self.flag} must be {allowed}, not {shown}")
+        if self.low is not None and self.high is not None and not self.low <= value <= self.high:
+            raise BadArgument(f"{self.flag} must be in {self.low}..{self.high}, not {value}")
+        if self.low is not None and value < self.low:
+            raise BadArgument(f"{self.flag} must be >= {self.low}, not {value}")
+
+    @property
+    def full_help(self) -> str:
+        """The help with its default rule."""
+        return f"{self.help} (default: {self.default_rule})." if self.default_rule else f"{self.help}."
+
+
+def setting(default, help: str, **declared):
+    """A CacheConfig field declared as a setting (Setting gives the meaning of each keyword)."""
+    return field(default=default, metadata={"setting": Setting(help, **declared)})
+
+
+@dataclass(frozen=True)
 class CacheConfig:
-    """How the KV cache is kept.
+    """How the KV cache is kept: one field per setting, each declared once (Setting).
 
     mode: the name of a registered cache policy (engine/kvcache/registry.py, the one list of them:
     full, specache, kivi, window, exact, ...). This module sits below the caches, so it cannot check
@@ -42,56 +108,52 @@ class CacheConfig:
     """
 
     mode: str = "specache"
-    bits: int = 2  # guide code width
-    group: int = 64  # quantization group size g
-    k: int = 256  # exact positions fetched per layer per KV head per step
-    residual: int = 64  # newest R tokens kept exact on the device
-    sinks: int = 4  # first S tokens kept exact on the device
-    window: int | None = None  # window mode: exact recent tokens (None: same device bytes as specache)
-    chunk_size: int = 512  # prefill chunk, tokens
-    measure_hits: bool = False  # specache: measure the prefetch hit rate (costs a full attention per step)
-    select_both: bool = False  # specache: select with the output token's attention as well as the speculative one's
-    resync: bool = True  # specache: after a missed speculation, guess the next token by prompt lookup
-    # specache: speculative = the design's two tokens per step, the next step's set picked by the
-    # speculative token; current = one token per step that picks its own set from its guide
-    # attention, then attends (the paper's non-speculative baseline: no transfer to hide on a CPU)
-    prefetch: str = "speculative"
-    # specache, speculative: the output token ranks the guide with its own queries before it attends (as
-    # "current" does); the prefetched set keeps the positions it holds, the rest are fetched then (a
-    # synchronous fetch of what the speculation missed). False: the paper's set, chosen by the guess alone
-    correct: bool = True
-    gamma: int | None = None  # exact: draft tokens per verification (None: adapted to the measured acceptance)
-    # the guide's orthogonal transform (engine/kvcache/rotation.py): none or hadamard; None: the
-    # default for the bits (DEFAULT_ROTATION, chosen from `bench fidelity`; guide_rotation reads it)
-    rotation: str | None = None
-    # outlier key channels per KV head held at 4 bits beside the guide (engine/kvcache/outliers.py),
-    # taken out of the keys before the rotation and the 1/2-bit quantizer see them; None: the default for
-    # the bits (DEFAULT_OUTLIERS; guide_outliers reads it)
-    outliers: int | None = None
+    bits: int = setting(2, "Guide code width, 1 or 2", default_rule="the model profile's", choices=(1, 2), label="{}b",
+                        plan=0)
+    group: int = setting(64, "Quantization group size: 32, 64 or 128 tokens of a key channel (values: min(group, "
+                         "head_dim) channels of a token)", default_rule="the model profile's", choices=GROUPS,
+                         label="g{}", plan=1)
+    k: int = setting(256, "Exact positions fetched per layer and KV head each step", default_rule="the model profile's",
+                     low=0, tokens=True, label="k{}", plan=4)
+    residual: int = setting(RESIDUAL, "Newest tokens R kept exact on the device", default_rule=str(RESIDUAL), low=1,
+                            tokens=True, label="r{}", plan=2)
+    sinks: int = setting(SINKS, "First tokens S kept exact on the device", default_rule=str(SINKS), low=0, tokens=True,
+                         label="s{}", plan=3)
+    window: int | None = setting(None, "window mode: exact recent tokens", default_rule="the device bytes of specache",
+                                 low=1, cli=False, label="w{}")
+    chunk_size: int = setting(CHUNK_SIZE, "Prefill chunk size in tokens", default_rule=str(CHUNK_SIZE),
+                              aliases=("--prefill-chunk",), low=16, tokens=True, label="c{}", plan=6,
+                              plan_key="prefill_chunk")
+    measure_hits: bool = setting(False, "specache: measure the prefetch hit rate (costs a full attention per step)",
+                                 flag="--hit-rate", switch=True)
+    select_both: bool = setting(False, "specache: select with the output token's attention as well as the "
+                                "speculative one's", cli=False, words={"both": True, "spec": False},
+                                implies={"prefetch": "speculative"})
+    resync: bool = setting(True, "specache: after a missed speculation, guess the next token by prompt lookup",
+                           cli=False, words={"resync": True, "noresync": False}, implies={"prefetch": "speculative"})
+    prefetch: str = setting("speculative", "specache: speculative (two tokens per step, the next step's exact K/V "
+                            "fetched while this one computes) or current (one token per step fetches its own from "
+                            "its guide attention, then attends: the paper's non-speculative baseline)",
+                            default_rule="speculative on a GPU, current on a CPU, where there is no transfer to hide",
+                            choices=PREFETCH, words={p: p for p in PREFETCH})
+    correct: bool = setting(True, "specache, speculative prefetch: the output token ranks the guide with its own "
+                            "queries before it attends and fetches what the prefetch missed (default); --no-correct: "
+                            "the paper's set, chosen by the speculative guess alone (no fetch on the critical path)",
+                            words={"correct": True, "nocorrect": False}, implies={"prefetch": "speculative"})
+    gamma: int | None = setting(None, "exact: draft tokens per verification, 1..16",
+                                default_rule="adapted to the measured acceptance", low=1, high=GAMMA_MAX, label="gamma{}")
+    rotation: str | None = setting(None, "Guide transform: none, hadamard (K, V and the queries rotated before the "
+                                   "guide quantizes them; exact parts untouched) or auto (per layer: the Hadamard "
+                                   "unless it measurably errs more on the layer's first keys)", default_rule="auto",
+                                   choices=ROTATIONS, words={"had": "hadamard", "norot": "none"})
+    outliers: int | None = setting(None, "Outlier key channels per KV head held at 4 bits beside the guide, 0..16 "
+                                   "(taken out of the keys before they are rotated and quantized)",
+                                   default_rule="2 with 2-bit guides, 0 with 1-bit, as `bench fidelity` chose",
+                                   low=0, high=OUTLIERS_MAX, label="o{}", plan=8)
 
     def __post_init__(self) -> None:
-        if self.prefetch not in PREFETCH:
-            raise BadArgument(f"--prefetch must be one of {', '.join(PREFETCH)}, not {self.prefetch!r}")
-        if self.bits not in (1, 2):
-            raise BadArgument(f"--bits must be 1 or 2, not {self.bits}")
-        if self.group not in GROUPS:
-            raise BadArgument(f"--group must be one of {', '.join(map(str, GROUPS))}, not {self.group}")
-        if self.outliers is not None and not 0 <= self.outliers <= OUTLIERS_MAX:
-            raise BadArgument(f"--outliers must be in 0..{OUTLIERS_MAX}, not {self.outliers}")
-        if self.k < 0:
-            raise BadArgument(f"--k must be >= 0, not {self.k}")
-        if self.residual < 1:
-            raise BadArgument(f"--residual must be >= 1, not {self.residual}")
-        if self.sinks < 0:
-            raise BadArgument(f"--sinks must be >= 0, not {self.sinks}")
-        if self.window is not None and self.window < 1:
-            raise BadArgument(f"--window must be >= 1, not {self.window}")
-        if self.gamma is not None and not 1 <= self.gamma <= GAMMA_MAX:
-            raise BadArgument(f"--gamma must be in 1..{GAMMA_MAX}, not {self.gamma}")
-        if self.rotation is not None and self.rotation not in ROTATIONS:
-            raise BadArgument(f"--rotation must be one of {', '.join(ROTATIONS)}, not {self.rotation!r}")
-        if self.chunk_size < 16:
-            raise BadArgument(f"--chunk-size must be >= 16, not {self.chunk_size}")
+        for name, declared in settings().items():
+            declared.check(getattr(self, name))
 
     @property
     def guide_rotation(self) -> str:
@@ -157,3 +219,14 @@ class GenerationConfig:
 # full cache's summary unchanged and agreed best with it; repeat_penalty 1.3 rewrote the full cache's summary.
 DECODING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
                      "no_repeat_ngram": 4}
+
+
+def settings(config: type | None = None) -> dict[str, Setting]:
+    """The declared settings of a cache config class (CacheConfig), by field name, in field order; each
+    with its flag filled in (--name with dashes unless it names one)."""
+    out = {}
+    for f in fields(config or CacheConfig):
+        declared = f.metadata.get("setting")
+        if declared is not None:
+            out[f.name] = declared if declared.flag else replace(declared, flag="--" + f.name.replace("_", "-"))
+    return out

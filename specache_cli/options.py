@@ -8,11 +8,11 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Optional, get_type_hints
+from typing import Annotated, ClassVar, Optional, get_args, get_type_hints
 
 import typer
 
-from engine.config import DECODING_DEFAULTS, GenerationConfig
+from engine.config import DECODING_DEFAULTS, CacheConfig, GenerationConfig, settings
 from engine.kvcache.registry import describe
 
 D = DECODING_DEFAULTS
@@ -33,46 +33,50 @@ class ModelOptions:
         "machine fewer threads are much faster).", min=1)] = None
 
 
-@dataclass
-class CacheOptions:
-    PANEL: ClassVar[str] = "KV cache"  # the heading of these options in --help
+def setting_options(cls_name: str, panel: str, keep, before: list, after: list, aliases: bool = False) -> type:
+    """An option group holding one flag per declared cache setting that `keep(setting)` accepts
+    (engine.config.Setting: flag, aliases, help, default rule), between the fields `before` and `after`
+    ((name, annotation, default) as dataclasses.make_dataclass takes them); aliases: the settings'
+    other flag names too (`specache plan`'s). Every setting's option is
+    unset (None) by default, so the run, the planner and the benches apply one default rule."""
+    hints = get_type_hints(CacheConfig)
+    made = []
+    for name, declared in settings().items():
+        if not keep(declared):
+            continue
+        kind = next(t for t in get_args(hints[name]) or (hints[name],) if t is not type(None))
+        names = (declared.flag, *(declared.aliases if aliases else ()))
+        if kind is bool and declared.switch:
+            made.append((name, Annotated[bool, typer.Option(*names, help=declared.full_help)], False))
+            continue
+        if kind is bool:
+            names = (f"{declared.flag}/--no-{declared.flag[2:]}",)
+        made.append((name, Annotated[Optional[kind], typer.Option(*names, help=declared.full_help)], None))
+    made = [(n, a, dataclasses.field(default=d)) for n, a, d in before + made + after]
+    cls = dataclasses.make_dataclass(cls_name, made, namespace={"PANEL": panel, "overrides": _overrides})
+    cls.__annotations__["PANEL"] = ClassVar[str]
+    return cls
 
-    cache: Annotated[str, typer.Option("--cache", help=f"KV cache mode: {describe()}.")] = "specache"
-    bits: Annotated[Optional[int], typer.Option(help="Guide code width, 1 or 2 (default: the model profile's).")] = None
-    group: Annotated[Optional[int], typer.Option(
-        help="Quantization group size: 32, 64 or 128 tokens of a key channel (values: min(group, head_dim) "
-        "channels of a token) (default: the model profile's).")] = None
-    k: Annotated[Optional[int], typer.Option(
-        "--k", help="Exact positions fetched per layer and KV head each step (default: the model profile's).")] = None
-    residual: Annotated[Optional[int], typer.Option(help="Newest tokens kept exact on the device (default 64).")] = None
-    sinks: Annotated[Optional[int], typer.Option(help="First tokens kept exact on the device (default 4).")] = None
-    chunk_size: Annotated[Optional[int], typer.Option(
-        "--chunk-size", help="Prefill chunk size in tokens (default 512).")] = None
-    prefetch: Annotated[Optional[str], typer.Option(
-        "--prefetch", help="specache: speculative (two tokens per step, the next step's exact K/V fetched while "
-        "this one computes; default on a GPU) or current (one token per step fetches its own; default on a CPU, "
-        "where there is no transfer to hide).")] = None
-    correct: Annotated[Optional[bool], typer.Option(
-        "--correct/--no-correct", help="specache, speculative prefetch: the output token ranks the guide with its "
-        "own queries before it attends and fetches what the prefetch missed (default); --no-correct: the paper's "
-        "set, chosen by the speculative guess alone (no fetch on the critical path).")] = None
-    rotation: Annotated[Optional[str], typer.Option(
-        "--rotation", help="Guide transform: none, hadamard (K, V and the queries rotated before the guide "
-        "quantizes them; exact parts untouched) or auto (per layer: the Hadamard unless it measurably errs more "
-        "on the layer's first keys). Default: auto.")] = None
-    outliers: Annotated[Optional[int], typer.Option(
-        "--outliers", help="Outlier key channels per KV head held at 4 bits beside the guide, 0..16 (taken "
-        "out of the keys before they are rotated and quantized). Default: the one `bench fidelity` chose for "
-        "the bits.")] = None
-    gamma: Annotated[Optional[int], typer.Option(
-        "--gamma", help="exact: draft tokens per verification, 1..16 (default: adapted to the measured acceptance).")] = None
-    hit_rate: Annotated[bool, typer.Option(
-        "--hit-rate", help="specache: measure the prefetch hit rate (costs a full attention per step).")] = False
-    no_store: Annotated[bool, typer.Option(
-        "--no-store", help="Neither load nor save the document's KV in the persistent store.")] = False
-    cache_max_gb: Annotated[Optional[float], typer.Option(
+
+def _overrides(self) -> dict:
+    """The settings given on the command line, for CacheConfig.with_overrides (unset: None; a switch
+    not given is unset too)."""
+    given = {name: getattr(self, name) for name in settings() if hasattr(self, name)}
+    return {name: None if settings()[name].switch and not value else value for name, value in given.items()}
+
+
+# summarize / ask: --cache, every setting with a flag, and the document store's two
+CacheOptions = setting_options("CacheOptions", "KV cache", lambda s: s.cli, before=[
+    ("cache", Annotated[str, typer.Option("--cache", help=f"KV cache mode: {describe()}.")], "specache"),
+], after=[
+    ("no_store", Annotated[bool, typer.Option(
+        "--no-store", help="Neither load nor save the document's KV in the persistent store.")], False),
+    ("cache_max_gb", Annotated[Optional[float], typer.Option(
         "--cache-max-gb", help="Size cap of the document store in GB; least recently used entries are evicted "
-        "(default: $SPECACHE_CACHE_MAX_GB, else 20).")] = None
+        "(default: $SPECACHE_CACHE_MAX_GB, else 20).")], None),
+])
+# plan: the settings the planner reads
+PlanCacheOptions = setting_options("PlanCacheOptions", "KV cache", lambda s: s.plan is not None, [], [], aliases=True)
 
 
 @dataclass
@@ -136,7 +140,7 @@ class WorkerOptions:
         "among the workers).")] = None
 
 
-GROUPS = (ModelOptions, CacheOptions, GenerationOptions, OutputOptions, WorkerOptions)
+GROUPS = (ModelOptions, CacheOptions, PlanCacheOptions, GenerationOptions, OutputOptions, WorkerOptions)
 
 
 def grouped(fn):

@@ -15,7 +15,7 @@ import torch
 import typer
 from rich.markup import escape
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, settings
 from engine.docstore.store import DocStore, check_folder, max_bytes_from
 from engine.errors import (
     BadArgument,
@@ -64,7 +64,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 EMBEDDED_SPECS = (None, "", "default", EMBEDDED_NAME, "smollm2-135m")  # --model values naming the embedded model
 EMBEDDED_PROFILE = "smollm2-135m"
 PROMPT_SLACK = 512  # tokens a prompt may add around the document and question (chat template, labels)
-WINDOW_FLAGS = (("k", "--k"), ("sinks", "--sinks"), ("residual", "--residual"), ("chunk_size", "--chunk-size"))
+# the settings that size buffers in tokens (engine.config.Setting.tokens): bounded by the model's window
+WINDOW_FLAGS = {name: declared for name, declared in settings().items() if declared.tokens}
 
 
 def check_device(device: str, dtype: str) -> None:
@@ -101,10 +102,10 @@ def model_window(spec: str | None) -> int | None:
 def check_window(cache: CacheOptions, max_tokens: int, window: int) -> None:
     """Flags that size buffers in tokens, against the model's window: none may exceed it (a bigger
     value could only waste memory), and --max-tokens leaves at least half the window to the document."""
-    for field, flag in WINDOW_FLAGS:
+    for field, declared in WINDOW_FLAGS.items():
         value = getattr(cache, field)
         if value is not None and value > window:
-            raise BadArgument(f"{flag} {value} is more than the model's window of {window} tokens "
+            raise BadArgument(f"{declared.flag} {value} is more than the model's window of {window} tokens "
                               f"(at most {window})")
     if max_tokens > window // 2:
         raise BadArgument(f"--max-tokens {max_tokens} leaves too little of the model's {window}-token window for "
@@ -116,12 +117,12 @@ def clamp_to_prompt(config: CacheConfig, longest: int) -> tuple[CacheConfig, lis
     longest model call: prompt and answer); beyond it they change nothing but the size of buffers.
     -> (config, the flags cut, as "--k 5000")."""
     cut, notes = {}, []
-    for field, flag in WINDOW_FLAGS:
+    for field, declared in WINDOW_FLAGS.items():
         value = getattr(config, field)
         if value > longest:
-            cut[field] = max(longest, 16 if field == "chunk_size" else 1)
+            cut[field] = max(longest, declared.low or 1)
             if cut[field] < value:
-                notes.append(f"{flag} {value}")
+                notes.append(f"{declared.flag} {value}")
     return (replace(config, **cut) if cut else config), notes
 
 
@@ -140,10 +141,7 @@ class Session:
         if gen.strategy not in STRATEGIES:
             raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {gen.strategy!r}")
         check_device(model.device, model.dtype)
-        self.overrides = dict(bits=cache.bits, group=cache.group, k=cache.k, residual=cache.residual,
-                              sinks=cache.sinks, chunk_size=cache.chunk_size, measure_hits=cache.hit_rate or None,
-                              prefetch=cache.prefetch, gamma=cache.gamma, rotation=cache.rotation,
-                              correct=cache.correct, outliers=cache.outliers)
+        self.overrides = cache.overrides()
         policy(cache.cache)  # validate now: a registered mode (engine.kvcache.registry) and its settings
         CacheConfig(mode=cache.cache).with_overrides(**self.overrides)
         self.model_opts, self.cache_opts, self.quiet = model, cache, quiet
@@ -183,7 +181,7 @@ class Session:
             defaults = model_defaults(lm, self.overrides.get("prefetch"))
             cache = CacheConfig(mode=self.cache_opts.cache, **defaults).with_overrides(**self.overrides)
             floor = min(lm.max_context, self.gen.max_tokens + PROMPT_SLACK)  # no call is shorter than this bound
-            if any(getattr(cache, f) > floor for f, _ in WINDOW_FLAGS):  # (counting tokens costs ~1 s per 100k)
+            if any(getattr(cache, f) > floor for f in WINDOW_FLAGS):  # (counting tokens costs ~1 s per 100k)
                 longest = min(lm.max_context, count_tokens(lm.tokenizer, self.longest_text) + floor)
                 cache, notes = clamp_to_prompt(cache, longest)
                 if notes:

@@ -18,7 +18,8 @@ Hadamard or none; unset, the default for the bits). Unset options keep the model
 ``specache`` is the setting users get. ``window`` without ``w<n>`` is sized to the device
 bytes of specache with the same bits / k / group (``window-1b`` matches ``specache-1b``);
 ``kivi`` never fetches (k = 0: its ``fixed_settings``; an option only one policy reads, as
-``w<n>``, is its ``own_settings``).
+``w<n>``, is its ``own_settings``). The options are the settings' declarations (engine.config.Setting:
+``label`` for a number, ``words`` for a choice), so a new setting's label option is declared with it.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from engine.config import PREFETCH, CacheConfig
+from engine.config import CacheConfig, settings
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
 from engine.kvcache.registry import POLICIES, names
@@ -47,12 +48,25 @@ SCHEMA_VERSION = 1
 HF_MODE = "hf"
 EXAMPLES = Path(str(files("specache_examples")))  # examples/ of the checkout, or its installed copy
 
-_OPTION = re.compile(r"^(?:(?P<bits>\d+)b|(?P<key>[kgrswco])(?P<val>\d+))$")
-_OPTION_FIELDS = {"k": "k", "g": "group", "r": "residual", "s": "sinks", "w": "window", "c": "chunk_size",
-                  "o": "outliers"}
-_OPTION_LETTERS = {field: letter for letter, field in _OPTION_FIELDS.items()}
-ROTATION_OPTIONS = {"had": "hadamard", "norot": "none"}
 
+
+def _label_grammar() -> tuple[list[tuple[re.Pattern, str]], dict[str, tuple[str, object]]]:
+    """The label options, from the settings' declarations (engine.config.Setting): a number option per
+    setting with a label ("k{}" -> k<n>), a word per value of a setting with words ("had" -> hadamard)."""
+    numbers, words = [], {}
+    for name, declared in settings().items():
+        if declared.label:
+            before, _, after = declared.label.partition("{}")
+            numbers.append((re.compile(f"{re.escape(before)}(\\d+){re.escape(after)}"), name))
+        for word, value in declared.words.items():
+            words[word] = (name, value)
+    return numbers, words
+
+
+def option_name(name: str) -> str:
+    """How a label writes a setting's option: its number form (k<n>), else the setting's name."""
+    declared = settings()[name]
+    return declared.label.replace("{}", "<n>") if declared.label else name
 
 @dataclass(frozen=True)
 class ModeSpec:
@@ -88,34 +102,21 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
     if mode not in POLICIES:
         raise BadArgument(f"mode {label!r}: must start with one of {', '.join(names() + (HF_MODE,))}")
     fields: dict[str, int | bool | str] = {}
+    numbers, words = _label_grammar()
+    implied: dict = {}
     for opt in parts[1:]:
-        if re.fullmatch(r"gamma\d+", opt.lower()):  # exact: draft tokens per verification
-            fields["gamma"] = int(opt[5:])
+        word = opt.lower()
+        if word in words:
+            name, fields[name] = words[word]
+            implied.update(settings()[name].implies)
             continue
-        if opt.lower() in ("both", "spec"):  # select with the output token's attention too, or not
-            fields["select_both"] = opt.lower() == "both"
-            continue
-        if opt.lower() in ("resync", "noresync"):  # prompt-lookup re-sync after a missed speculation, or not
-            fields["resync"] = opt.lower() == "resync"
-            continue
-        if opt.lower() in ("correct", "nocorrect"):  # the output token corrects the prefetched set, or not
-            fields["correct"] = opt.lower() == "correct"
-            continue
-        if opt.lower() in ROTATION_OPTIONS:  # the guide's transform (engine/kvcache/rotation.py)
-            fields["rotation"] = ROTATION_OPTIONS[opt.lower()]
-            continue
-        if opt.lower() in PREFETCH:
-            fields["prefetch"] = opt.lower()
-            continue
-        m = _OPTION.match(opt.lower())
-        if not m:
-            raise BadArgument(f"mode {label!r}: unknown option {opt!r} (use e.g. 1b, k256, g64, r64, s4, w512, c512, o4)")
-        if m.group("bits"):
-            fields["bits"] = int(m.group("bits"))
-        else:
-            fields[_OPTION_FIELDS[m.group("key")]] = int(m.group("val"))
-    if ("select_both" in fields or "resync" in fields or "correct" in fields) and "prefetch" not in fields:
-        fields["prefetch"] = "speculative"  # options of the speculative decoder imply it
+        match = next(((m, name) for pattern, name in numbers if (m := pattern.fullmatch(word))), None)
+        if match is None:
+            forms = [option_name(name) for _, name in numbers] + list(words)
+            raise BadArgument(f"mode {label!r}: unknown option {opt!r} (use {', '.join(forms)})")
+        fields[match[1]] = int(match[0].group(1))
+    for name, value in implied.items():  # options of the speculative decoder imply it
+        fields.setdefault(name, value)
     policy_fields(label, POLICIES[mode], fields)
     base = CacheConfig(mode=mode).with_overrides(**defaults)
     if k_for and "k" not in fields:
@@ -130,7 +131,7 @@ def policy_fields(label: str, cls: type, fields: dict) -> None:
     for name in fields:
         owners = [n for n, c in POLICIES.items() if name in c.own_settings]
         if owners and name not in cls.own_settings:
-            raise BadArgument(f"mode {label!r}: {_OPTION_LETTERS.get(name, name)}<n> only applies to "
+            raise BadArgument(f"mode {label!r}: {option_name(name)} only applies to "
                               f"{', '.join(owners)}")
     for name, value in cls.fixed_settings.items():
         if fields.get(name) not in (None, value):
