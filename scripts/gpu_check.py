@@ -388,15 +388,18 @@ def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
     discrete GPU, 0 where the store is read in place)."""
     from dataclasses import replace
 
-    from engine.plan.planner import detect_hardware, machine_ram_bytes, plan
+    from engine.machine import machine_ram_bytes
+    from engine.plan.hardware import detect_hardware
+    from engine.plan.planner import cache_for, plan
     from engine.plan.profiles import load_model_profile
 
     hw = detect_hardware(measure=True)
     budget = int(budget_gb * 1e9)
     hw = replace(hw, device_memory_bytes=budget, free_memory_bytes=budget)
     total_ram, available = machine_ram_bytes()
-    p = plan(hw, load_model_profile("llama-3-8b"), context, bits=bits, group=64, host_ram_bytes=int(available * 0.8),
-             prefill_chunk=chunk, element_bytes=2)
+    model = load_model_profile("llama-3-8b")
+    p = plan(hw, model, context, cache_for(model, hw, bits=bits, group=64, chunk_size=chunk),
+             host_ram_bytes=int(available * 0.8), element_bytes=2)
     exact = p.mode("exact")
     per_row = exact.transfer_bytes_per_step // exact.max_batch if exact.max_batch else 0
     return {m: p.mode(m).max_batch for m in ("full", "specache", "exact")} | {

@@ -8,19 +8,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from engine.config import CacheConfig
 from engine.errors import BadArgument
 from engine.kvcache.registry import POLICIES
-from engine.plan.planner import (
-    DEFAULT_PREFILL_CHUNK,
-    GIB,
-    REFERENCES,
-    Plan,
-    check_settings,
-    detect_hardware,
-    plan,
-)
+from engine.plan.hardware import detect_hardware
+from engine.plan.planner import REFERENCES, cache_for, check_plan, plan
 from engine.plan.profiles import HardwareProfile, load_hardware, load_model_profile
+from engine.plan.result import Plan
+from engine.plan.roofline import GIB
 from specache_cli.console import err_console, guarded
+from specache_cli.options import PlanCacheOptions, grouped
 from specache_cli.render import emit_json
 
 BREAKDOWN_LABELS = {
@@ -142,32 +139,25 @@ def plan_cmd(
                                           help="Tokens per sequence, prompt + generated (default: the model's window)."),
     gpu: str = typer.Option("auto", "--gpu", help=GPU_HELP),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    bits: Optional[int] = typer.Option(None, help="Guide code width, 1 or 2 (default: the model profile's)."),
-    group: Optional[int] = typer.Option(None, help="Quantization group size g, 32, 64 or 128 (default: the model's)."),
-    outliers: Optional[int] = typer.Option(None, help="Outlier key channels per KV head at 4 bits beside the guide, "
-                                           "0..16 (default: 2 with 2-bit guides, 0 with 1-bit)."),
-    k: Optional[int] = typer.Option(None, "--k", help="Exact positions fetched per layer per KV head "
-                                                      "(default: the model profile's)."),
-    residual: int = typer.Option(64, help="Exact recent tokens R."),
-    sinks: int = typer.Option(4, help="Exact first tokens S."),
+    cache: PlanCacheOptions = None,
     host_ram: Optional[float] = typer.Option(None, "--host-ram", help=HOST_HELP),
     reference: str = typer.Option("engine", help=REFERENCE_HELP),
-    prefill_chunk: int = typer.Option(DEFAULT_PREFILL_CHUNK, help="Prefill chunk, tokens (the engine's --chunk-size)."),
     measure: bool = typer.Option(True, help="With --gpu auto: measure pinned host->device bandwidth."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (docs/planner.md, JSON contract)."),
 ) -> None:
-    """Plan batch size and k from first principles for full cache, KIVI and SpeCache."""
+    """Plan batch size and k from first principles for each cache mode with a column: full, kivi,
+    specache and exact (specache drafts, the exact store verifies)."""
     if host_ram is not None and not math.isfinite(host_ram):
         raise BadArgument(f"--host-ram must be a finite number of GB, not {host_ram}")
     host_bytes = None if host_ram is None else int(host_ram * GIB)
     profile = load_model_profile(model)
     context = profile.max_context if context is None else context
-    check_settings(context, profile.default_bits if bits is None else bits,
-                   profile.default_group if group is None else group, residual, sinks,
-                   profile.default_k if k is None else k, host_bytes, None, reference, prefill_chunk, outliers)
+    given = cache.overrides()
+    check_plan(context, host_bytes, None, reference)
+    CacheConfig().with_overrides(**given)  # the settings given, checked before the hardware is detected
     hw = _hardware(gpu, measure)
-    result = plan(hw, profile, context, bits, group, residual, sinks, k, host_bytes,
-                  reference=reference, prefill_chunk=prefill_chunk, outliers=outliers)
+    result = plan(hw, profile, context, cache_for(profile, hw, **given), host_ram_bytes=host_bytes,
+                  reference=reference)
     for text in result.notes:
         note(text)
     if json_out:
@@ -177,4 +167,4 @@ def plan_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan")(guarded(plan_cmd))
+    app.command("plan")(guarded(grouped(plan_cmd)))

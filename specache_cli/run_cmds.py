@@ -191,7 +191,8 @@ class Session:
 
     def check_fits(self) -> None:
         """Before loading: the weights as they will be held and one sequence's cache of the longest
-        call (its text counted at 4 characters a token, the least a tokenizer gives) must fit in memory."""
+        call (its text counted at 4 characters a token, the least a tokenizer gives), with the settings
+        given (--k, --residual, ...; the others by their default rule), must fit in memory."""
         m = self.model_opts
         if m.device.startswith("cuda") or (m.device == "auto" and torch.cuda.is_available()):
             return  # the GPU's check runs after loading (plan_for_run), with the device's own free memory
@@ -201,7 +202,7 @@ class Session:
         context = min(window, self.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)
         try:
             check_fits_before_load(config, estimate_weight_bytes(resolve_source(m.model), m.dtype), context,
-                                   policy(self.cache_opts.cache).plan_mode, name=name)
+                                   policy(self.cache_opts.cache), self.overrides, name=name)
         except ProfileError:
             return  # a config without the model's shapes: the load itself reports what is wrong
 

@@ -346,19 +346,21 @@ def test_embedded_model_exact_equals_full_on_the_fidelity_documents(name):
 def test_planner_exact_row():
     """The exact row: geometric expected tokens, the verification on a PCIe GPU streams every exact
     K/V (B * N * kv bytes) and is bound by that copy at 32k; on a CPU nothing is copied."""
+    from engine.kvcache import sizes as S
     from engine.plan import planner as P
+    from engine.plan import roofline as R
     from engine.plan.profiles import load_hardware, load_model_profile
 
-    assert P.expected_tokens(0.0, 8) == 1.0 and P.expected_tokens(1.0, 8) == 9.0
-    assert abs(P.expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert R.expected_tokens(0.0, 8) == 1.0 and R.expected_tokens(1.0, 8) == 9.0
+    assert abs(R.expected_tokens(0.5, 2) - 1.75) < 1e-12
     m = load_model_profile("mistral-7b")
     gpu = P.plan(load_hardware("rtx-a6000"), m, 32768).mode("exact")
-    kv = P.kv_bytes_per_token(m, 2)
+    kv = S.kv_bytes_per_token(m, 2)
     assert gpu.transfer_bytes_per_step == gpu.max_batch * 32768 * kv
     assert gpu.device_breakdown["verify_buffers"] == 2 * 32768 * kv // m.layers
     assert gpu.verify_seconds == pytest.approx(gpu.transfer_bytes_per_step / (load_hardware("rtx-a6000").h2d_gbps * 1e9))
-    assert 1 <= gpu.gamma <= 16 and gpu.acceptance == P.EXACT_ACCEPTANCE
-    per_token = (gpu.gamma * gpu.draft_seconds + gpu.verify_seconds) / P.expected_tokens(gpu.acceptance, gpu.gamma)
+    assert 1 <= gpu.gamma <= 16 and gpu.acceptance == R.EXACT_ACCEPTANCE
+    per_token = (gpu.gamma * gpu.draft_seconds + gpu.verify_seconds) / R.expected_tokens(gpu.acceptance, gpu.gamma)
     assert gpu.tokens_per_second == pytest.approx(gpu.max_batch / per_token)
     cpu = P.plan(load_hardware("cpu"), load_model_profile("smollm2-135m"), 6500).mode("exact")
     assert cpu.transfer_bytes_per_step == 0 and "verify_buffers" not in cpu.device_breakdown

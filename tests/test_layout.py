@@ -184,7 +184,7 @@ def test_adding_a_policy_is_one_module(probe_policy, tiny_model):
     p = plan(load_hardware("l4"), load_model_profile("smollm2-135m"), 8192)
     assert p.mode("probe").device_bytes_per_sequence == p.mode("kivi").device_bytes_per_sequence
     assert p.mode("probe").k == 0 and p.mode("probe").bits == p.bits
-    assert plan_for_run(load_model_profile("smollm2-135m"), 4096, probe_policy.plan_mode,
+    assert plan_for_run(load_model_profile("smollm2-135m"), 4096, probe_policy,
                         hardware=load_hardware("l4")).mode == "kivi"  # a run is sized by the column it names
     r = CliRunner().invoke(app, ["plan", "--gpu", "l4", "--model", "smollm2-135m", "--context", "8192", "--json"])
     assert r.exit_code == 0 and "probe" in [m["mode"] for m in json.loads(r.stdout)["modes"]]

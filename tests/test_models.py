@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from engine.errors import DoesNotFit, InputNotFound, ModelLoadError
 from engine.model.embedded import find_embedded_gguf
 from engine.model.sources import resolve_source
+from engine.kvcache import POLICIES
 from engine.plan.planner import check_fits_before_load
 from engine.plan.profiles import load_hardware, load_model_profile
 from specache_cli.app import app
@@ -136,9 +137,12 @@ def test_a_model_that_does_not_fit_is_refused_before_loading():
     config = {"hidden_size": llama.hidden_size, "num_attention_heads": llama.heads, "num_hidden_layers": llama.layers,
               "intermediate_size": llama.intermediate_size, "vocab_size": llama.vocab_size,
               "num_key_value_heads": llama.kv_heads, "max_position_embeddings": 8192}
-    check_fits_before_load(config, int(5.0 * GIB), 4096, hardware=small)  # Q4_K-sized weights fit
+    specache = POLICIES["specache"]
+    check_fits_before_load(config, int(5.0 * GIB), 4096, specache, hardware=small)  # Q4_K-sized weights fit
+    with pytest.raises(DoesNotFit, match=r"one sequence of 4096 tokens 2.10 GiB"):  # sized with the --k given
+        check_fits_before_load(config, int(5.0 * GIB), 4096, specache, {"k": 4096}, hardware=small)
     with pytest.raises(DoesNotFit, match=r"its weights take 30.00 GiB as held"):
-        check_fits_before_load(config, 30 * GIB, 4096, hardware=small)  # fp32 weights do not
+        check_fits_before_load(config, 30 * GIB, 4096, specache, hardware=small)  # fp32 weights do not
 
 
 @pytest.mark.slow

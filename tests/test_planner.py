@@ -14,7 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.errors import BadArgument, DoesNotFit, ProfileError
+from engine.kvcache import POLICIES
+from engine.kvcache import sizes as S
+from engine import machine as M
 from engine.plan import planner as P
+from engine.plan import roofline as R
 from engine.plan.profiles import (
     estimate_parameters,
     list_hardware,
@@ -55,82 +59,82 @@ def run_cli(*args: str, env: dict | None = None):
 # --- formulas ------------------------------------------------------------------------------------
 
 def test_kv_and_guide_sizes(mistral):
-    assert P.kv_elements_per_token(mistral) == 2 * 32 * 8 * 128
-    assert P.kv_bytes_per_token(mistral) == 128 * 1024  # 128 KiB per token in fp16
+    assert S.kv_elements_per_token(mistral) == 2 * 32 * 8 * 128
+    assert S.kv_bytes_per_token(mistral) == 128 * 1024  # 128 KiB per token in fp16
     # design page: 1-bit g64 = 1.5 bits (0.094x fp16), g32 = 2, 2-bit g64 = 2.5, g32 = 3
-    assert [P.guide_bits_per_element(b, g) for b, g in ((1, 64), (1, 32), (2, 64), (2, 32))] == [1.5, 2, 2.5, 3]
-    assert P.guide_bits_per_element(1, 64) / 16 == pytest.approx(0.094, abs=5e-4)
-    assert P.guide_bytes(mistral, 32768, 1, 64) == 384 * MIB
-    assert P.guide_bytes(mistral, 32768, 2, 32) == 768 * MIB
-    assert P.exact_tail_tokens(64, 64) == 127
-    assert P.engine_residual_slots(64, 64, 512) == 640  # engine/kvcache/guided.py's preallocated buffer
-    assert P.fetch_buffer_bytes(mistral, 64) == 64 * 128 * 1024  # the engine's one fetched set per layer
-    assert P.fetch_buffer_bytes(mistral, 64, buffers=P.PAPER_FETCH_BUFFERS) == 2 * 64 * 128 * 1024
-    assert P.weight_bytes(mistral) == 2 * 7_241_732_096
-    assert P.layer_view_bytes(mistral, 32768) == 128 * MIB
+    assert [S.guide_bits_per_element(b, g) for b, g in ((1, 64), (1, 32), (2, 64), (2, 32))] == [1.5, 2, 2.5, 3]
+    assert S.guide_bits_per_element(1, 64) / 16 == pytest.approx(0.094, abs=5e-4)
+    assert S.guide_bytes(mistral, 32768, 1, 64) == 384 * MIB
+    assert S.guide_bytes(mistral, 32768, 2, 32) == 768 * MIB
+    assert S.exact_tail_tokens(64, 64) == 127
+    assert S.residual_slots(64, 64, 512) == 640  # engine/kvcache/guided.py's preallocated buffer
+    assert S.fetch_buffer_bytes(mistral, 64) == 64 * 128 * 1024  # the engine's one fetched set per layer
+    assert S.fetch_buffer_bytes(mistral, 64, buffers=S.PAPER_FETCH_BUFFERS) == 2 * 64 * 128 * 1024
+    assert R.weight_bytes(mistral) == 2 * 7_241_732_096
+    assert S.layer_view_bytes(mistral, 32768) == 128 * MIB
     # head_dim 32 < g 64: value groups are 32 channels (2 bits/element), key groups 64 tokens (1.5)
     narrow = replace(mistral, head_dim=32)
-    assert P.guide_bytes(narrow, 64, 1, 64) == 64 * 32 * 8 * 32 * (1.5 + 2) / 8
+    assert S.guide_bytes(narrow, 64, 1, 64) == 64 * 32 * 8 * 32 * (1.5 + 2) / 8
 
 
 def test_prefill_activations(mistral):
     ctx = 32768
     # paper baseline: the whole prompt at once, fp16 logits of every position plus an fp32 copy
-    one_shot = P.prefill_activation_bytes(mistral, ctx, all_logits=True)
+    one_shot = S.prefill_activation_bytes(mistral, ctx, all_logits=True)
     assert one_shot == 2 * ctx * 4096 * 2 + ctx * 32000 * (2 + 4)
     assert one_shot == 6512 * MIB
     # last-position logits: the MLP (gate, up, product) is the peak
-    assert P.prefill_activation_bytes(mistral, ctx) == 2 * ctx * 4096 * 2 + 3 * ctx * 14336 * 2
+    assert S.prefill_activation_bytes(mistral, ctx) == 2 * ctx * 4096 * 2 + 3 * ctx * 14336 * 2
     # a 512-token chunk of a guided layer: two 16-bit copies of the layer's past + the boolean mask
-    chunk = P.prefill_activation_bytes(mistral, 512, past_tokens=ctx, past_views=2, mask=True)
+    chunk = S.prefill_activation_bytes(mistral, 512, past_tokens=ctx, past_views=2, mask=True)
     attention = 512 * (2 * 32 + 2 * 8) * 128 * 2 + 2 * 128 * MIB + 4 * 512 * (ctx + 512)
     assert chunk == 2 * 512 * 4096 * 2 + attention
-    assert P.causal_mask_bytes(mistral, 512, 1024) == 4 * 512 * 1024
+    assert S.causal_mask_bytes(mistral, 512, 1024) == 4 * 512 * 1024
 
 
 def test_decode_working_set(mistral):
-    assert P.decode_working_set_bytes(mistral, 32768, 1, guided=False) == 32000 * 2
-    guided = P.decode_working_set_bytes(mistral, 32768, 2, guided=True)
-    assert guided == 2 * 32000 * 2 + P.SCORE_COPIES * 2 * 32 * 32768 * 4 + 128 * MIB
+    assert S.decode_working_set_bytes(mistral, 32768, 1, guided=False) == 32000 * 2
+    guided = S.decode_working_set_bytes(mistral, 32768, 2, guided=True)
+    assert guided == 2 * 32000 * 2 + S.SCORE_COPIES * 2 * 32 * 32768 * 4 + 128 * MIB
 
 
 def test_budget_and_batch(a6000):
     total = 49140 * MIB
     assert a6000.device_memory_bytes == total
-    assert P.device_budget_bytes(a6000) == total - 512 * MIB - int(0.05 * total)
+    assert R.device_budget_bytes(a6000) == total - 512 * MIB - int(0.05 * total)
     with_free = replace(a6000, free_memory_bytes=20 * GIB)
-    assert P.device_budget_bytes(with_free) == 20 * GIB - int(0.05 * total)
+    assert R.device_budget_bytes(with_free) == 20 * GIB - int(0.05 * total)
     cpu = load_hardware("cpu")
-    assert P.runtime_reserve_bytes(cpu) == int(0.1 * cpu.device_memory_bytes)
-    assert P.batch_that_fits(100, 30) == 3
-    assert P.batch_that_fits(100, 30, shared=20) == 2
-    assert P.batch_that_fits(10, 30) == 0
-    assert P.batch_that_fits(-5, 30) == 0
-    assert P.host_usable_bytes(100 * GIB) == 90 * GIB
+    assert R.runtime_reserve_bytes(cpu) == int(0.1 * cpu.device_memory_bytes)
+    assert R.batch_that_fits(100, 30) == 3
+    assert R.batch_that_fits(100, 30, shared=20) == 2
+    assert R.batch_that_fits(10, 30) == 0
+    assert R.batch_that_fits(-5, 30) == 0
+    assert M.host_usable_bytes(100 * GIB) == 90 * GIB
 
 
 def test_step_times(a6000, mistral):
-    weights = P.weight_bytes(mistral)
+    weights = R.weight_bytes(mistral)
     # batch 1, one token: memory-bound, weights + one sequence's reads over 80% of 768 GB/s
-    t = P.decode_step_seconds(a6000, mistral, 1, 1, 1000, 1024)
+    t = R.decode_step_seconds(a6000, mistral, 1, 1, 1000, 1024)
     assert t == pytest.approx((weights + 1000) / (768e9 * 0.8))
     # a huge batch: compute-bound at 60% of 154.8 TFLOPS
-    t = P.decode_step_seconds(a6000, mistral, 10_000, 2, 0, 1024)
+    t = R.decode_step_seconds(a6000, mistral, 10_000, 2, 0, 1024)
     flops = 10_000 * 2 * (2 * mistral.parameters + 4 * 32 * 128 * 1024 * 32)
     assert t == pytest.approx(flops / (154.8e12 * 0.6))
-    assert P.transfer_seconds(a6000, 12 * 10**9) == pytest.approx(1.0)  # 24 GB/s x 0.5 sparse efficiency
-    assert P.transfer_seconds(load_hardware("cpu"), 12.5 * 10**9) == pytest.approx(1.0)  # gather rate as profiled
+    assert R.transfer_seconds(a6000, 12 * 10**9) == pytest.approx(1.0)  # 24 GB/s x 0.5 sparse efficiency
+    assert R.transfer_seconds(load_hardware("cpu"), 12.5 * 10**9) == pytest.approx(1.0)  # gather rate as profiled
 
 
 def test_k_max_hidden_is_the_boundary(a6000, mistral):
     p = P.plan(a6000, mistral, 32768)
     sp = p.mode("specache")
-    kvb = P.kv_bytes_per_token(mistral)
+    kvb = S.kv_bytes_per_token(mistral)
 
     def hidden(k: int) -> bool:
-        read = P.guide_bytes(mistral, 32768, 1, 64) + (127 + 4 + k) * kvb
-        compute = P.decode_step_seconds(a6000, mistral, sp.max_batch, 2, read, 32768)
-        return P.transfer_seconds(a6000, sp.max_batch * k * kvb) <= compute
+        read = S.guide_bytes(mistral, 32768, 1, 64) + (127 + 4 + k) * kvb
+        compute = R.decode_step_seconds(a6000, mistral, sp.max_batch, 2, read, 32768)
+        return R.transfer_seconds(a6000, sp.max_batch * k * kvb) <= compute
 
     assert hidden(sp.k_max_hidden) and not hidden(sp.k_max_hidden + 1)
     assert sp.prefetch_hidden == (sp.k <= sp.k_max_hidden)
@@ -228,7 +232,7 @@ def test_plan_takes_the_k_of_the_devices_prefetch(a6000):
     smol = load_model_profile("smollm2-135m")
     assert P.plan(load_hardware("cpu"), smol, 4096).k == smol.default_k_current
     assert P.plan(a6000, smol, 4096).k == smol.default_k
-    assert P.plan(load_hardware("cpu"), smol, 4096, k=300).k == 300
+    assert P.plan(load_hardware("cpu"), smol, 4096, P.cache_for(smol, load_hardware("cpu"), k=300)).k == 300
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
@@ -299,7 +303,7 @@ def test_malformed_profile_exit_code(tmp_path):
 
 def test_paper_validation_a6000_mistral_32k(a6000, mistral):
     """Paper: full cache batch 3, 1-bit SpeCache about 36 (docs/planner.md, "Validation")."""
-    p = P.plan(a6000, mistral, 32768, bits=1, reference="paper")
+    p = P.plan(a6000, mistral, 32768, P.cache_for(mistral, a6000, bits=1), reference="paper")
     full, spec = p.mode("full"), p.mode("specache")
     assert 3 * 0.8 <= full.max_batch <= 3 * 1.2
     assert 36 * 0.8 <= spec.max_batch <= 36 * 1.2 and spec.limited_by == "device"
@@ -307,9 +311,10 @@ def test_paper_validation_a6000_mistral_32k(a6000, mistral):
     doc = DOCS.read_text()  # the doc's table shows what the planner gives
     assert "| full cache | 3 | 3 |" in doc and "| SpeCache 1-bit | 36 | 42 |" in doc
     # this engine's own full cache (rows prefilled one at a time in 512-token chunks)
-    assert P.plan(a6000, mistral, 32768, bits=1).mode("full").max_batch == 7
+    assert P.plan(a6000, mistral, 32768, P.cache_for(mistral, a6000, bits=1)).mode("full").max_batch == 7
     # a 160 GB host caps the exact store at 36 sequences (the doc's host-RAM paragraph)
-    assert P.plan(a6000, mistral, 32768, bits=1, host_ram_bytes=160 * GIB).mode("specache").max_batch == 36
+    one_bit = P.cache_for(mistral, a6000, bits=1)
+    assert P.plan(a6000, mistral, 32768, one_bit, host_ram_bytes=160 * GIB).mode("specache").max_batch == 36
 
 
 def test_plan_defaults_and_limits(a6000):
@@ -319,12 +324,12 @@ def test_plan_defaults_and_limits(a6000):
     assert p.mode("specache").k == 476 and p.mode("kivi").k == 0 and p.mode("full").k == 0
     assert P.plan(a6000, smol, 4096, batch_limit=5).mode("kivi").max_batch == 5
     assert P.plan(a6000, smol, 4096, batch_limit=5).mode("kivi").limited_by == "batch_limit"
-    small = P.plan(a6000, smol, 100, k=1000)
+    small = P.plan(a6000, smol, 100, P.cache_for(smol, a6000, k=1000))
     assert small.k == 100 and any("exceeds the context" in n for n in small.notes)
     long = P.plan(a6000, smol, 10_000)
     assert any("exceeds" in n and "8192" in n for n in long.notes)
     with pytest.raises(BadArgument, match="--bits"):
-        P.plan(a6000, smol, 1024, bits=3)
+        P.plan(a6000, smol, 1024, P.cache_for(smol, a6000, bits=3))
     with pytest.raises(BadArgument, match="--context"):
         P.plan(a6000, smol, 0)
 
@@ -339,23 +344,23 @@ def test_nothing_fits_and_speedup_none():
 def test_cpu_profile_counts_the_exact_store_on_the_device():
     cpu, smol = load_hardware("cpu"), load_model_profile("smollm2-135m")
     sp = P.plan(cpu, smol, 8192).mode("specache")
-    assert sp.device_breakdown["host_store"] == 8192 * P.kv_bytes_per_token(smol, 4)  # fp32 on the CPU
+    assert sp.device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 4)  # fp32 on the CPU
     assert P.plan(cpu, smol, 8192, host_ram_bytes=GIB).host_ram_bytes is None  # one pool: no separate check
 
 
 def test_plan_for_run(a6000, mistral):
-    mp = P.plan_for_run(MISTRAL_CONFIG, 32768, "specache", hardware=a6000)
+    mp = P.plan_for_run(MISTRAL_CONFIG, 32768, POLICIES["specache"], hardware=a6000)
     # a config without a profile: UNPROFILED_DEFAULTS' 2-bit guide, k 256 speculative (the GPU's prefetch); with the
     # 1-bit k 64 guide before issue 38 it was (51, 64)
     assert (mp.max_batch, mp.k) == (35, 256)
-    assert P.plan_for_run(mistral, 32768, "full", hardware=a6000).max_batch == 7
+    assert P.plan_for_run(mistral, 32768, POLICIES["full"], hardware=a6000).max_batch == 7
     # the model already loaded: free memory excludes the weights, which the planner adds back
-    loaded = replace(a6000, free_memory_bytes=a6000.device_memory_bytes - 512 * MIB - P.weight_bytes(mistral))
-    assert P.plan_for_run(mistral, 32768, "full", hardware=loaded, weights_resident=True).max_batch == 7
+    loaded = replace(a6000, free_memory_bytes=a6000.device_memory_bytes - 512 * MIB - R.weight_bytes(mistral))
+    assert P.plan_for_run(mistral, 32768, POLICIES["full"], hardware=loaded, weights_resident=True).max_batch == 7
     with pytest.raises(DoesNotFit):
-        P.plan_for_run(load_model_profile("llama-3-70b"), 8192, hardware=load_hardware("l4"))
-    with pytest.raises(BadArgument):
-        P.plan_for_run(mistral, 1024, "window", hardware=a6000)
+        P.plan_for_run(load_model_profile("llama-3-70b"), 8192, POLICIES["specache"], hardware=load_hardware("l4"))
+    with pytest.raises(BadArgument, match="not 'nowhere'"):  # a policy sized by no column
+        P.plan_for_run(mistral, 1024, type("Unplanned", (), {"plan_mode": "nowhere"}), hardware=a6000)
 
 
 # --- detection -----------------------------------------------------------------------------------
@@ -365,7 +370,7 @@ def test_detect_without_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     hw = P.detect_hardware()
-    total, _ = P.machine_ram_bytes()
+    total, _ = M.machine_ram_bytes()
     assert hw.kind == "cpu" and hw.name == "cpu"
     assert hw.device_memory_bytes == total == hw.host_ram_bytes
     assert 0 < hw.free_memory_bytes <= total
@@ -450,9 +455,10 @@ def test_planner_bytes_per_sequence_equal_the_built_cache(mode, bits, group, k, 
 
     config, context, chunk, residual = tiny_config(), 640, 128, 32
     hw = load_hardware("cpu")
-    model = P.model_profile_from_config(config)
-    mp = P.plan(hw, model, context, bits, group, residual, sinks, k, prefill_chunk=chunk, element_bytes=4,
-                outliers=outliers).mode("kivi" if mode == "kivi" else mode)
+    model = model_profile_from_config(config)
+    settings = CacheConfig(bits=bits, group=group, k=k, residual=residual, sinks=sinks, chunk_size=chunk,
+                           outliers=outliers)
+    mp = P.plan(hw, model, context, settings, element_bytes=4).mode(mode)
     cache = make_cache(config, CacheConfig(mode=mode, bits=bits, group=group, k=k, residual=residual, sinks=sinks,
                                            chunk_size=chunk, outliers=outliers), 2, context, torch.float32,
                        torch.device("cpu"))

@@ -3,7 +3,7 @@ shared one, and which load it from the persistent document store (engine.docstor
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -54,6 +54,11 @@ def store_settings(cache: KVCache, dtype: torch.dtype, model_id: str, prefill_dt
         settings["windows"] = ",".join("-" if w is None else str(w) for w in windows)
     if cache.policy_layers:  # what the policy's layers keep (the window layers: their windows, above)
         settings.update(cache.policy_layers[0].store_key())
+    config = cache.config
+    for f in fields(config):  # the settings declared `store` (engine.config.Setting), away from their default
+        declared = f.metadata.get("setting")
+        if declared is not None and declared.store and getattr(config, f.name) != f.default:
+            settings.setdefault(f.name, getattr(config, f.name))
     return settings
 
 

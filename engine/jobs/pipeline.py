@@ -20,6 +20,7 @@ from engine.kvcache import policy as policy_of
 from engine.model.linears import held_bytes, held_parameters
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
+from engine.plan.profiles import model_profile_from_config
 
 STRATEGIES = ("auto", "single", "map-reduce")
 PART_MAX_TOKENS = (48, 160)  # a section's partial summary or answer: --max-tokens clamped to this range
@@ -162,11 +163,9 @@ class Runner:
             if policy.fetches:
                 self.plan["k"] = self.cache.k
             return min(self.batch, rows)
-        mp = plan_for_run(self.lm.model.config, context, policy.plan_mode, bits=self.cache.bits,
-                          group=self.cache.group, k=self.cache.k if policy.fetches else None, residual=self.cache.residual,
-                          sinks=self.cache.sinks, prefill_chunk=self.cache.chunk_size, batch_limit=rows,
-                          parameters=held_parameters(self.lm.model), weights_resident=True,
-                          held_weight_bytes=held_bytes(self.lm.model)["total"], outliers=self.cache.guide_outliers)
+        model = replace(model_profile_from_config(self.lm.model.config, parameters=held_parameters(self.lm.model)),
+                        held_weight_bytes=held_bytes(self.lm.model)["total"])
+        mp = plan_for_run(model, context, policy, self.cache, batch_limit=rows, weights_resident=True)
         self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
                      "max_batch_for_context": mp.max_batch, "context": context}
         if policy.fetches:

@@ -42,6 +42,7 @@ from engine.config import CacheConfig
 from engine.kvcache.base import ModelShape, Step, write_rows
 from engine.kvcache.full import exact_attention
 from engine.kvcache.registry import register
+from engine.kvcache.sizes import PlanTerms, Sizing, verify_buffer_bytes
 from engine.kvcache.specache import SpecacheLayer
 from engine.kvcache.transfer import Transfer
 
@@ -62,6 +63,15 @@ class ExactLayer(SpecacheLayer):
         return False  # its drafts pick their own sets (prefetch "current")
 
     store_on_update = True  # a verification reads every committed position from the store
+
+    @classmethod
+    def plan_sizing(cls, terms: PlanTerms) -> Sizing:
+        """specache's sizing (its drafts), plus on a GPU with its own memory the buffers one
+        verification streams every layer's exact K/V through."""
+        s = super().plan_sizing(terms)
+        if terms.streams and terms.layers.layers:
+            return s.adding({"verify_buffers": verify_buffer_bytes(terms.model, terms.context, terms.element_bytes)})
+        return s
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):

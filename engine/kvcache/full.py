@@ -19,7 +19,7 @@ from engine.kvcache.base import (
     write_rows,
 )
 from engine.kvcache.registry import register
-from engine.kvcache.sizes import layer_kv_bytes_per_token
+from engine.kvcache.sizes import PlanTerms, Sizing, exact_cache_sizing, layer_kv_bytes_per_token
 from engine.kvcache.transfer import Transfer
 
 
@@ -42,6 +42,11 @@ class FullLayer(CacheLayer):
     """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
 
     capturable = True
+
+    @classmethod
+    def plan_sizing(cls, terms: PlanTerms) -> Sizing:
+        """Every token's exact K/V on the device (engine.kvcache.sizes.exact_cache_sizing)."""
+        return exact_cache_sizing(terms)
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):

@@ -40,6 +40,9 @@ from engine.kvcache.fused import FusedDecode, fused_applies, reproduces
 from engine.kvcache.guide import Guide
 from engine.kvcache.quant import guide_kernel
 from engine.kvcache.sizes import (
+    PlanTerms,
+    Sizing,
+    guided_sizing,
     layer_kv_bytes_per_token,
     quant_boundary,
     residual_slots,
@@ -62,6 +65,11 @@ class GuidedLayer(CacheLayer):
     # they leave the window (after_step: one copy per row and KV head a group, not a step); True: at once
     # (exact mode: its verification reads every committed position from the store)
     store_on_update = False
+
+    @classmethod
+    def plan_sizing(cls, terms: PlanTerms) -> Sizing:
+        """A guide, the residual window and the sinks (engine.kvcache.sizes.guided_sizing): kivi's."""
+        return guided_sizing(terms)
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer, *, topk: int, use_guide: bool, residual: int, group: int):

@@ -2,14 +2,30 @@
 memory planner (engine/plan/planner.py), so that `specache plan` cannot disagree with the engine.
 
 `shape` is anything with `layers`, `kv_heads` and `head_dim` (engine.kvcache.base.ModelShape, or the
-planner's engine.plan.profiles.ModelProfile)."""
+planner's engine.plan.profiles.ModelProfile); `model` is a ModelProfile (heads, hidden and vocabulary
+sizes too).
+
+The planner's memory rule of a policy is its `plan_sizing` classmethod (full.py, guided.py,
+specache.py, exact.py): a PlanTerms (one column's settings, the model, the context and what the
+device is) in, a Sizing out, from the shared terms below; the planner itself has no branch per policy."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from engine.config import CacheConfig
+
+# the planner's memory terms (docs/planner.md, "Constants")
+PAPER_FETCH_BUFFERS = 2  # the paper's implementation double-buffers the fetched set; the engine keeps one
+SPECULATIVE_TOKENS = 2  # tokens fed per SpeCache step: [T_t, T'_{t+1}]
+SCORE_BYTES = 4  # attention scores and probabilities are fp32
+SCORE_COPIES = 4  # score-sized buffers alive at once: scores, joined with the residual's, probabilities, guide share
+PAST_VIEWS = 2  # prefill of a guided layer: past exact K/V copied from the host store, then joined with the residual
+LOGIT_UPCAST_BYTES = 4  # the reference baseline's fp32 copy of the logits
+VERIFY_BUFFERS = 2  # exact mode on a GPU: one layer's exact K/V attended while the next layer's is copied in
 FETCH_BUFFERS = 1  # exact fetched sets per layer on the device (the next set is written after this one was read)
 OUTLIER_BITS = 4  # code width of the guide's outlier key channels (engine/kvcache/outliers.py)
 OUTLIER_INDEX_BYTES = 8  # one int64 channel index per outlier channel, KV head, layer and row
@@ -138,3 +154,164 @@ def sliding_window_bytes(shape, context: int, chunk: int, element_bytes: int, in
     w = shape.sliding_window
     tokens = sliding_kept_tokens(w, context) if in_use else sliding_slots(w, chunk, context)
     return n * tokens * layer_kv_bytes_per_token(shape, element_bytes)
+
+
+# --- the planner's memory terms ----------------------------------------------------------------------
+
+def layer_view_bytes(model, tokens: int, element_bytes: int = 2) -> int:
+    """One layer's K and V for `tokens` positions in 16-bit: what one attention call reads at once."""
+    return tokens * 2 * model.kv_heads * model.head_dim * element_bytes
+
+
+def attention_score_bytes(model, queries: int, tokens: int, copies: int = SCORE_COPIES) -> int:
+    """fp32 score-sized buffers of `queries` query tokens x all heads against `tokens` keys."""
+    return copies * queries * model.heads * tokens * SCORE_BYTES
+
+
+def causal_mask_bytes(model, chunk: int, tokens: int) -> int:
+    """Boolean mask of a chunk of queries (grouped: query heads per KV head x chunk) against `tokens` keys."""
+    return (model.heads // model.kv_heads) * chunk * tokens
+
+
+def prefill_activation_bytes(model, chunk: int, element_bytes: int = 2, *, all_logits: bool = False,
+                             past_tokens: int = 0, past_views: int = 0, mask: bool = False) -> int:
+    """Peak transient bytes of one sequence's prefill forward over `chunk` new tokens after `past_tokens`.
+
+    The residual stream and its normalized copy live through the layer; on top of them the largest
+    of: attention (q, k, v and output of the chunk, `past_views` 16-bit copies of this layer's past
+    K/V when the cache does not hold them exactly on the device, and an explicit boolean causal mask),
+    the gated MLP (gate, up and their product) and the logits (last position only, or every
+    position in fp16 plus an fp32 copy as the paper's transformers baseline did).
+    """
+    eb = element_bytes
+    stream = 2 * chunk * model.hidden_size * eb
+    attention = (chunk * (2 * model.heads + 2 * model.kv_heads) * model.head_dim * eb
+                 + past_views * layer_view_bytes(model, past_tokens, eb)
+                 + (causal_mask_bytes(model, chunk, past_tokens + chunk) if mask else 0))
+    mlp = 3 * chunk * model.intermediate_size * eb
+    logit_rows = chunk if all_logits else 1
+    logits = logit_rows * model.vocab_size * (eb + (LOGIT_UPCAST_BYTES if all_logits else 0))
+    return stream + max(attention, mlp, logits)
+
+
+def decode_working_set_bytes(model, context: int, queries: int, element_bytes: int = 2, *,
+                             guided: bool) -> int:
+    """Transient bytes per sequence in a decode step: the logits, and for a guide the fp32 score
+    buffers plus one layer's codes expanded for the attention matmuls (fp32 K or V of one layer,
+    the same bytes as K and V of that layer in 16 bits). The full cache is read in place by a
+    fused attention kernel."""
+    logits = queries * model.vocab_size * element_bytes
+    if not guided:
+        return logits
+    return logits + attention_score_bytes(model, queries, context) + layer_view_bytes(model, context, 2)
+
+
+def verify_buffer_bytes(model, context: int, element_bytes: int = 2) -> int:
+    """Exact mode on a GPU: device buffers for one verification's exact K/V, per sequence: one
+    layer's K and V of the whole context, VERIFY_BUFFERS times (the next layer's is copied in while
+    this one is attended)."""
+    return VERIFY_BUFFERS * context * kv_bytes_per_token(model, element_bytes) // model.layers
+
+
+# the parts of a sequence's device bytes, in the order the plan lists them
+PARTS = ("kv_cache", "guide", "residual_window", "sinks", "fetch_buffers", "host_store", "verify_buffers",
+         "sliding_window_layers")
+
+
+@dataclass(frozen=True)
+class PlanTerms:
+    """What one plan column is sized from: the model (a ModelProfile), the context, the column's cache
+    settings (k: what it fetches; outliers resolved), the element bytes, the reference (paper: the
+    paper's setup, what is in use; else the engine's preallocated buffers), and the device: unified (the
+    exact store is device memory: a CPU) and streams (a GPU with its own memory: copies go over PCIe)."""
+
+    model: Any
+    context: int
+    cache: CacheConfig
+    element_bytes: int
+    paper: bool
+    unified: bool
+    streams: bool
+
+    @property
+    def layers(self) -> LayerGroup:
+        """The layers the policy keeps (the sliding-window layers keep only their window)."""
+        return global_part(self.model)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Exact K/V bytes of one token over the policy's layers."""
+        return kv_bytes_per_token(self.layers, self.element_bytes)
+
+    @property
+    def chunk(self) -> int:
+        return min(self.cache.chunk_size, self.context)
+
+    def windows(self) -> dict:
+        """The model's sliding-window layers' part (none without them)."""
+        m = self.model
+        if not getattr(m, "sliding_window_layers", 0):
+            return {}
+        return {"sliding_window_layers": sliding_window_bytes(m, self.context, self.cache.chunk_size,
+                                                              self.element_bytes, in_use=self.paper)}
+
+    def window_read(self) -> int:
+        """Bytes a decode step reads from the sliding-window layers."""
+        return sliding_window_bytes(self.model, self.context, self.cache.chunk_size, self.element_bytes, in_use=True)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How one column occupies the device, before any batch is chosen."""
+
+    state: dict  # resident bytes per sequence, by part (PARTS' order)
+    decode_working_set: int  # transient per sequence during decode
+    prefill_bytes: int  # transient prefill activations
+    prefill_per_sequence: bool  # True: the whole batch prefilled together (paper); False: one row at a time
+    host_per_sequence: int = 0
+    read_per_sequence: int = 0  # bytes one decode step reads per sequence
+    queries: int = 1  # tokens fed per step
+
+    def __post_init__(self) -> None:
+        order = {name: i for i, name in enumerate(PARTS)}
+        object.__setattr__(self, "state", dict(sorted(self.state.items(), key=lambda kv: order.get(kv[0], len(PARTS)))))
+
+    def adding(self, parts: dict, **changes) -> "Sizing":
+        """This sizing with more resident parts and other fields changed."""
+        return replace(self, state={**self.state, **parts}, **changes)
+
+
+def exact_cache_sizing(t: PlanTerms) -> Sizing:
+    """Every token's exact K/V on the device (the full cache): prefilled in chunks one row at a time, or
+    (paper) the whole batch in one forward with the logits of every position."""
+    m, eb, context = t.model, t.element_bytes, t.context
+    if t.paper:
+        prefill = prefill_activation_bytes(m, context, eb, all_logits=True)
+    else:
+        prefill = prefill_activation_bytes(m, t.chunk, eb, past_tokens=context, mask=True)
+    return Sizing({"kv_cache": context * t.kv_bytes, **t.windows()}, decode_working_set_bytes(m, context, 1, eb,
+                  guided=False), prefill, t.paper, 0, context * t.kv_bytes + t.window_read(), 1)
+
+
+def guided_sizing(t: PlanTerms) -> Sizing:
+    """A guide, the residual window and the sinks (what is in use at `context` tokens for the paper,
+    the engine's preallocated buffers otherwise: where the exact store is device memory the residual
+    window is the store's positions, and the store itself is counted), read whole each step."""
+    c, gm, kvb, context = t.cache, t.layers, t.kv_bytes, t.context
+    outliers = c.guide_outliers
+    if t.paper:
+        state = {"guide": guide_bytes(gm, context, c.bits, c.group, outliers=outliers),
+                 "residual_window": min(context, exact_tail_tokens(c.residual, c.group)) * kvb,
+                 "sinks": min(c.sinks, context) * kvb}
+    else:
+        state = {"guide": guide_bytes(gm, guide_capacity(context, c.group), c.bits, c.group, outliers=outliers),
+                 "residual_window": 0 if t.unified else residual_slots(c.residual, c.group, c.chunk_size) * kvb,
+                 "sinks": sink_slots(c.sinks) * kvb}
+        if t.unified:
+            state["host_store"] = context * kvb  # kivi quantizes its groups from one too
+    tail = min(context, exact_tail_tokens(c.residual, c.group))
+    read = state["guide"] + (tail + min(c.sinks, context)) * kvb + t.window_read()
+    prefill = prefill_activation_bytes(t.model, t.chunk, t.element_bytes, past_tokens=context, past_views=PAST_VIEWS,
+                                       mask=True)
+    return Sizing({**state, **t.windows()}, decode_working_set_bytes(t.model, context, 1, t.element_bytes,
+                  guided=True), prefill, t.paper, 0, read, 1)

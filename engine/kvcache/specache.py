@@ -3,6 +3,8 @@ positions, selected by the attention row of the speculative token (prefetch "spe
 token itself (prefetch "current") and fetched from the exact host store."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from engine.config import CacheConfig
@@ -10,7 +12,16 @@ from engine.kvcache.base import ModelShape, Step
 from engine.kvcache.fused import reproduces
 from engine.kvcache.guided import GuidedLayer
 from engine.kvcache.registry import register
-from engine.kvcache.sizes import quant_boundary
+from engine.kvcache.sizes import (
+    FETCH_BUFFERS,
+    PAPER_FETCH_BUFFERS,
+    SPECULATIVE_TOKENS,
+    PlanTerms,
+    Sizing,
+    decode_working_set_bytes,
+    fetch_buffer_bytes,
+    quant_boundary,
+)
 from engine.kvcache.transfer import Transfer
 
 
@@ -26,6 +37,23 @@ class SpecacheLayer(GuidedLayer):
     def speculates(cls, config: CacheConfig) -> bool:
         """Two tokens per step unless nothing is fetched or each token picks its own set (prefetch current)."""
         return config.k > 0 and config.prefetch == "speculative"
+
+    @classmethod
+    def plan_sizing(cls, terms: PlanTerms) -> Sizing:
+        """The guide's sizing, plus the fetched set: its device buffers, k positions read a step, the
+        exact store (on the host, or device memory where they are one), and two queries a step under
+        the speculative prefetch (the method's, which the planner models)."""
+        t, c = terms, terms.cache
+        queries = SPECULATIVE_TOKENS if cls.speculates(replace(c, k=1, prefetch="speculative")) else 1
+        parts = {"fetch_buffers": fetch_buffer_bytes(t.layers, c.k, t.element_bytes,
+                                                     PAPER_FETCH_BUFFERS if t.paper else FETCH_BUFFERS)}
+        if t.unified:
+            parts["host_store"] = t.context * t.kv_bytes
+        s = super().plan_sizing(t)
+        return s.adding(parts, queries=queries, read_per_sequence=s.read_per_sequence + c.k * t.kv_bytes,
+                        host_per_sequence=t.context * t.kv_bytes,
+                        decode_working_set=decode_working_set_bytes(t.model, t.context, queries, t.element_bytes,
+                                                                    guided=True))
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):

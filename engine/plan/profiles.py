@@ -431,11 +431,17 @@ def loaded_model_profile(lm) -> ModelProfile:
     return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"])
 
 
-def model_defaults(lm, prefetch: str | None = None, profile: ModelProfile | None = None) -> dict:
-    """bits, group and k for this model (its profile if there is one, else by size), and the
-    prefetch for its device (device_prefetch). prefetch: the mode asked for instead (k follows
-    it: the profile keeps one k per mode). profile: the model's, if already at hand."""
-    profile = profile or loaded_model_profile(lm)
-    prefetch = prefetch or device_prefetch(lm.device.type)
+def profile_defaults(profile: ModelProfile, device_kind: str, prefetch: str | None = None) -> dict:
+    """The cache settings whose default is the model profile's (engine.config.Setting.default_rule):
+    bits, group and k, and the prefetch for the device kind (device_prefetch). prefetch: the one asked
+    for instead (k follows it: the profile keeps one k per prefetch). The one place these defaults
+    are chosen: for a run (model_defaults), a plan and a bench."""
+    prefetch = prefetch or device_prefetch(device_kind)
     return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.k_for(prefetch),
             "prefetch": prefetch}
+
+
+def model_defaults(lm, prefetch: str | None = None, profile: ModelProfile | None = None) -> dict:
+    """profile_defaults of a loaded model (its profile if there is one, else by size) on its device.
+    profile: the model's, if already at hand."""
+    return profile_defaults(profile or loaded_model_profile(lm), lm.device.type, prefetch)
