@@ -330,7 +330,7 @@ def timed_exact(model, batch: int, context: int, cycles: int, chunk: int, bits: 
     config = CacheConfig(mode="exact", bits=bits, group=64, k=k, chunk_size=chunk, gamma=gamma)
     engine = Engine(model, config)
     device = engine.device
-    cache = engine.new_cache(batch, context + (2 * cycles + 2) * (gamma + 1) + decode_headroom(config) + 4)
+    cache = engine.new_cache(batch, context + (2 * cycles + 2) * (gamma + 1) + decode_headroom(engine.policy) + 4)
     last, prefill_s = prefill_random(engine, cache, batch, context)
     verify = cache.transfer.verify
     it = exact_cycles(model, cache, torch.stack(last), greedy)

@@ -116,7 +116,7 @@ def instrument(model, cache_classes, timers: Timers) -> None:
                     setattr(klass, attr, timers.wrap(label, vars(klass)[attr]))
                     done.add((klass, attr))
     # the mask builders, wherever the tree defines them (old and new trees differ)
-    for modname in ("engine.kvcache.base", "engine.kvcache.full", "engine.kvcache.guided"):
+    for modname in ("engine.kvcache.base", "engine.kvcache.policies.full", "engine.kvcache.guided"):
         mod = sys.modules.get(modname)
         for fn in ("additive_mask", "causal_mask", "chunk_mask", "block_mask", "causal_block_mask"):
             if mod is not None and hasattr(mod, fn) and not hasattr(getattr(mod, fn), "__wrapped__"):

@@ -142,8 +142,8 @@ class Session:
             raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {gen.strategy!r}")
         check_device(model.device, model.dtype)
         self.overrides = cache.overrides()
-        policy(cache.cache)  # validate now: a registered mode (engine.kvcache.registry) and its settings
-        CacheConfig(mode=cache.cache).with_overrides(**self.overrides)
+        self.policy = policy(cache.cache)  # the mode's class, resolved once: a registered mode (BadArgument)
+        CacheConfig(mode=cache.cache).with_overrides(**self.overrides)  # the settings, checked now
         self.model_opts, self.cache_opts, self.quiet = model, cache, quiet
         self.gen = gen.config()
         self.strategy, self.batch = gen.strategy, parse_batch(gen.batch)
@@ -186,7 +186,8 @@ class Session:
                 cache, notes = clamp_to_prompt(cache, longest)
                 if notes:
                     self.status(f"{', '.join(notes)}: cut to {longest} tokens, the longest model call here")
-            self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store())
+            self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store(),
+                                  policy=self.policy)
         return self._runner
 
     def check_fits(self) -> None:
@@ -202,7 +203,7 @@ class Session:
         context = min(window, self.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)
         try:
             check_fits_before_load(config, estimate_weight_bytes(resolve_source(m.model), m.dtype), context,
-                                   policy(self.cache_opts.cache), self.overrides, name=name)
+                                   self.policy, self.overrides, name=name)
         except ProfileError:
             return  # a config without the model's shapes: the load itself reports what is wrong
 

@@ -163,7 +163,7 @@ def cuda_layout(monkeypatch) -> None:
     CPU's fused call), without the guide watch (its check, every few passes, runs on the host)."""
     import engine.kvcache
     import engine.kvcache.guided
-    from engine.kvcache.specache import SpecacheLayer
+    from engine.kvcache.policies.specache import SpecacheLayer
     from engine.kvcache.transfer import Transfer
 
     monkeypatch.setattr(SpecacheLayer, "watches", False)

@@ -105,7 +105,7 @@ def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_mo
     boolean mask, and as the CPU's split attention (past unmasked + causal block, merged by
     log-sum-exp), which builds no mask at all."""
     import engine.kvcache.base
-    import engine.kvcache.full
+    import engine.kvcache.policies.full
     import engine.kvcache.guided
     from engine.kvcache.base import additive_mask
 
@@ -121,18 +121,18 @@ def test_prefill_mask_is_built_once_per_chunk_and_equals_the_boolean_one(tiny_mo
         *_, logits = prefill(tiny_model, cache, p, 0, 64)
         return logits
 
-    for module in (engine.kvcache.guided, engine.kvcache.full):
+    for module in (engine.kvcache.guided, engine.kvcache.policies.full):
         monkeypatch.setattr(module, "additive_mask", lambda a, dtype: built.append(1) or additive_mask(a, dtype))
     split = prefill_logits()
     assert len(built) == (0 if tiny_model.device.type == "cpu" else 4)  # (no split path off the CPU)
     built.clear()
-    for module in (engine.kvcache.guided, engine.kvcache.full):
+    for module in (engine.kvcache.guided, engine.kvcache.policies.full):
         monkeypatch.setattr(module, "split_attention_applies", lambda q, step: False)
     shared = prefill_logits()
     assert len(built) == 4  # 4 chunks, 3 layers each
     monkeypatch.setattr(engine.kvcache.guided, "additive_mask", lambda a, dtype: a)  # boolean masks, as before
     monkeypatch.setattr(engine.kvcache.base, "additive_mask", lambda a, dtype: a)
-    monkeypatch.setattr(engine.kvcache.full, "additive_mask", lambda a, dtype: a)
+    monkeypatch.setattr(engine.kvcache.policies.full, "additive_mask", lambda a, dtype: a)
     boolean = prefill_logits()
     torch.testing.assert_close(shared, boolean, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split, boolean, rtol=1e-5, atol=1e-5)
@@ -388,7 +388,7 @@ def test_current_prefetch_keeps_the_limits_and_steps_one_token_at_a_time(tiny_mo
 def test_current_prefetch_selects_the_guides_top_k(tiny_model):
     """After a pass with prefetch "current", the fetched set of each KV head is the top-k of that
     pass's own guide attention over [sinks, qend) (checked against a plain recomputation)."""
-    from engine.kvcache.specache import SpecacheLayer as GuidedLayer
+    from engine.kvcache.policies.specache import SpecacheLayer as GuidedLayer
 
     config = CacheConfig(mode="specache", k=8, group=32, residual=16, sinks=2, chunk_size=64, prefetch="current")
     (p,) = prompts_of((200,))
@@ -538,7 +538,8 @@ def test_bf16_prefill_without_the_native_kernel_keeps_the_limits_equal_to_full(t
     split as the full cache does (one past piece, then the chunk), since bf16 linears turn a float
     rounding of difference into bf16 ones. So the prefill's logits equal full's bit for bit, for
     specache with k >= context and for exact mode."""
-    from engine.kvcache import full as full_module, guided
+    from engine.kvcache import guided
+    from engine.kvcache.policies import full as full_module
     from engine.model.loading import prepare_model
 
     for module in (full_module, guided):

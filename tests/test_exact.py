@@ -1,4 +1,4 @@
-"""Exact mode (engine/kvcache/exact.py, engine.generate.steps.exact_cycles): the guided cache drafts,
+"""Exact mode (engine/kvcache/policies/exact.py, engine.generate.steps.exact_cycles): the guided cache drafts,
 one exact pass verifies, so greedy output is the full cache's (transformers' DynamicCache) token for
 token whatever the draft does, the cache after a cycle holds exactly what a cache that only saw the
 accepted tokens holds, and sampling draws from the full cache's distribution."""

@@ -170,7 +170,7 @@ def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, 
     (prompt,) = prompts_of((280,))
     cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
     *_, last = prefill(tiny_model, cache, prompt, 0, config.chunk_size)
-    steps = decoder_for(config)(tiny_model, cache, last[None], greedy)
+    steps = decoder_for(cache)(tiny_model, cache, last[None], greedy)
     for _ in range(30):
         next(steps)
     checked = 0
@@ -198,7 +198,7 @@ def test_a_policy_that_overrides_a_hook_of_the_pass_runs_the_torch_code(tiny_mod
     called; one that overrides none keeps the native call."""
     import engine.kvcache
     from engine.kvcache.fused import hooks_reproduced
-    from engine.kvcache.specache import SpecacheLayer
+    from engine.kvcache.policies.specache import SpecacheLayer
 
     calls = []
 
@@ -213,12 +213,11 @@ def test_a_policy_that_overrides_a_hook_of_the_pass_runs_the_torch_code(tiny_mod
     assert hooks_reproduced(SpecacheLayer) and hooks_reproduced(Unchanged) and not hooks_reproduced(OwnChoice)
     config = CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current")
     prompt = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(4)).tolist()
-    for cls in (Unchanged, OwnChoice):
-        monkeypatch.setattr(engine.kvcache, "policy", lambda mode, cls=cls: cls)
+    for cls in (Unchanged, OwnChoice):  # the run's policy class, passed as the run passes it
         built = []
         monkeypatch.setattr(engine.kvcache.guided, "FusedDecode", lambda layer: built.append(layer) or
                             engine.kvcache.fused.FusedDecode(layer))
-        run = next(e for e in Engine(tiny_model, config).generate([prompt], GenerationConfig(max_tokens=4))
+        run = next(e for e in Engine(tiny_model, config, cls=cls).generate([prompt], GenerationConfig(max_tokens=4))
                    if isinstance(e, Finished))
         assert len(run.tokens[0]) == 4
         assert (len(built) > 0) == (cls is Unchanged)

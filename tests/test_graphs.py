@@ -82,7 +82,7 @@ def test_replayed_decode_gives_the_eager_tokens(tiny_model, monkeypatch, mode):
 def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_model, monkeypatch):
     """Replayable: full; the guided caches in the CUDA layout without a hit count, watched ones until their
     watch fires (exact mode verifies from the store: not)."""
-    from engine.kvcache.specache import SpecacheLayer
+    from engine.kvcache.policies.specache import SpecacheLayer
 
     cpu = torch.device("cpu")
 
@@ -177,7 +177,7 @@ def test_a_watched_cache_replays_with_its_guide_checks_after_each_pass(tiny_mode
     """The default specache (watched) in the CUDA layout, replayed: the same tokens as eager decoding and
     the same guide checks (the replay keeps each pass's queries; the checks run after it, in the order an
     eager pass runs them), two rows taking turns."""
-    from engine.kvcache.specache import SpecacheLayer
+    from engine.kvcache.policies.specache import SpecacheLayer
 
     cuda_layout(monkeypatch)
     monkeypatch.setattr(SpecacheLayer, "watches", True)

@@ -110,23 +110,56 @@ def test_every_package_is_installed():
 
 
 def test_every_cache_mode_is_a_registered_policy():
-    """A policy is one module registered by name; nothing else lists the names: the planner's columns
-    are the registered policies that have one, and each policy declares what the jobs and the planner
-    ask of it."""
+    """A policy is one module of engine/kvcache/policies/, found by the registry's discovery and
+    registered by name; nothing else lists the names: the planner's columns are the registered
+    policies that have one, and each policy declares what the jobs and the planner ask of it."""
     from engine.kvcache import POLICIES
+    from engine.kvcache.registry import listed
     from engine.plan.planner import plan_columns
 
-    assert list(POLICIES) == ["full", "specache", "kivi", "window", "exact"]  # --cache's order
-    assert list(plan_columns()) == ["full", "kivi", "specache", "exact"]  # `specache plan`'s columns
+    modules = sorted(p.stem for p in (ROOT / "engine" / "kvcache" / "policies").glob("*.py") if p.stem != "__init__")
+    assert sorted(cls.__module__.rsplit(".", 1)[1] for cls in POLICIES.values()) == modules  # one policy a module
+    assert [listed(cls) for cls in POLICIES.values()] == sorted(listed(cls) for cls in POLICIES.values())
+    columns = [name for name, cls in POLICIES.items() if cls.plan_column]
+    assert sorted(plan_columns()) == sorted(columns) and list(plan_columns())[0] == next(
+        name for name, cls in POLICIES.items() if not cls.guided)  # the exact cache first: the speedup's base
     for name, cls in POLICIES.items():
         assert cls.policy == name and cls.plan_mode in plan_columns() and isinstance(cls.fetches, bool)
+        assert not cls.__abstractmethods__  # every hook of CacheLayer defined
+
+
+def test_a_policy_that_leaves_a_hook_undefined_is_refused_when_defined():
+    """CacheLayer is abstract: a policy class without one of its @abstractmethod hooks (or, with a plan
+    column, without its memory rule) is refused by register when its module is imported."""
+    from engine.kvcache.base import CacheLayer
+    from engine.kvcache.registry import POLICIES, register
+
+    def hook(self, *args):
+        return None
+
+    class NoAttend(CacheLayer):  # every hook but attend
+        update = copy_row = export_row = device_bytes = allocated_device_bytes = hook
+
+    with pytest.raises(TypeError, match="does not define attend"):
+        register("holed")(NoAttend)
+    with pytest.raises(TypeError, match="abstract"):
+        NoAttend()
+
+    class Unsized(NoAttend):
+        attend = hook
+
+    with pytest.raises(TypeError, match="has a plan column but no plan_sizing"):
+        register("unsized")(Unsized)
+    assert "holed" not in POLICIES and "unsized" not in POLICIES
 
 
 def test_no_mode_name_outside_its_policy():
     """The modes' names are written only in their own modules: no list of them and no branch on one
     anywhere else in the engine and the CLI (the defaults of flags excepted, and the benches, whose
     columns are compared with the reference's, "full", and the default's, "specache")."""
-    names = ("full", "specache", "kivi", "window", "exact")
+    from engine.kvcache import POLICIES
+
+    names = tuple(POLICIES)
     found = []
     for path in [*(ROOT / "engine").rglob("*.py"), *(ROOT / "specache_cli").rglob("*.py")]:
         if path.parent.name == "bench":
@@ -141,66 +174,108 @@ def test_no_mode_name_outside_its_policy():
     assert not found, "\n".join(found)
 
 
-@pytest.fixture
-def probe_policy():
-    """A new policy added as a module would add it: one class and its registration (undone after)."""
-    from engine.kvcache.kivi import KiviLayer
-    from engine.kvcache.registry import POLICIES, register
-
-    @register("probe")
-    class ProbeLayer(KiviLayer):  # kivi's layer under its own name: every declaration inherited
-        summary = "a test's policy"
-
-    yield ProbeLayer
-    del POLICIES["probe"]
+PROBE = '''"""A test's policy: kivi's cache under its own name, every declaration inherited."""
+from engine.kvcache.policies.kivi import KiviLayer
+from engine.kvcache.registry import register
 
 
-def test_adding_a_policy_is_one_module(probe_policy, tiny_model):
-    """A registered class is a mode everywhere: the config and the flag check take it, --cache's help
-    and `specache plan` list it, the planner sizes it from its declarations, the bench labels and
-    the document store's key follow them, and the engine runs it."""
+@register("probe")
+class ProbeLayer(KiviLayer):
+    summary = "a test's policy"
+'''
+
+PROBE_CHILD = '''
+import json
+import sys
+
+import torch
+from typer.testing import CliRunner
+
+import engine
+from engine.bench.common import parse_mode
+from engine.config import CacheConfig
+from engine.errors import BadArgument
+from engine.kvcache import make_cache, policy
+from engine.kvcache.registry import describe
+from engine.plan.planner import plan, plan_columns, plan_for_run
+from engine.plan.profiles import load_hardware, load_model_profile
+from specache_cli.app import app
+from tests.conftest import make_tiny_model
+
+out = {"engine": engine.__file__, "describe": describe(), "columns": list(plan_columns())}
+cls = policy("probe")
+try:
+    policy("nope")
+except BadArgument as exc:
+    out["unknown"] = str(exc)
+p = plan(load_hardware("l4"), load_model_profile("smollm2-135m"), 8192)
+out["plan"] = [p.mode("probe").device_bytes_per_sequence == p.mode("kivi").device_bytes_per_sequence,
+               p.mode("probe").k, p.mode("probe").bits == p.bits]
+out["run_column"] = plan_for_run(load_model_profile("smollm2-135m"), 4096, cls, hardware=load_hardware("l4")).mode
+out["label_k"] = parse_mode("probe-1b").config.k
+out["label_errors"] = []
+for label in ("probe-k64", "probe-w64"):
+    try:
+        parse_mode(label)
+    except BadArgument as exc:
+        out["label_errors"].append(str(exc))
+config = CacheConfig(mode="probe", k=0, residual=16, group=32)
+with make_cache(make_tiny_model().config, config, 1, 256, torch.float32, torch.device("cpu")) as cache:
+    out["layers"] = sorted({type(layer).__name__ for layer in cache.layers})
+    out["stats_mode"] = cache.stats()["mode"]
+cli = CliRunner()
+out["help"] = cli.invoke(app, ["summarize", "--help"], env={"COLUMNS": "300"}).stdout
+r = cli.invoke(app, ["plan", "--gpu", "l4", "--model", "smollm2-135m", "--context", "8192", "--json"])
+out["plan_cli"] = [m["mode"] for m in json.loads(r.stdout)["modes"]] if r.exit_code == 0 else r.stderr
+runs = {}
+for mode in ("probe", "kivi", "probe"):
+    r = cli.invoke(app, ["ask", "--doc", sys.argv[1], "What is it about?", "--model", sys.argv[2], "--cache", mode,
+                         "--max-tokens", "6", "--json", "--quiet", "--threads", "1"])
+    assert r.exit_code == 0, r.stderr
+    runs.setdefault(mode, []).append(json.loads(r.stdout))
+out["runs"] = runs
+r = cli.invoke(app, ["cache", "ls", "--json"])
+out["store"] = json.loads(r.stdout)["entries"]
+print(json.dumps(out))
+'''
+
+
+def test_adding_a_policy_is_one_module(tmp_path, tiny_model_dir):
+    """A new policy is one new file in engine/kvcache/policies/: in a copy of the package with that
+    file added (nothing else edited), discovery registers it and it is a mode everywhere: the mode
+    check and --cache's help, `specache plan`'s columns (sized by its inherited memory rule), a run's
+    batch plan, the bench labels, the cache it builds, and a run through the CLI whose answer equals
+    kivi's and whose document is stored (and found again) under its own mode."""
     import json
+    import os
+    import shutil
+    import subprocess
+    import sys
 
-    import torch
-    from typer.testing import CliRunner
-
-    from engine.bench.common import parse_mode
-    from engine.config import CacheConfig, GenerationConfig
-    from engine.errors import BadArgument
-    from engine.generate.engine import Engine, Finished
-    from engine.generate.prefixes import store_settings
-    from engine.kvcache import make_cache, policy
-    from engine.kvcache.registry import describe
-    from engine.plan.planner import plan, plan_columns, plan_for_run
-    from engine.plan.profiles import load_hardware, load_model_profile
-    from specache_cli.app import app
-
-    assert policy(CacheConfig(mode="probe").mode) is probe_policy
-    with pytest.raises(BadArgument, match="exact, probe, not 'nope'"):
-        policy("nope")
-    assert describe().endswith("exact (specache drafts, the exact store verifies: the output of full) "
-                               "or probe (a test's policy)")
-    assert list(plan_columns()) == ["full", "kivi", "probe", "specache", "exact"]  # kivi's flags: beside it
-    p = plan(load_hardware("l4"), load_model_profile("smollm2-135m"), 8192)
-    assert p.mode("probe").device_bytes_per_sequence == p.mode("kivi").device_bytes_per_sequence
-    assert p.mode("probe").k == 0 and p.mode("probe").bits == p.bits
-    assert plan_for_run(load_model_profile("smollm2-135m"), 4096, probe_policy,
-                        hardware=load_hardware("l4")).mode == "kivi"  # a run is sized by the column it names
-    r = CliRunner().invoke(app, ["plan", "--gpu", "l4", "--model", "smollm2-135m", "--context", "8192", "--json"])
-    assert r.exit_code == 0 and "probe" in [m["mode"] for m in json.loads(r.stdout)["modes"]]
-    assert parse_mode("probe-1b").config.k == 0  # kivi's fixed k, inherited
-    with pytest.raises(BadArgument, match=r"probe never fetches \(k = 0\)"):
-        parse_mode("probe-k64")
-    with pytest.raises(BadArgument, match="w<n> only applies to window"):
-        parse_mode("probe-w64")
-
-    config = CacheConfig(mode="probe", k=0, residual=16, group=32)
-    with make_cache(tiny_model.config, config, 1, 256, torch.float32, torch.device("cpu")) as cache:
-        assert all(type(layer) is probe_policy for layer in cache.layers)
-        assert cache.stats()["mode"] == "probe" and cache.stats()["k"] == 0
-        assert store_settings(cache, torch.float32, "tiny")["residual"] == 16
-    prompt = [[3 + (i * 7) % 300 for i in range(120)]]
-    runs = {mode: next(e for e in Engine(tiny_model, CacheConfig(mode=mode, k=0, residual=16, group=32))
-                       .generate(prompt, GenerationConfig(max_tokens=8)) if isinstance(e, Finished))
-            for mode in ("probe", "kivi")}
-    assert runs["probe"].tokens == runs["kivi"].tokens and runs["probe"].cache_stats["mode"] == "probe"
+    copy = tmp_path / "copy"
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    for package in ("engine", "specache_cli", "profiles", "tests"):
+        shutil.copytree(ROOT / package, copy / package, ignore=ignore)
+    (copy / "engine" / "kvcache" / "policies" / "probe.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(copy), "SPECACHE_CACHE_DIR": str(tmp_path / "store"), "SPECACHE_NATIVE": "0"}
+    r = subprocess.run([sys.executable, "-c", PROBE_CHILD, str(ROOT / "tests" / "data" / "sample.txt"),
+                        str(tiny_model_dir)], cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["engine"].startswith(str(copy))  # the copy's package, with the new file, was the one run
+    assert out["describe"].endswith("exact (specache drafts, the exact store verifies: the output of full) "
+                                    "or probe (a test's policy)")
+    assert "probe (a test's policy)" in out["help"]
+    assert out["unknown"].endswith("exact, probe, not 'nope'")
+    assert out["columns"] == ["full", "kivi", "probe", "specache", "exact"]  # kivi's declarations: beside it
+    assert out["plan_cli"] == out["columns"]
+    assert out["plan"] == [True, 0, True] and out["run_column"] == "kivi"  # a run is sized by the column it names
+    assert out["label_k"] == 0  # kivi's fixed k, inherited
+    assert "probe never fetches (k = 0)" in out["label_errors"][0] and "w<n> only applies to window" in \
+        out["label_errors"][1]
+    assert out["layers"] == ["ProbeLayer"] and out["stats_mode"] == "probe"
+    probe, kivi = out["runs"]["probe"], out["runs"]["kivi"]
+    assert probe[0]["text"] == kivi[0]["text"] == probe[1]["text"]
+    assert probe[0]["store"]["hit"] is False and probe[1]["store"]["hit"] is True
+    assert probe[0]["store"]["key"] == probe[1]["store"]["key"] != kivi[0]["store"]["key"]
+    assert sorted(e["mode"] for e in out["store"]) == ["kivi", "probe"]

@@ -14,7 +14,7 @@ from engine.generate.steps import prefill
 from engine.kvcache import layer_classes, make_cache
 from engine.kvcache.sizes import layer_kv_bytes_per_token, sliding_slots
 from engine.kvcache.sliding import SlidingWindowLayer
-from engine.kvcache.specache import SpecacheLayer
+from engine.kvcache.policies.specache import SpecacheLayer
 from engine.model.loading import prepare_model
 from engine.plan import planner as P
 from engine.plan.profiles import load_hardware, load_model_profile, model_profile_from_config
@@ -84,7 +84,7 @@ def test_a_window_layer_keeps_only_its_window_and_the_global_layers_their_policy
     list(prefill(model, cache, ids, 0, 64))
     kinds = [type(x) for x in cache.layers]
     assert kinds == [SlidingWindowLayer] * 5 + [SpecacheLayer]
-    assert layer_classes(tiny_config("gemma3"), config) == [(SlidingWindowLayer, WINDOW)] * 5 + [(SpecacheLayer, None)]
+    assert layer_classes(tiny_config("gemma3"), SpecacheLayer) == [(SlidingWindowLayer, WINDOW)] * 5 + [(SpecacheLayer, None)]
     assert cache.policy_layers == cache.layers[5:]  # the configured policy's layers describe the cache
     ring = cache.layers[0]
     assert ring.capacity == WINDOW + 64 and ring.k.shape[2] == WINDOW + 64

@@ -120,7 +120,7 @@ def test_a_replayed_decode_whose_guide_is_lost_goes_on_exactly(tiny_model, refer
     watch once, in the check after a replayed pass (the passes up to it are eager decoding's); the passes
     after it run eagerly with the exact store's attention: near the full cache's logits from there (the
     tokens decoded under the noisy guide keep their K/V), far from them before."""
-    from engine.kvcache.specache import SpecacheLayer
+    from engine.kvcache.policies.specache import SpecacheLayer
     from tests.conftest import cuda_layout
     from tests.test_graphs import replaying
 

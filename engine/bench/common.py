@@ -76,6 +76,7 @@ class ModeSpec:
     mode: str
     config: CacheConfig | None
     options: tuple[str, ...] = ()  # the label's options, e.g. ("1b", "k128")
+    cls: type | None = None  # the mode's policy class (engine.kvcache.registry), resolved with the label
 
     def to_json(self) -> dict:
         return {"label": self.label, "mode": self.mode,
@@ -121,7 +122,7 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
     base = CacheConfig(mode=mode).with_overrides(**defaults)
     if k_for and "k" not in fields:
         fields["k"] = k_for[fields.get("prefetch", base.prefetch)]
-    return ModeSpec(label, mode, base.with_overrides(**fields), tuple(parts[1:]))
+    return ModeSpec(label, mode, base.with_overrides(**fields), tuple(parts[1:]), POLICIES[mode])
 
 
 def policy_fields(label: str, cls: type, fields: dict) -> None:

@@ -31,7 +31,6 @@ from engine.bench.speed import make_prompts
 from engine.config import GAMMA_MAX
 from engine.generate.engine import Engine
 from engine.generate.steps import decode_headroom, exact_cycles, greedy, sync
-from engine.kvcache import policy
 
 TARGET_VS_FULL = 1.5
 TARGET_VS_HF = 2.5
@@ -43,8 +42,8 @@ def engine_steps(model, config, prompts: list[list[int]], extra: int, figures: d
     tokens it gave each row (1; exact mode: a step is a cycle, its mean new tokens per row, and
     `figures` follows the cache's exact-mode figures)."""
     engine = Engine(model, config)
-    exact = policy(config.mode).verifies  # draft-and-verify cycles (exact)
-    room = extra * (GAMMA_MAX + 1) + decode_headroom(config) if exact else extra
+    exact = engine.policy.verifies  # draft-and-verify cycles (exact)
+    room = extra * (GAMMA_MAX + 1) + decode_headroom(engine.policy) if exact else extra
     with engine.new_cache(len(prompts), max(map(len, prompts)) + room + 4) as cache:
         lasts = [list(engine.prefill(cache, p, row))[-1] for row, p in enumerate(prompts)]
         if exact:
@@ -96,7 +95,7 @@ def run_decode(lm, texts, modes: Sequence[ModeSpec], length: int, batches: Seque
         prompts = make_prompts(corpus, length, batch)
         steppers = {}
         figures: dict[str, dict] = {spec.label: {} for spec in modes
-                                    if spec.mode != HF_MODE and policy(spec.mode).verifies}
+                                    if spec.cls is not None and spec.cls.verifies}
         for spec in modes:
             t0 = time.perf_counter()
             it = hf_steps(lm.model, prompts) if spec.mode == HF_MODE else \

@@ -127,7 +127,7 @@ def probing(model):
 def free_run(model, prompt: list[int], config: CacheConfig, n: int, stops: Sequence[int]):
     """Greedy decoding in a mode. -> (tokens, log-probs [len, V] before each token, cache)."""
     engine = Engine(model, config)
-    with engine.new_cache(1, len(prompt) + n + 2 + decode_headroom(config)) as cache:
+    with engine.new_cache(1, len(prompt) + n + 2 + decode_headroom(engine.policy)) as cache:
         *_, last = engine.prefill(cache, prompt, 0)
         tokens, logps = [], []
         for ids, logits in engine.steps(cache, last[None], greedy, history=[prompt]):

@@ -188,7 +188,8 @@ def run_task(lm, modes: Sequence[ModeSpec], decodings: Sequence[Decoding], quest
             for spec in modes:
                 for doc, items in by_doc.items():
                     t0 = time.perf_counter()
-                    runner = Runner(lm, spec.config, replace(dec.config, max_tokens=answer_tokens), store=store)
+                    runner = Runner(lm, spec.config, replace(dec.config, max_tokens=answer_tokens), store=store,
+                                    policy=spec.cls)
                     replies = list(_result(ask_many(runner, texts[doc], doc, [i["q"] for i in items])))
                     for item, reply in zip(items, replies):
                         asks.append({"decoding": dec.label, "mode": spec.label, "doc": doc, "q": item["q"],
@@ -200,7 +201,8 @@ def run_task(lm, modes: Sequence[ModeSpec], decodings: Sequence[Decoding], quest
                                         f"({replies[0].strategy}, {time.perf_counter() - t0:.1f} s)", done, total)
                 for doc in summary_docs:
                     t0 = time.perf_counter()
-                    runner = Runner(lm, spec.config, replace(dec.config, max_tokens=summary_tokens), store=store)
+                    runner = Runner(lm, spec.config, replace(dec.config, max_tokens=summary_tokens), store=store,
+                                    policy=spec.cls)
                     res = next(_result(summarize(runner, texts[doc], doc)))
                     w = words(res.text)
                     summaries.append({"decoding": dec.label, "mode": spec.label, "doc": doc, "text": res.text,

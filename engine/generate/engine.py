@@ -57,10 +57,13 @@ class Finished:
 
 class Engine:
     """A model (any transformers causal LM prepared by engine.model.loading.prepare_model) with one
-    cache configuration. store: the persistent document store for document prefixes (or None)."""
+    cache configuration. store: the persistent document store for document prefixes (or None).
+    cls: the class of the configured policy, as the run resolved it (default: the one registered for
+    config.mode, checked here, before any cache is made: BadArgument for a mode not registered)."""
 
-    def __init__(self, model: torch.nn.Module, config: CacheConfig, store: DocStoreUse | None = None):
-        policy(config.mode)  # a registered mode, checked before any cache is made (BadArgument)
+    def __init__(self, model: torch.nn.Module, config: CacheConfig, store: DocStoreUse | None = None,
+                 cls: type | None = None):
+        self.policy = cls or policy(config.mode)
         self.model, self.config, self.store = model, config, store
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -68,7 +71,7 @@ class Engine:
     # ---- the pieces -----------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache of this engine's mode for `batch` rows of up to `max_len` tokens (close it after)."""
-        return make_cache(self.model.config, self.config, batch, max_len, self.dtype, self.device)
+        return make_cache(self.model.config, self.config, batch, max_len, self.dtype, self.device, self.policy)
 
     def prefill(self, cache: KVCache, prompt: list[int], row: int) -> Iterator[int | torch.Tensor]:
         """Feed one row's prompt in chunks; yields tokens done after each chunk, then the last logits [V]."""
@@ -79,7 +82,7 @@ class Engine:
         """The mode's decode loop from the prefill's last logits [B, V]: yields (ids [B], their logits;
         an id of -1: no token for that row at this step, exact mode). finished: the caller's live
         list of rows it no longer needs (they leave the batch: steps.drop_finished; an id of -1 for them)."""
-        return decoder_for(self.config)(self.model, cache, logits, pick, history=history, finished=finished)
+        return decoder_for(cache)(self.model, cache, logits, pick, history=history, finished=finished)
 
     # ---- a whole batch --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], gen: GenerationConfig, shared_prefix: int = 0,
@@ -90,7 +93,7 @@ class Engine:
         Each prompt's document prefix is filled on its own first (prefix_layout: one shared prefix
         filled once and copied, or one per row), loaded from the store when it is there and saved
         to it after its prefill otherwise; labels name each row's document in the store."""
-        max_len = max(len(p) for p in prompts) + gen.max_tokens + 2 + decode_headroom(self.config)
+        max_len = max(len(p) for p in prompts) + gen.max_tokens + 2 + decode_headroom(self.policy)
         with self.new_cache(len(prompts), max_len) as cache:
             t0 = time.perf_counter()
             infos, writing, last = yield from self.fill(cache, prompts, shared_prefix, prefixes, labels)
@@ -178,7 +181,7 @@ class Engine:
     def teacher_forced(self, prompt: list[int], forced: list[int]) -> Iterator[torch.Tensor]:
         """Feed `forced` as the output tokens (e.g. the full cache's own output) through the mode's real
         step loop; yield the next-token logits [V] that preceded each forced token."""
-        with self.new_cache(1, len(prompt) + len(forced) + 2 + decode_headroom(self.config)) as cache:
+        with self.new_cache(1, len(prompt) + len(forced) + 2 + decode_headroom(self.policy)) as cache:
             *_, last = self.prefill(cache, prompt, 0)
             it = iter(forced)  # (exact mode may ask past the end within its last cycle: 0 then)
             pick: Picker = lambda logits, _: torch.tensor([next(it, 0)], device=logits.device)  # noqa: E731

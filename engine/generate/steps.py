@@ -15,10 +15,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.config import GAMMA_MAX, CacheConfig
+from engine.config import GAMMA_MAX
 from engine.generate.graphs import DecodeGraphs, graphs_wanted
 from engine.generate.sampling import Sampler
-from engine.kvcache import KVCache, policy as policy_of
+from engine.kvcache import KVCache
 from engine.model.linears import prefill_pass, row_invariant
 from engine.native import release_freed_memory
 
@@ -174,17 +174,16 @@ def _resync(follow, prev, current: torch.Tensor, out: torch.Tensor, fed: torch.T
     return torch.tensor(new, dtype=spec.dtype, device=spec.device)
 
 
-def decoder_for(config: CacheConfig):
-    """The step loop of a cache mode: exact's draft-and-verify cycles when its policy verifies,
+def decoder_for(cache: KVCache):
+    """The step loop of a cache's policy: exact's draft-and-verify cycles when it verifies,
     speculative when it speculates (specache with k > 0 and prefetch "speculative"), plain otherwise
     (one token per step)."""
-    policy = policy_of(config.mode)
-    if policy.verifies:
+    if cache.policy.verifies:
         return exact_steps
-    return speculative_steps if policy.speculates(config) else plain_steps
+    return speculative_steps if cache.policy.speculates(cache.config) else plain_steps
 
 
-# ---- exact mode: the guided cache drafts, one exact pass verifies (engine/kvcache/exact.py) ------------
+# ---- exact mode: the guided cache drafts, one exact pass verifies (engine/kvcache/policies/exact.py) ------------
 
 # exact mode's pass costs when they are not timed (GammaChooser.timed), relative to a verification
 # of one token: a draft pass, and what each further verified token adds (measured: README "Results")
@@ -476,7 +475,7 @@ def exact_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, histo
             yield ids, out[:, min(j, out.shape[1] - 1)]
 
 
-def decode_headroom(config: CacheConfig) -> int:
+def decode_headroom(policy: type) -> int:
     """Cache tokens a decode loop needs beyond the tokens it emits: exact mode's last cycle may
     commit GAMMA_MAX + 1 tokens past a row's end (a finished row leaves the batch: drop_finished)."""
-    return GAMMA_MAX + 1 if policy_of(config.mode).verifies else 0
+    return GAMMA_MAX + 1 if policy.verifies else 0

@@ -16,7 +16,6 @@ from engine.generate.engine import Engine, Finished, Progress, Tokens
 from engine.generate.prefixes import DocStoreUse
 from engine.generate.steps import merge_exact_stats
 from engine.inputs import prompts as P
-from engine.kvcache import policy as policy_of
 from engine.model.linears import held_bytes, held_parameters
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
@@ -150,14 +149,15 @@ class Runner:
     batch: int | None = None  # rows decoded together; None: ask the memory planner
     plan: dict = field(default_factory=dict)  # what the planner chose, for --json
     store: DocStore | None = None  # the persistent document store (engine.docstore.store); None: --no-store
+    policy: type | None = None  # the mode's policy class, as the run resolved it (None: the engine resolves it)
 
     def __post_init__(self) -> None:
         use = DocStoreUse(self.store, self.lm.fingerprint, self.lm.name) if self.store is not None else None
-        self.engine = Engine(self.lm.model, self.cache, use)  # runs every model call of the jobs
+        self.engine = Engine(self.lm.model, self.cache, use, self.policy)  # runs every model call of the jobs
 
     def batch_size(self, rows: int, context: int) -> int:
         """How many of `rows` sequences of `context` tokens to decode together."""
-        policy = policy_of(self.cache.mode)
+        policy = self.engine.policy
         if self.batch is not None:
             self.plan = {"batch": min(self.batch, rows), "chosen_by": "flag"}
             if policy.fetches:

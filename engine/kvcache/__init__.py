@@ -1,8 +1,8 @@
 """The KV cache: one KVCache (engine.kvcache.base) holding one layer object per model layer, each of
 its own class: the model's sliding-window layers keep their window (sliding.py), every other layer
-the policy `CacheConfig.mode` names (layer_classes). Policies: full.py, specache.py, kivi.py,
-window.py, exact.py; each registers itself (registry.py), and the imports below, in this order, are
-the order `--cache` lists them. Shared below them: base.py (Step, masks, the layer base class),
+the run's policy class (layer_classes). Policies: one module each in policies/ (full.py, specache.py,
+kivi.py, window.py, exact.py), found by registry.discover and registered by name; `--cache` lists
+them by their `listed` place. Shared below them: base.py (Step, masks, the layer base class),
 sizes.py (formulas the planner uses too), quant.py / guide.py (the 1/2-bit guide), transfer.py
 (host store and prefetch), fused.py (the native CPU decode call)."""
 from __future__ import annotations
@@ -10,40 +10,38 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig
-from engine.kvcache import full  # noqa: F401  (each policy module registers its policy on import)
-from engine.kvcache import specache  # noqa: F401
-from engine.kvcache import kivi  # noqa: F401
-from engine.kvcache import window  # noqa: F401
-from engine.kvcache import exact  # noqa: F401
 from engine.kvcache.base import CacheLayer, KVCache, ModelShape, Step, sliding_windows
-from engine.kvcache.registry import POLICIES, policy
+from engine.kvcache.registry import POLICIES, discover, policy
 from engine.kvcache.sliding import SlidingWindowLayer
 from engine.kvcache.transfer import Transfer
 from engine.kvcache.watch import GuideWatch
 
+discover()  # every policy module of engine/kvcache/policies/ registers itself
+
 __all__ = ["KVCache", "ModelShape", "Step", "POLICIES", "layer_classes", "make_cache", "policy", "sliding_windows"]
 
 
-def layer_classes(model_config, config: CacheConfig) -> list[tuple[type[CacheLayer], int | None]]:
+def layer_classes(model_config, cls: type[CacheLayer]) -> list[tuple[type[CacheLayer], int | None]]:
     """Per model layer, (its layer class, its sliding window): SlidingWindowLayer where the model
     attends within a window (engine.kvcache.base.sliding_windows), in every mode; elsewhere the
-    registered class of `config.mode` (BadArgument for a mode not registered)."""
-    cls = policy(config.mode)
+    policy's class `cls`."""
     return [(SlidingWindowLayer, w) if w is not None else (cls, None) for w in sliding_windows(model_config)]
 
 
-def make_cache(model_config, config: CacheConfig, batch: int, max_len: int,
-               dtype: torch.dtype, device: torch.device) -> KVCache:
+def make_cache(model_config, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
+               device: torch.device, cls: type[CacheLayer] | None = None) -> KVCache:
     """Build the cache: one layer per model layer of the class layer_classes gives it (CacheLayer.build);
-    one Transfer (the prefetch worker and stream, on CUDA) shared by all of them and closed with the cache."""
+    one Transfer (the prefetch worker and stream, on CUDA) shared by all of them and closed with the cache.
+    cls: the policy's class, as the run resolved it (default: the one registered for config.mode;
+    BadArgument for a mode not registered)."""
+    cls = cls or policy(config.mode)
     shape = ModelShape.from_config(model_config)
     transfer = Transfer(device)
-    layers = [cls.build(shape, config, batch, max_len, dtype, device, transfer, w)
-              for cls, w in layer_classes(model_config, config)]
+    layers = [layer.build(shape, config, batch, max_len, dtype, device, transfer, w)
+              for layer, w in layer_classes(model_config, cls)]
     transfer.pin_host()  # CUDA: the exact store pinned at its bytes, or DoesNotFit before anything is pinned
-    watched = [layer for layer in layers if layer.policy == config.mode and getattr(layer, "watches", False)
-               and layer.topk > 0]
-    cache = KVCache(layers, shape, config, batch, max_len, device, transfer)
+    cache = KVCache(layers, shape, config, batch, max_len, device, transfer, cls)
+    watched = [layer for layer in cache.policy_layers if getattr(layer, "watches", False) and layer.topk > 0]
     if watched:  # a run that notices when its guide is lost (engine/kvcache/watch.py)
         cache.watch = GuideWatch(watched)
         for layer in watched:

@@ -7,6 +7,7 @@ different lengths: each row's committed length lives in `cache.lengths`.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -16,7 +17,7 @@ from transformers.cache_utils import Cache
 
 from engine import native
 from engine.config import CacheConfig
-from engine.kvcache.sizes import kv_bytes_per_token
+from engine.kvcache.sizes import PlanTerms, Sizing, kv_bytes_per_token
 from engine.kvcache.transfer import Transfer
 
 
@@ -290,9 +291,10 @@ def import_tensors(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], c
             view.copy_(t)
 
 
-class CacheLayer:
-    """One model layer's K/V (transformers cache_utils style: one class per layer type). The policies
-    (engine/kvcache/full.py, specache.py, kivi.py, window.py, exact.py) and the sliding-window layers
+class CacheLayer(ABC):
+    """One model layer's K/V (transformers cache_utils style: an abstract class, one subclass per layer
+    type; a subclass that leaves an @abstractmethod undefined cannot be registered or built). The policies
+    (engine/kvcache/policies/full.py, specache.py, kivi.py, window.py, exact.py) and the sliding-window layers
     of the model (sliding.py) subclass it; every hook a policy does not need has a default here.
     Buffers are preallocated for `batch` rows of `max_len` tokens.
 
@@ -301,6 +303,7 @@ class CacheLayer:
     engine asks of a policy instead of its name (engine/kvcache/registry.py)."""
 
     policy: ClassVar[str] = ""  # the --cache name it is registered under (engine.kvcache.registry)
+    listed: ClassVar[int]  # its place in --cache's list (a policy's own; registry.listed)
     summary: ClassVar[str] = ""  # a note after its name in --cache's help (registry.describe)
     quantizes: ClassVar[bool] = False  # True: the layer moves a quantization boundary on commits (boundaries/after_step)
     fetches: ClassVar[bool] = False  # True: CacheConfig.k exact positions are fetched per step (k matters)
@@ -326,6 +329,12 @@ class CacheLayer:
         return cls(shape, config, batch, max_len, dtype, device, transfer)
 
     @classmethod
+    def plan_sizing(cls, terms: PlanTerms) -> Sizing:
+        """The policy's memory rule for `specache plan` (engine.kvcache.sizes: PlanTerms in, Sizing out);
+        a policy with a plan column must define it (registry.register checks)."""
+        raise NotImplementedError(f"{cls.__name__} has no plan_sizing")
+
+    @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
         """True: decode with the two-token speculative step loop (engine.generate.steps)."""
         return False
@@ -335,14 +344,14 @@ class CacheLayer:
         (the document store's key, engine.generate.prefixes.store_settings; `specache cache ls`)."""
         return {}
 
+    @abstractmethod
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
         """Store the new tokens' K/V [b, H_kv, T, D] of this pass."""
-        raise NotImplementedError
 
+    @abstractmethod
     def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """Attention of the new tokens' queries q [b, H, T, D] over the row's past -> [b, T, H, D]
         (softcap: the model's attention-logit softcapping, tanh(s / c) * c before the mask)."""
-        raise NotImplementedError
 
     def boundaries(self, lengths: list[int]) -> list[int]:
         """Each row's quantized prefix for these committed lengths (quantizing layers only)."""
@@ -359,30 +368,30 @@ class CacheLayer:
     def join(self) -> None:
         """The end of a recorded pass: nothing of it left on another stream (the specache prefetch)."""
 
+    @abstractmethod
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Make row dst hold row src's first `length` tokens (a shared document prefix)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
         """Row `row`'s state after `length` tokens (views), for the document store."""
-        raise NotImplementedError
 
     def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
         """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
         import_tensors(self.export_row(row, length), tensors, check, strict=True)
 
+    @abstractmethod
     def device_bytes(self, lengths: torch.Tensor, element_size: int | None = None) -> int:
         """Bytes held on the compute device for rows of these lengths (exact K/V at `element_size` bytes
         per value when given: 2 counts them as the fp16 a GPU holds, whatever this run's dtype)."""
-        raise NotImplementedError
 
     def host_bytes(self, lengths: torch.Tensor) -> int:
         """Bytes held in the exact host store for rows of these lengths."""
         return 0
 
+    @abstractmethod
     def allocated_device_bytes(self) -> int:
         """Bytes of this layer's preallocated device buffers, per row (what the planner budgets)."""
-        raise NotImplementedError
 
     def run_stats(self, layers: list) -> dict:
         """Settings and measured statistics of these layers (all of this class) for --json."""
@@ -393,7 +402,7 @@ class KVCache(Cache):
     """transformers Cache whose layers are ours; `step` says what the current forward pass does."""
 
     def __init__(self, layers: list[CacheLayer], shape: ModelShape, config: CacheConfig, batch: int, max_len: int,
-                 device: torch.device, transfer: Transfer):
+                 device: torch.device, transfer: Transfer, policy: type[CacheLayer]):
         super().__init__(layers=layers)
         self.transfer = transfer  # the one prefetch worker / stream of this cache (engine.kvcache.transfer)
         self.shape = shape
@@ -405,15 +414,16 @@ class KVCache(Cache):
         self.step: Step | None = None
         self._bounds: list[int] | None = None  # the layers' quantization boundaries after the last commit
         self._acting = [layer for layer in layers if layer.quantizes]  # layers that act on a commit
+        self.policy = policy  # the class of the run's policy (engine.kvcache.registry)
         # the layers of the configured policy (the others: the model's sliding-window layers, sliding.py)
-        self.policy_layers = [layer for layer in layers if layer.policy == config.mode]
+        self.policy_layers = [layer for layer in layers if type(layer) is policy]
         self.decode_stats: dict = {}  # what a step loop measured (exact mode: gamma, acceptance), for --json
         self.watch = None  # engine.kvcache.watch.GuideWatch of the fetching layers (make_cache), if any
 
     def begin(self, rows: slice, n_new: int, keep: int | None = None, select: int | None = None,
               prefill: bool = False, exact: bool = False, draft: bool = False, fixed: bool = False) -> Step:
         """Start a forward pass over `rows` feeding n_new tokens each (exact: a verification pass,
-        draft: a draft pass; engine/kvcache/exact.py; fixed: Step.fixed)."""
+        draft: a draft pass; engine/kvcache/policies/exact.py; fixed: Step.fixed)."""
         start = self.lengths[rows].clone()
         starts = self.lengths_host[rows]
         if max(starts) + n_new > self.max_len:
@@ -459,7 +469,7 @@ class KVCache(Cache):
     def rollback(self, rows: slice, lengths: torch.Tensor) -> None:
         """Forget the draft commits of `rows`: their lengths go back to `lengths` [b] (what they were
         before drafting). Draft K/V past those lengths are garbage no read sees: a verification pass
-        overwrites every position a draft wrote (engine/kvcache/exact.py)."""
+        overwrites every position a draft wrote (engine/kvcache/policies/exact.py)."""
         self.lengths[rows] = lengths
         self.lengths_host[rows] = lengths.tolist()
 

@@ -58,7 +58,7 @@ NEG_INF = float("-inf")
 class GuidedLayer(CacheLayer):
     """The machinery the guide-based policies share (see module docstring); each policy is a subclass
     that fixes how many positions it fetches (topk), whether it keeps a guide and an exact host store,
-    and its window (engine/kvcache/specache.py, kivi.py, window.py)."""
+    and its window (engine/kvcache/policies/specache.py, kivi.py, window.py)."""
 
     quantizes, guided = True, True
     # where the residual window has buffers of its own (CUDA), committed tokens enter the host store when
@@ -269,7 +269,7 @@ class GuidedLayer(CacheLayer):
         if extra:
             raise ValueError(f"unexpected tensors {sorted(extra)}")
 
-    # ---- the fetched set: hooks of a policy that fetches (topk > 0, engine/kvcache/specache.py) --
+    # ---- the fetched set: hooks of a policy that fetches (topk > 0, engine/kvcache/policies/specache.py) --
     def select_current(self, scores, rscores, step: Step, nq: int, qend) -> None:
         """prefetch "current": pick this pass's own fetched set before it attends (nothing to pick here)."""
 
@@ -381,7 +381,7 @@ class GuidedLayer(CacheLayer):
         rscores.masked_fill_(~visible.repeat(1, g, 1)[:, None], NEG_INF)
         out_of_rows = (cols[None, :] >= qend[:, None])[:, None, None, :]  # quantized columns beyond a row's qend
         # 4. fetched set: exact scores at the selected positions (topk > 0: the specache policy, whose
-        #    select_current / select_and_prefetch / count_hits are in engine/kvcache/specache.py)
+        #    select_current / select_and_prefetch / count_hits are in engine/kvcache/policies/specache.py)
         kf = self.topk if nq else 0
         if kf and self.config.prefetch == "current":  # this pass picks its own set first
             self.select_current(scores.masked_fill(out_of_rows, NEG_INF), rscores, step, nq, qend)

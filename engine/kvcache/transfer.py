@@ -13,7 +13,7 @@ next step's attention makes the compute stream wait for `ready`, so the fetch ov
 GPU does in between (the rest of this step, and the layers before this one in the next).
 `overlap_share()` reports how often the fetch had finished before the attention needed it.
 
-Exact mode's verification (engine/kvcache/exact.py) attends with every committed exact K/V. On
+Exact mode's verification (engine/kvcache/policies/exact.py) attends with every committed exact K/V. On
 CUDA a `VerifyStream` copies them layer by layer from the pinned store into two device buffers on
 the side stream, so that the copies of the next layers run while this one computes; on the CPU the
 store is read in place (the stream can be forced there for tests: Transfer(stream_verify=True)).

@@ -14,6 +14,7 @@ from engine.kvcache.transfer import Transfer
 
 @register("window")
 class WindowLayer(GuidedLayer):
+    listed = 3  # its place in --cache's list (engine.kvcache.registry)
     # the planner sizes it as kivi (no column of its own): window's default W gives it specache's device bytes
     plan_column, plan_mode = False, "kivi"
     own_settings = ("window",)  # --window / a bench label's w<n>

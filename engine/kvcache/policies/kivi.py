@@ -13,6 +13,7 @@ from engine.kvcache.transfer import Transfer
 
 @register("kivi")
 class KiviLayer(GuidedLayer):
+    listed = 2  # its place in --cache's list (engine.kvcache.registry)
     fixed_settings = {"k": 0}  # SpeCache's k = 0 limit: nothing is ever fetched
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,

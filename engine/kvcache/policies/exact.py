@@ -16,7 +16,7 @@ runs cycles:
 - verify: one pass of [last committed token, the gamma drafts] with Step.exact and keep = T: `update`
   writes every new token's K/V into the host store, sinks and residual window (at the same positions
   the drafts wrote, so no draft K/V survives), and `attend` is the full cache's exact attention
-  (engine.kvcache.full.exact_attention) over the store rows [0, max(start) + T). The cache then
+  (engine.kvcache.policies.full.exact_attention) over the store rows [0, max(start) + T). The cache then
   commits a per-row number of tokens (KVCache.commit(kept)); the groups that left the residual
   window are quantized from the store as after any commit. The cache then holds exactly what a
   cache that only ever saw the accepted tokens would hold.
@@ -40,16 +40,17 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kvcache.base import ModelShape, Step, write_rows
-from engine.kvcache.full import exact_attention
+from engine.kvcache.policies.full import exact_attention
 from engine.kvcache.registry import register
 from engine.kvcache.sizes import PlanTerms, Sizing, verify_buffer_bytes
-from engine.kvcache.specache import SpecacheLayer
+from engine.kvcache.policies.specache import SpecacheLayer
 from engine.kvcache.transfer import Transfer
 
 
 @register("exact")
 class ExactLayer(SpecacheLayer):
     """A specache layer that drafts with the guide and verifies with the exact host store."""
+    listed = 4  # its place in --cache's list (engine.kvcache.registry)
 
     verifies = True  # decoded by engine.generate.steps.exact_steps (draft, then one exact pass)
     watches = False  # its output is the exact store's: a lost guide only costs acceptance

@@ -29,6 +29,7 @@ from engine.kvcache.transfer import Transfer
 @reproduces
 class SpecacheLayer(GuidedLayer):
     """Guide + sinks + residual window + the fetched set of k exact positions (k = config.k)."""
+    listed = 1  # its place in --cache's list (engine.kvcache.registry)
 
     fetches = True
     watches = True  # its decode is checked against the exact store (engine/kvcache/watch.py)

@@ -40,6 +40,7 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 @register("full")
 class FullLayer(CacheLayer):
     """Exact K/V of every token, preallocated to the planned length (no growth by concatenation)."""
+    listed = 0  # its place in --cache's list (engine.kvcache.registry)
 
     capturable = True
 
