@@ -12,7 +12,7 @@ import argparse
 import torch
 from transformers import LlamaConfig
 
-from engine.config import CacheConfig
+from engine.config import RESIDUAL, SINKS, CacheConfig
 from engine.kvcache import make_cache
 
 SHAPE = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -26,7 +26,7 @@ SETTINGS_2BIT = {"o2-k512 (the default)": dict(k=512, outliers=2), "o2-k476": di
 
 
 def device_bytes(length: int, k: int, group: int = 64, outliers: int = 0, element_bytes: int = 2, bits: int = 1,
-                 residual: int = 64, sinks: int = 4) -> int:
+                 residual: int = RESIDUAL, sinks: int = SINKS) -> int:
     """One row of `length` tokens: the sum of the built cache's layers' device_bytes."""
     config = CacheConfig(mode="specache", bits=bits, group=group, k=k, residual=residual, sinks=sinks,
                          outliers=outliers, prefetch="current")

@@ -19,6 +19,7 @@ from engine.config import GAMMA_MAX
 from engine.generate.graphs import DecodeGraphs, graphs_wanted
 from engine.generate.sampling import Sampler
 from engine.kvcache import KVCache
+from engine.kvcache.policies.exact import expected_tokens
 from engine.model.linears import prefill_pass, row_invariant
 from engine.native import release_freed_memory
 
@@ -239,7 +240,7 @@ class GammaChooser:
 
     def tokens_per_second(self, gamma: int) -> float:
         a = min(self.acceptance, 1 - 1e-9)
-        return (1 - a ** (gamma + 1)) / (1 - a) / (gamma * self.draft_s + self.verify_seconds(gamma + 1))
+        return expected_tokens(a, gamma) / (gamma * self.draft_s + self.verify_seconds(gamma + 1))
 
     def record(self, accepted: int, rejected: int, gamma: int, draft_s: float | None, verify_s: float | None) -> None:
         """One cycle: accepted draft tokens and rejections over its active rows, its pass times

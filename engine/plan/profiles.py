@@ -16,12 +16,14 @@ import typing
 from dataclasses import MISSING, dataclass, fields, replace
 from importlib.resources import files
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import yaml
 
 from engine.config import GROUPS
 from engine.errors import BadArgument, ProfileError
+from engine.kvcache.base import sliding_windows
 from engine.model.embedded import EMBEDDED_NAME
 from engine.model.gguf_files import ensure_converted, estimate_held_bytes, read_header
 from engine.model.linears import held_bytes, held_parameters
@@ -305,10 +307,9 @@ def sliding_layers(cfg: dict, layers: int) -> tuple[int | None, int]:
                                                                        if k != "model_type"}), "layer_types", None)
         except (ValueError, KeyError, TypeError):
             types = None
-    if types is None:
-        return int(window), layers
-    count = sum(t == "sliding_attention" for t in types)
-    return (int(window), count) if count else (None, 0)
+    layout = SimpleNamespace(num_hidden_layers=layers, sliding_window=int(window), layer_types=types)
+    sliding = [w for w in sliding_windows(layout) if w is not None]  # the engine's rule, on the normalized types
+    return (sliding[0], len(sliding)) if sliding else (None, 0)
 
 
 def model_from_hf(path: str | Path) -> ModelProfile:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from engine.kvcache.policies.exact import expected_tokens
 from engine.kvcache.sizes import Sizing, global_part, kv_bytes_per_token
 from engine.machine import HOST_RESERVE_FRACTION
 from engine.plan.profiles import HardwareProfile, ModelProfile
@@ -71,14 +72,6 @@ def transfer_seconds(hardware: HardwareProfile, nbytes: int) -> float:
     """Time to move nbytes of scattered rows host -> device (CPU: the in-RAM gather rate as profiled)."""
     efficiency = SPARSE_TRANSFER_EFFICIENCY if hardware.kind == "cuda" else 1.0
     return nbytes / (hardware.h2d_gbps * 1e9 * efficiency)
-
-
-def expected_tokens(acceptance: float, gamma: int) -> float:
-    """Tokens per row per verification when each draft token is accepted with probability a (the
-    accepted run is geometric, cut at gamma) plus the exact token: (1 - a^(gamma+1)) / (1 - a)."""
-    if acceptance >= 1:
-        return gamma + 1.0
-    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
 
 
 def exact_cycle(hw: HardwareProfile, m: ModelProfile, s: Sizing, batch: int, k: int, context: int, eb: int,

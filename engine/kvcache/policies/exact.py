@@ -47,6 +47,14 @@ from engine.kvcache.policies.specache import SpecacheLayer
 from engine.kvcache.transfer import Transfer
 
 
+def expected_tokens(acceptance: float, gamma: int) -> float:
+    """Tokens per row per verification when each draft token is accepted with probability a (the
+    accepted run is geometric, cut at gamma) plus the exact token: (1 - a^(gamma+1)) / (1 - a)."""
+    if acceptance >= 1:
+        return gamma + 1.0
+    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+
+
 @register("exact")
 class ExactLayer(SpecacheLayer):
     """A specache layer that drafts with the guide and verifies with the exact host store."""
