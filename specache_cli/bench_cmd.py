@@ -56,6 +56,7 @@ from engine.kvcache.registry import names
 from engine.model.loading import load_model
 from engine.plan.profiles import loaded_model_profile, model_defaults
 from specache_cli.console import err_console, guarded
+from specache_cli.options import MODEL_HELP
 from specache_cli.render import emit_json
 
 bench_app = typer.Typer(name="bench", help="Benchmarks: needle retrieval, fidelity to the full cache, speed, decode "
@@ -70,7 +71,7 @@ SPEED_QUICK_MODES = "full,specache,hf"
 DECODE_MODES = "full,specache,kivi,hf"
 DECODE_QUICK_MODES = "full,specache,hf"
 
-MODEL = typer.Option(None, "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")
+MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 RESULTS = Path("bench-results")  # the committed results (full runs only)
 QUICK_RESULTS = RESULTS / "quick"  # where --quick writes by default (ignored by git)
 OUT = typer.Option(None, "--out", help="Folder for <bench>.json and <bench>.md (default bench-results/; with "

@@ -16,6 +16,9 @@ from engine.config import DECODING_DEFAULTS, CacheConfig, GenerationConfig, sett
 from engine.kvcache.registry import describe
 
 D = DECODING_DEFAULTS
+# what --model takes (engine.model.sources.resolve_source), for summarize, ask and the benches
+MODEL_HELP = ("The model: a local Hugging Face folder, a GGUF file, a Hugging Face id in the local cache, or "
+              "ollama:NAME[:TAG] (`specache models` lists them here; default: the embedded SmolLM2-135M-Instruct).")
 
 
 @dataclass
@@ -23,7 +26,7 @@ class ModelOptions:
     PANEL: ClassVar[str] = "Model"  # the heading of these options in --help
 
     model: Annotated[Optional[str], typer.Option(
-        "--model", "-m", help="Local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct).")] = None
+        "--model", "-m", help=MODEL_HELP)] = None
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto"
     dtype: Annotated[str, typer.Option(
         help="auto (GPU: fp16; CPU: fp32, with prefill computed in bf16 where the CPU has native bf16), "

@@ -127,8 +127,8 @@ def _host_cell(needed: int, usable: int | None) -> str:
 
 
 GPU_HELP = "auto (detect this machine), a profile name (rtx-a6000, h100-sxm, cpu, ...) or a YAML profile path."
-MODEL_HELP = ("A model profile name (mistral-7b, llama-3.1-8b, ...), a YAML path, or a local HF model folder "
-              "or config.json.")
+MODEL_HELP = ("A model profile name (mistral-7b, llama-3.1-8b, ...), a YAML path, a local Hugging Face model "
+              "folder or config.json, a GGUF file, or ollama:NAME[:TAG].")
 HOST_HELP = "Host RAM in GB (GiB, as RAM is sold); default: this machine's with --gpu auto, else unchecked."
 REFERENCE_HELP = (f"{' or '.join(REFERENCES)}: prefill as this engine runs it (one row at a time), or as the "
                   "paper's setup (whole batch together; full cache in one forward with fp32 logits of every position).")

@@ -107,3 +107,20 @@ def test_the_shipped_settings_keep_their_flags_and_label_options():
                                                                                   "w<n>"]
     assert {n for n, d in declared.items() if d.plan is not None} == {"bits", "group", "k", "residual", "sinks",
                                                                       "chunk_size", "outliers"}
+
+
+def test_help_texts_match_what_the_flags_take():
+    """--model's help names every source it takes; plan's help names every column it prints."""
+    from typer.testing import CliRunner
+
+    from engine.plan.planner import plan_columns
+    from specache_cli.app import app
+
+    runner = CliRunner()
+    for command in (["summarize"], ["ask"], ["bench", "fidelity"]):
+        text = " ".join(runner.invoke(app, [*command, "--help"], env={"COLUMNS": "400"}).stdout.split())
+        for source in ("local Hugging Face folder", "GGUF file", "Hugging Face id in the local cache",
+                       "ollama:NAME[:TAG]"):
+            assert source in text, (command, source)
+    text = " ".join(runner.invoke(app, ["plan", "--help"], env={"COLUMNS": "400"}).stdout.split())
+    assert all(column in text for column in plan_columns()), text
