@@ -43,7 +43,7 @@ class Setting:
 
     help: the flag's help (its default rule is appended: `default`). flag: the CLI flag (default
     --name with dashes); aliases: more names for it (`specache plan`'s). default_rule: how an unset value is chosen, in words
-    ("the model profile's": engine.plan.profiles.cache_defaults gives it). choices / low / high: the
+    ("the model profile's": engine.plan.profiles.profile_defaults gives it). choices / low / high: the
     values allowed (None always is for a field whose default is None). cli: a flag of summarize and
     ask; switch: a bool flag without a --no- form (given: True, absent: unset). tokens: a size in
     tokens (no more than the model's window; cut to the longest call). label: the bench label of an
