@@ -2,9 +2,10 @@
 its own class: the model's sliding-window layers keep their window (sliding.py), every other layer
 the run's policy class (layer_classes). Policies: one module each in policies/ (full.py, specache.py,
 kivi.py, window.py, exact.py), found by registry.discover and registered by name; `--cache` lists
-them by their `listed` place. Shared below them: base.py (Step, masks, the layer base class),
-sizes.py (formulas the planner uses too), quant.py / guide.py (the 1/2-bit guide), transfer.py
-(host store and prefetch), fused.py (the native CPU decode call)."""
+them by their `listed` place. Shared below them: passes.py (Step, masks, the attention pieces),
+base.py (the layer base class and the cache), sizes.py (formulas the planner uses too), quant.py /
+guide.py (the 1/2-bit guide), transfer.py (host store and prefetch), fused.py (the native CPU
+decode call)."""
 from __future__ import annotations
 
 import torch

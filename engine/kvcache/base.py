@@ -8,287 +8,34 @@ different lengths: each row's committed length lives in `cache.lengths`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import Cache
 
-from engine import native
 from engine.config import CacheConfig
+from engine.kvcache.passes import (  # noqa: F401  (part of this module's API: the layers import them here)
+    SDPA_BACKENDS,
+    ModelShape,
+    Step,
+    additive_mask,
+    causal_mask,
+    flash_attention,
+    grouped_query,
+    import_tensors,
+    masked_attention,
+    merge_attention,
+    native_prefill_attention,
+    sdpa,
+    sliding_windows,
+    soft_cap,
+    split_attention_applies,
+    split_prefill_attention,
+    ungroup_output,
+    write_rows,
+)
 from engine.kvcache.sizes import PlanTerms, Sizing, kv_bytes_per_token
 from engine.kvcache.transfer import Transfer
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the cache needs to know about the model."""
-
-    layers: int
-    heads: int  # query heads
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def group(self) -> int:
-        return self.heads // self.kv_heads
-
-    @classmethod
-    def from_config(cls, config) -> "ModelShape":
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, heads, kv, head_dim)
-
-
-def sliding_windows(config) -> tuple[int | None, ...]:
-    """Each layer's sliding window as the model's attention modules pass it (None: global attention):
-    with layer_types (Qwen2/3, Gemma 2/3) the "sliding_attention" layers take config.sliding_window;
-    without (Mistral, Phi-3) every layer does. engine.model.attention checks it on every call."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers, window = text.num_hidden_layers, getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None)
-    if not window:
-        return (None,) * layers
-    if types is not None:
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    return (window,) * layers
-
-
-@dataclass
-class Step:
-    """What one forward pass does to the cache (shared by all layers during that pass).
-
-    rows: the cache rows the batch occupies (a contiguous slice, so reads are views).
-    start: [b] position of each row's first new token (= its committed length).
-    n_new: tokens fed per row. keep: how many of them are committed afterwards
-    (n_new for prefill; 1 in a speculative step, whose second token is only a probe).
-    """
-
-    rows: slice
-    start: torch.Tensor  # [b] long
-    n_new: int
-    keep: int
-    select: int | None = None  # index of the new token whose attention row picks the next fetch set
-    prefill: bool = False  # prompt tokens: attention over the exact past
-    starts: list[int] = field(default_factory=list)  # start as Python ints (read by every layer)
-    shared: dict = field(default_factory=dict, repr=False)  # values built once per pass (shared_value)
-    # prefill attention may compute in this dtype (bf16: the native kernel; None: the model's, exact);
-    # set from the attention module by engine.model.attention (prepare_model's prefill_dtype)
-    compute: torch.dtype | None = None
-    exact: bool = False  # exact mode's verification: every new token into the store, exact attention over it
-    draft: bool = False  # exact mode's draft pass: committed as a draft (KVCache.commit), never into the store
-    # fixed shapes: the pass reads positions and lengths only from device tensors (writes at step.positions(),
-    # attention over the whole preallocated length with a mask), so that a recorded pass (a CUDA graph) replays
-    # right at any length; only for caches whose every layer is `capturable`
-    fixed: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.starts:
-            self.starts = self.start.tolist()
-
-    def shared_value(self, key: tuple, build):
-        """A value every layer of this pass needs alike (an attention mask), built by the first that asks."""
-        if key not in self.shared:
-            self.shared[key] = build()
-        return self.shared[key]
-
-    @property
-    def aligned(self) -> bool:
-        """Every row's new tokens start at the same position."""
-        return min(self.starts) == max(self.starts)
-
-    def positions(self) -> torch.Tensor:
-        """Absolute positions of the new tokens. -> [b, T]"""
-        return self.start[:, None] + torch.arange(self.n_new, device=self.start.device)
-
-
-def grouped_query(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[b, H, T, D] -> [b, H_kv, G*T, D]: the query heads sharing a KV head side by side."""
-    b, h, t, d = q.shape
-    return q.reshape(b, kv_heads, (h // kv_heads) * t, d)
-
-
-def ungroup_output(o: torch.Tensor, heads: int, t: int) -> torch.Tensor:
-    """[b, H_kv, G*T, D] -> [b, T, H, D], the layout transformers' attention modules expect."""
-    b, _, _, d = o.shape
-    return o.reshape(b, heads, t, d).transpose(1, 2)
-
-
-def causal_mask(step: Step, group: int, length: int) -> torch.Tensor | None:
-    """Boolean mask [b, 1, G*T, length]: query t of row r sees positions <= start_r + t.
-
-    None when every row sees every position (one new token, equal lengths)."""
-    if step.n_new == 1 and step.aligned and step.starts[0] + 1 == length and not step.fixed:
-        return None
-    pos = step.positions()  # [b, T]
-    cols = torch.arange(length, device=pos.device)
-    allowed = cols[None, None, :] <= pos[:, :, None]  # [b, T, L]
-    return allowed.repeat(1, group, 1)[:, None]  # rows ordered (g, t) like grouped_query
-
-
-def additive_mask(allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Boolean mask -> 0 where allowed, -inf elsewhere: what scaled_dot_product_attention makes of a
-    boolean mask on every call; made once per pass and shared by the layers (Step.shared_value),
-    it saves each layer that conversion (a prefill chunk's mask is G*T x past floats)."""
-    if allowed is None:
-        return None
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
-
-def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Attention-logit softcapping (Gemma 2): tanh(s / c) * c; positions at -inf (masked) stay there."""
-    if softcap is None:
-        return scores
-    return torch.where(torch.isneginf(scores), scores, torch.tanh(scores / softcap) * softcap)
-
-
-# SDPA backends per device type, in torch's order of preference. CUDA leaves out cuDNN's, which builds a
-# plan for every new key length (2.2 ms of CPU per call measured on an H200, 69 ms of a 101 ms decode step:
-# the length grows by one each step); flash takes unmasked calls, the memory-efficient kernel masked ones.
-SDPA_BACKENDS = {"cuda": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """torch's scaled_dot_product_attention with the backends SDPA_BACKENDS names for q's device (torch's
-    own choice where it names none)."""
-    backends = SDPA_BACKENDS.get(q.device.type)
-    if backends is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    with sdpa_kernel(backends):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
-def masked_attention(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                     scaling: float, softcap: float | None = None) -> torch.Tensor:
-    """Attention of grouped queries qg [b, H_kv, G*T, D] over keys/values [b, H_kv, L, D] with an
-    additive mask [b, 1, G*T, L] (or None). Without a softcap one SDPA call; with one, transformers'
-    eager order: scores * scaling, softcap, + mask, softmax in fp32. -> [b, H_kv, G*T, D]"""
-    if softcap is None:
-        return sdpa(qg, keys, values, mask, scaling)
-    scores = torch.tanh((qg @ keys.transpose(-1, -2)).float() * (scaling / softcap)) * softcap  # [b, H_kv, GT, L]
-    if mask is not None:
-        scores = scores + mask
-    return torch.softmax(scores, dim=-1).to(values.dtype) @ values
-
-
-def split_attention_applies(q: torch.Tensor, step: Step) -> bool:
-    """Whether a pass can take `split_prefill_attention`: a prefill chunk of one row (or rows that
-    start together) on the CPU, where torch's flash kernel returns the log-sum-exp it needs."""
-    return step.prefill and q.device.type == "cpu" and step.aligned and step.n_new > 1
-
-
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's CPU flash attention, which also returns each query's log-sum-exp of scores.
-    q [B, H, M, D], k/v [B, H, N, D] (head strides may be 0: a KV head expanded to its group);
-    causal: query i sees keys <= i (top-left aligned, M == N). -> out [B, H, M, D], lse [B, H, M] fp32."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=scaling)
-    return out, lse
-
-
-def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine attentions of the same queries over disjoint sets of keys into the attention over
-    their union: each part's output weighted by exp(its log-sum-exp - the union's). parts: (out
-    [..., M, D], lse [..., M] fp32) each -> [..., M, D] in out's dtype (the sum taken in fp32)."""
-    if len(parts) == 1:
-        return parts[0][0]
-    lse = torch.stack([p[1] for p in parts])  # [n, ..., M]
-    weights = torch.exp(lse - torch.logsumexp(lse, dim=0))  # [n, ..., M]
-    out = parts[0][0].float() * weights[0, ..., None]
-    for (o, _), w in zip(parts[1:], weights[1:]):
-        out.addcmul_(o.float(), w[..., None])
-    return out.to(parts[0][0].dtype)
-
-
-def split_prefill_attention(q: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]], k_new: torch.Tensor,
-                            v_new: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Exact attention of a prefill chunk without a mask: each past piece (every key visible to every
-    query) by the flash kernel unmasked, the chunk's own block with its causal mask, merged by
-    log-sum-exp (`merge_attention`). GQA without repeating K/V: over the past, the G query heads of a
-    KV head are stacked as G*T rows against that head; in the block, the KV head is expanded (stride 0)
-    to its G query heads. Same result as one masked softmax over [past, chunk] up to float rounding.
-
-    q [b, H, T, D] (new tokens at positions start..start+T-1); past: (k, v) [b, H_kv, n_i, D] pieces
-    holding every earlier position once (empty pieces skipped); k_new/v_new [b, H_kv, T, D].
-    -> [b, H_kv, G*T, D], rows ordered (g, t) like grouped_query."""
-    b, h, t, d = q.shape
-    hk = k_new.shape[1]
-    g = h // hk
-    qg = grouped_query(q, hk).contiguous()  # [b, H_kv, G*T, D]
-    parts = [flash_attention(qg, k, v, scaling) for k, v in past if k.shape[2]]
-    expand = lambda x: x.reshape(b * hk, 1, t, d).expand(-1, g, -1, -1)  # [b*H_kv, G, T, D]
-    out, lse = flash_attention(qg.view(b * hk, g, t, d), expand(k_new), expand(v_new), scaling, causal=True)
-    parts.append((out.reshape(b, hk, g * t, d), lse.reshape(b, hk, g * t)))
-    return merge_attention(parts)
-
-
-def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], scaling: float,
-                             start: int) -> torch.Tensor | None:
-    """A prefill chunk's attention by the native bf16 kernel (engine/native/attention_kernels.c):
-    Q, K, P and V rounded to bf16, products accumulated in fp32, causal, GQA by stacking the query
-    heads of a KV head. Not exact: the exact path is split_prefill_attention in fp32.
-
-    q [1, H, T, D] (positions start..start+T-1); pieces: (k, v) [1, H_kv, n_i, D], fp32 or bf16 with
-    contiguous rows, holding every position 0..start+T-1 once, in order (the chunk's own last).
-    -> [1, H_kv, G*T, D] fp32, or None where the kernel does not apply (no native library or no
-    AVX512-BF16, other layouts): the caller then takes the exact path."""
-    lib = native.lib()
-    pieces = [(k, v) for k, v in pieces if k.shape[2]]
-    b, h, t, d = q.shape
-    if lib is None or b != 1 or not 1 <= len(pieces) <= 3 or d % 32 or d > 256 or \
-            not lib.specache_prefill_attention_available():
-        return None
-    dtype = pieces[0][0].dtype
-    if dtype not in (torch.float32, torch.bfloat16) or any(x.dtype != dtype or x.stride(-1) != 1
-                                                           for k, v in pieces for x in (k, v)) \
-            or any(k.stride() != v.stride() for k, v in pieces):  # a piece's K and V: one layout (sr, sh)
-        return None
-    if sum(k.shape[2] for k, _ in pieces) != start + t:
-        return None
-    hk = pieces[0][0].shape[1]
-    qg = grouped_query(q, hk).float().contiguous()  # [1, H_kv, G*T, D]
-    out = torch.empty_like(qg)
-    args = native.PrefillArgs(H=hk, G=h // hk, T=t, D=d, start=start, npieces=len(pieces),
-                              src_bf16=int(dtype == torch.bfloat16), nthreads=native.threads(), scaling=scaling,
-                              q=qg.data_ptr(), q_sh=qg.stride(1), out=out.data_ptr())
-    for i, (k, v) in enumerate(pieces):
-        args.k[i], args.v[i] = k.data_ptr(), v.data_ptr()
-        args.n[i], args.sr[i], args.sh[i] = k.shape[2], k.stride(2), k.stride(1)
-    if lib.specache_prefill_attention(args) != 0:
-        return None
-    return out
-
-
-def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
-    """Store new K/V [b, H_kv, T, D] into [B, H_kv, L, D] buffers at each row's positions."""
-    b, t = k.shape[0], k.shape[2]
-    if (b == 1 or step.aligned) and not step.fixed:
-        s = step.starts[0]
-        dst_k[step.rows, :, s : s + t] = k
-        dst_v[step.rows, :, s : s + t] = v
-        return
-    rows = torch.arange(step.rows.start, step.rows.start + b, device=k.device)[:, None]  # [b, 1]
-    pos = step.positions()  # [b, T]
-    dst_k[rows, :, pos] = k.transpose(1, 2)  # advanced dims first: [b, T, H_kv, D]
-    dst_v[rows, :, pos] = v.transpose(1, 2)
-
-
-def import_tensors(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor], check: bool,
-                   strict: bool = False) -> None:
-    """Copy src[name] into each view dst[name] after checking shape and dtype (check: only validate;
-    strict: src must hold nothing else)."""
-    if strict and set(src) != set(dst):
-        raise ValueError(f"expected tensors {sorted(dst)}, got {sorted(src)}")
-    for name, view in dst.items():
-        t = src.get(name)
-        if t is None or t.shape != view.shape or t.dtype != view.dtype:
-            raise ValueError(f"{name}: expected {tuple(view.shape)} {view.dtype}, got "
-                             f"{None if t is None else (tuple(t.shape), t.dtype)}")
-        if not check:
-            view.copy_(t)
 
 
 class CacheLayer(ABC):

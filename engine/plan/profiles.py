@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 from engine.errors import BadArgument, ProfileError
-from engine.kvcache.base import sliding_windows
+from engine.kvcache.passes import sliding_windows
 from engine.model.embedded import EMBEDDED_NAME
 from engine.model.gguf_files import ensure_converted, estimate_held_bytes, read_header
 from engine.model.linears import held_bytes, held_parameters
