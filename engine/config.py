@@ -15,8 +15,9 @@ ROTATIONS = ("none", "hadamard", "auto")  # engine/kvcache/rotation.py (which ch
 # per guide bits, from `specache bench fidelity` on the three shipped documents (README, Results): Hadamard
 # took 1 bit from 0.952 / 0.0168 (top-1 / KL) to 0.981 / 0.0018 and 2 bits at k 128 from 0.974 / 0.0034 to
 # 0.978 / 0.0009 (at k 512 0.997 / 0.0004 -> 0.992 / 0.0001: one token in 242, KL 4x lower)
-# since issue 38 "auto": the Hadamard per layer unless it measurably errs far more than none on the layer's first
-# keys and values (engine/kvcache/rotation.py: Gemma 3's global layers; SmolLM2 and Qwen2 keep it on every layer)
+# "auto" (bench-results/fidelity-models.md): the Hadamard per layer unless it measurably errs far more than none on
+# the layer's first keys and values (engine/kvcache/rotation.py: Gemma 3's global layers; SmolLM2 and Qwen2 keep it
+# on every layer)
 DEFAULT_ROTATION = {1: "auto", 2: "auto"}
 # outlier key channels per guide bits, from the same bench (bench-results/fidelity-2bit-k512-outliers.md,
 # fidelity-2bit-k128-outliers.md): 2 bits with 2 took k 512 from 0.992 / 9.0e-5 to 0.997 / 8.8e-5 and k 128 (the
@@ -41,15 +42,15 @@ class Setting:
     overrides, the bench label grammar (engine/bench/common.py), the validation below, the plan's
     settings and the document store's key.
 
-    help: the flag's help (its default rule is appended: `default`). flag: the CLI flag (default
-    --name with dashes); aliases: more names for it (`specache plan`'s). default_rule: how an unset value is chosen, in words
-    ("the model profile's": engine.plan.profiles.profile_defaults gives it). choices / low / high: the
-    values allowed (None always is for a field whose default is None). cli: a flag of summarize and
-    ask; switch: a bool flag without a --no- form (given: True, absent: unset). tokens: a size in
-    tokens (no more than the model's window; cut to the longest call). label: the bench label of an
-    int (a format: "k{}" or "{}b"); words: the bench label words of a choice ({"had": "hadamard"});
-    implies: settings such a label word implies. plan: the setting's position in `specache plan`'s
-    settings (None: the planner does not read it); plan_key: its name there. store: a stored row
+    help: the flag's help (its default rule is appended: `full_help`). flag: the CLI flag (default --name
+    with dashes); aliases: more names for it (`specache plan`'s). default_rule: how an unset value is
+    chosen, in words ("the model profile's": engine.plan.profiles.profile_defaults gives it). choices /
+    low / high: the values allowed (None always is for a field whose default is None). cli: a flag of
+    summarize and ask; switch: a bool flag without a --no- form (given: True, absent: unset). tokens: a
+    size in tokens (no more than the model's window; cut to the longest call). label: the bench label of
+    an int (a format: "k{}" or "{}b"); words: the bench label words of a choice ({"had": "hadamard"});
+    implies: settings such a label word implies. plan: the setting's place in `specache plan`'s settings
+    (None: the planner does not read it); plan_key: its name there. store: a stored row
     depends on it beyond what the policies' store_key reports (engine.generate.prefixes)."""
 
     help: str
@@ -140,8 +141,8 @@ class CacheConfig:
                             "queries before it attends and fetches what the prefetch missed (default); --no-correct: "
                             "the paper's set, chosen by the speculative guess alone (no fetch on the critical path)",
                             words={"correct": True, "nocorrect": False}, implies={"prefetch": "speculative"})
-    gamma: int | None = setting(None, "exact: draft tokens per verification, 1..16",
-                                default_rule="adapted to the measured acceptance", low=1, high=GAMMA_MAX, label="gamma{}")
+    gamma: int | None = setting(None, "exact: draft tokens per verification, 1..16", low=1, high=GAMMA_MAX,
+                                default_rule="adapted to the measured acceptance", label="gamma{}")
     rotation: str | None = setting(None, "Guide transform: none, hadamard (K, V and the queries rotated before the "
                                    "guide quantizes them; exact parts untouched) or auto (per layer: the Hadamard "
                                    "unless it measurably errs more on the layer's first keys)", default_rule="auto",

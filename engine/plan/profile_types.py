@@ -16,10 +16,11 @@ MIB = 1024**2
 KINDS = ("cuda", "cpu")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 PCIE_GBPS_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # GB/s per lane, after line encoding
-# The guide of a model without a profile (issue 38): what held on every real model measured (SmolLM2-135M,
+# The guide of a model without a profile: what held on every real model measured (SmolLM2-135M,
 # Qwen2.5-Coder-1.5B, Gemma-3-270M; bench-results/fidelity-models.md): 2 bits (with engine.config's 2 outlier
-# channels and Hadamard rotation), k 128 with current prefetch (the CPU's), 256 with speculative. Until then a
-# model of 1B parameters or more got 1 bit and k 64: Qwen2.5-Coder-1.5B top-1 0.891 / KL 0.074 on report.pdf.
+# channels and Hadamard rotation), k 128 with current prefetch (the CPU's), 256 with speculative. Before that
+# measurement a model of 1B parameters or more got 1 bit and k 64: Qwen2.5-Coder-1.5B top-1 0.891 / KL 0.074 on
+# report.pdf.
 UNPROFILED_DEFAULTS = {"default_bits": 2, "default_k": 256, "default_k_current": 128}
 
 

@@ -143,7 +143,8 @@ def constants() -> dict:
         "cuda_runtime_reserve_bytes": CUDA_RUNTIME_RESERVE_BYTES, "allocator_margin": ALLOCATOR_MARGIN,
         "host_reserve_fraction": HOST_RESERVE_FRACTION, "memory_efficiency": MEMORY_EFFICIENCY,
         "matmul_efficiency": MATMUL_EFFICIENCY, "sparse_transfer_efficiency": SPARSE_TRANSFER_EFFICIENCY,
-        "fetch_buffers": FETCH_BUFFERS, "paper_fetch_buffers": PAPER_FETCH_BUFFERS, "speculative_tokens": SPECULATIVE_TOKENS,
+        "fetch_buffers": FETCH_BUFFERS, "paper_fetch_buffers": PAPER_FETCH_BUFFERS,
+        "speculative_tokens": SPECULATIVE_TOKENS,
     }
 
 
