@@ -76,7 +76,7 @@ def test_prefetch_defaults_to_current_on_the_cpu_and_can_be_speculative(cli):
     assert (cache["bits"], cache["group"], cache["outliers"]) == (1, 128, 4)
     r = cli(*args[:-4], "--bits", "1")
     assert r.exit_code == 0, r.stderr
-    assert json.loads(r.stdout)["cache"]["outliers"] == 0  # the 1-bit default
+    assert json.loads(r.stdout)["cache"]["outliers"] == 4  # the 1-bit default
 
 
 def test_jsonl_one_line_per_document_and_stdin(cli):

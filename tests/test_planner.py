@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from engine.config import outliers_for
 from engine.errors import BadArgument, DoesNotFit, ProfileError
 from engine.kvcache import POLICIES
 from engine.kvcache import sizes as S
@@ -37,7 +38,7 @@ MODE_KEYS = {"mode", "max_batch", "k", "device_bytes_per_sequence", "host_bytes_
              "transfer_bytes_per_step", "prefetch_hidden", "predicted_speedup_vs_full"}
 GOLDEN_CASES = {  # name -> CLI arguments
     "plan_a6000_mistral7b_32k": ["--gpu", "rtx-a6000", "--model", "mistral-7b", "--context", "32768",
-                                 "--bits", "1", "--reference", "paper"],
+                                 "--bits", "1", "--outliers", "0", "--reference", "paper"],
     "plan_l4_smollm2_8k": ["--gpu", "l4", "--model", "smollm2-135m", "--context", "8192", "--host-ram", "32"],
 }
 
@@ -132,7 +133,7 @@ def test_k_max_hidden_is_the_boundary(a6000, mistral):
     kvb = S.kv_bytes_per_token(mistral)
 
     def hidden(k: int) -> bool:
-        read = S.guide_bytes(mistral, 32768, 1, 64) + (127 + 4 + k) * kvb
+        read = S.guide_bytes(mistral, 32768, 1, 64, outliers=outliers_for(1, None)) + (127 + 4 + k) * kvb
         compute = R.decode_step_seconds(a6000, mistral, sp.max_batch, 2, read, 32768)
         return R.transfer_seconds(a6000, sp.max_batch * k * kvb) <= compute
 
@@ -303,7 +304,7 @@ def test_malformed_profile_exit_code(tmp_path):
 
 def test_paper_validation_a6000_mistral_32k(a6000, mistral):
     """Paper: full cache batch 3, 1-bit SpeCache about 36 (docs/planner.md, "Validation")."""
-    p = P.plan(a6000, mistral, 32768, P.cache_for(mistral, a6000, bits=1), reference="paper")
+    p = P.plan(a6000, mistral, 32768, P.cache_for(mistral, a6000, bits=1, outliers=0), reference="paper")  # the paper's guide
     full, spec = p.mode("full"), p.mode("specache")
     assert 3 * 0.8 <= full.max_batch <= 3 * 1.2
     assert 36 * 0.8 <= spec.max_batch <= 36 * 1.2 and spec.limited_by == "device"
@@ -313,7 +314,7 @@ def test_paper_validation_a6000_mistral_32k(a6000, mistral):
     # this engine's own full cache (rows prefilled one at a time in 512-token chunks)
     assert P.plan(a6000, mistral, 32768, P.cache_for(mistral, a6000, bits=1)).mode("full").max_batch == 7
     # a 160 GB host caps the exact store at 36 sequences (the doc's host-RAM paragraph)
-    one_bit = P.cache_for(mistral, a6000, bits=1)
+    one_bit = P.cache_for(mistral, a6000, bits=1, outliers=0)
     assert P.plan(a6000, mistral, 32768, one_bit, host_ram_bytes=160 * GIB).mode("specache").max_batch == 36
 
 
