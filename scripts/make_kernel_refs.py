@@ -22,7 +22,7 @@ reference implementations give for them: the native library is disabled here
               DecodeArgs points to, its scalar fields, and the torch decode path's output
               (GuidedLayer.attend_decode) and selection weights, for prefetch speculative
               (2 and 1 bit, select_both, corrected -- the default -- and not, a hadamard-rotated guide)
-              and current (on cache row 1 of 2; rotated).
+              and current (on cache row 1 of 2; rotated), both also softcapped (Gemma 2).
 
 The layer's state is written through its own API (update, commit: sinks, residual window,
 host store, quantization) from seeded random K/V, and the fetched set from seeded random
@@ -393,7 +393,8 @@ def _layer_state(config) -> tuple:
     return cache, layer, step.start
 
 
-def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, select: int | None, seed: int) -> Case:
+def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, select: int | None, seed: int,
+                softcap: float | None = None) -> Case:
     cache, layer, starts = _layer_state(config)
     hkv, d, heads = TINY.num_key_value_heads, TINY.head_dim, TINY.num_attention_heads
     b = rows.stop - rows.start
@@ -411,6 +412,8 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
         if field != "nthreads":  # the check runs each case with 1 and 2 threads
             c[field] = int(getattr(a, field))
     c["scaling"] = float(a.scaling)
+    if softcap is not None:  # DecodeArgs.softcap (absent: none)
+        c["softcap"] = float(softcap)
     store, guide = layer.store, layer.guide
     buffers = {"q": qg, "start": start, "qend": layer.qend, "sink_k": layer.sink_k, "sink_v": layer.sink_v,
                "res_k": layer.res_k, "res_v": layer.res_v, "fk": store.fk, "fv": store.fv, "fidx": layer.fidx,
@@ -438,7 +441,7 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
 
     layer.fetch_top = capture
     with torch.no_grad():
-        out = layer.attend_decode(q, scaling, step)  # [b, T, H, D]
+        out = layer.attend_decode(q, scaling, step, softcap)  # [b, T, H, D]
     assert len(captured) == 1, "the pass made no selection"
     c["ref_out"] = out.transpose(1, 2).reshape(b, hkv, heads // hkv * t, d)
     c["ref_sel_w"] = captured[0]
@@ -469,7 +472,11 @@ def fused_cases() -> list[Case]:
                         seed=606),
             _fused_case("fused:current_1bit_outliers", base,
                         dataclasses.replace(spec, bits=1, prefetch="current", rotation="hadamard", outliers=3),
-                        slice(0, 2), 1, None, seed=607)]
+                        slice(0, 2), 1, None, seed=607),
+            # a small softcap (Gemma 2's is 50 on scores of a few units): most scores are bent by it
+            _fused_case("fused:spec_softcap", base, spec, slice(0, 2), 2, 1, seed=608, softcap=1.5),
+            _fused_case("fused:current_softcap", base, dataclasses.replace(spec, prefetch="current"), slice(0, 2), 1,
+                        None, seed=609, softcap=1.5)]
 
 
 # -------------------------------------------------------------------------------- main

@@ -47,6 +47,8 @@ typedef struct {
     int64_t oc_sb, oc_sh;
     const uint16_t *os, *oz; /* fp16 [rows, H, L/g, O] scale and zero */
     int64_t os_sb, os_sh;
+    float softcap; /* > 0: attention-logit softcapping (Gemma 2), every score s (exact or the guide's, already
+                    * scaled) becomes softcap * tanh(s / softcap) before the softmax; 0: none */
 } DecodeArgs;
 
 #endif

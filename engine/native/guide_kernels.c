@@ -1089,7 +1089,8 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
  * their exact K/V are copied from the host store into the fetched buffers fk / fv.
  * With current (non-speculative prefetch, T = 1), the same selection is made first, from the
  * new token's own probabilities with guide scores (sinks and residual exact) over [S, n), and
- * the pass then attends with that fetched set.
+ * the pass then attends with that fetched set. With softcap > 0 (Gemma 2) every score, exact or
+ * the guide's, is capped (c tanh(s / c)) before the softmax and before any selection reads it.
  * Arrays indexed by cache row use row0 + b; q, out, start use b. All strides in elements.
  * The argument block, DecodeArgs, is in decode_args.h. */
 
@@ -1157,6 +1158,34 @@ static float reduce16(const float *x, int64_t L, int op) {
     float r = lanes[0];
     for (int i = 1; i < 16; i++) r = op ? (lanes[i] > r ? lanes[i] : r) : r + lanes[i];
     return r;
+}
+
+/* Attention-logit softcapping (Gemma 2), per lane: c * tanh(s / c), a masked score (-inf) kept.
+ * tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) and |x| clamped to 9 (tanh(9) is 1 in
+ * float): absolute error ~2e-7 c, the torch path's tanh rounded differently. */
+INLINE vnf vn_softcap(vnf s, float c, float inv_c) {
+    const vni masked = s == VN_SPLAT(-__builtin_inff());
+    const vnf x = s * inv_c;
+    const vni neg = x < VN_SPLAT(0.0f);
+    vnf a = vn_select(neg, -x, x);
+    a = vn_select(a > VN_SPLAT(9.0f), VN_SPLAT(9.0f), a);
+    const vnf e = vn_exp(a * -2.0f);
+    vnf t = (1.0f - e) / (1.0f + e) * c;
+    t = vn_select(neg, -t, t);
+    return vn_select(masked, s, t);
+}
+
+/* row[l] = c * tanh(row[l] / c) for l < L (c > 0; -inf stays), VW at a time (the tail through a padded copy). */
+static void softcap_row(float *row, int64_t L, float c) {
+    const float inv = 1.0f / c;
+    int64_t l = 0;
+    for (; l + VW <= L; l += VW) vn_store(row + l, vn_softcap(vn_load(row + l), c, inv));
+    if (l < L) {
+        float tail[VW] = {0};
+        memcpy(tail, row + l, (size_t)(L - l) * sizeof(float));
+        vn_store(tail, vn_softcap(vn_load(tail), c, inv));
+        memcpy(row + l, tail, (size_t)(L - l) * sizeof(float));
+    }
 }
 
 /* softmax of row[0, L) in place (entries may be -inf; at least one is finite). */
@@ -1413,6 +1442,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     const int64_t Q = a->G * a->T, D = a->D, T = a->T, r = a->row0 + b;
     const int64_t n = a->qend[r], start = a->start[b], nres = start + T - n, L = n + nres;
     const int64_t S = a->S < n ? a->S : n;
+    const int cap = a->softcap > 0.0f; /* every score softcapped before the softmax (DecodeArgs.softcap) */
     float *scores = scratch;                    /* [Q][Lmax] */
     float *agg = scores + (size_t)Q * Lmax;     /* [Lmax] */
     int32_t *cidx = (int32_t *)(agg + Lmax);    /* [Lmax] */
@@ -1470,6 +1500,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         const int64_t last = start + i % T; /* the newest position this query sees */
         for (int64_t j = 0; j < nres; j++)
             row[n + j] = n + j <= last ? dot(qi, rk + j * D, D) : -__builtin_inff();
+        if (cap) softcap_row(row, L, a->softcap); /* guide, sink and residual scores alike */
     }
     int64_t chosen = 0;
     if (direct) {
@@ -1502,6 +1533,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         dots_gather(q, Q, a->store_k + r * a->st_sb + h * a->st_sh, cidx, chosen, D, exq, a->K);
         for (int64_t i = 0; i < Q; i++) {
             float *row = scores + i * Lmax, *ex = exq + i * a->K;
+            if (cap) softcap_row(ex, chosen, a->softcap);
             float emax = mx[i], z = zs[i];
             for (int64_t j = 0; j < chosen; j++) emax = ex[j] > emax ? ex[j] : emax;
             if (emax > mx[i]) { /* an exact score above the row's maximum: rescale (rare) */
@@ -1521,9 +1553,12 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         for (int64_t i = 0; i < Q; i++) {
             float *row = scores + i * Lmax;
             const float *qi = q + i * D;
-            if (use_fetched)
+            if (use_fetched) {
+                for (int64_t j = 0; j < a->K; j++) fw[j] = fpos[j] >= 0 ? dot(qi, fk + j * D, D) : 0.0f;
+                if (cap) softcap_row(fw, a->K, a->softcap);
                 for (int64_t j = 0; j < a->K; j++)
-                    if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
+                    if (fpos[j] >= 0) row[fpos[j]] = fw[j];
+            }
             /* 2. softmax */
             softmax_row(row, L);
         }

@@ -523,6 +523,8 @@ static void check_fused(const char *cas) {
     const Blob *oidx = find(cas, "oidx"), *oc = find(cas, "oc"), *os_ = find(cas, "os"), *oz = find(cas, "oz");
     if (oidx && oc && os_ && oz) a.oidx = oidx->data, a.oc = oc->data, a.os = os_->data, a.oz = oz->data;
     a.scaling = *F32(scaling);
+    const Blob *softcap = find(cas, "softcap"); /* absent: no softcapping */
+    a.softcap = softcap ? *F32(softcap) : 0.0f;
     a.q = F32(q), a.start = start->data, a.qend = qend->data, a.sink_k = F32(sink_k), a.sink_v = F32(sink_v);
     a.res_k = F32(res_k), a.res_v = F32(res_v), a.store_k = F32(store_k), a.store_v = F32(store_v);
     a.kc = kc->data, a.ks = ks->data, a.kz = kz->data, a.vc = vc->data, a.vs = vs->data, a.vz = vz->data;
@@ -533,9 +535,9 @@ static void check_fused(const char *cas) {
         return;
     }
     char msg[512], what[512];
-    snprintf(what, sizeof what, "%s decode_attention %s%s%s%s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
+    snprintf(what, sizeof what, "%s decode_attention %s%s%s%s%s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
              a.current ? "prefetch current" : "speculative", a.select_both ? " select_both" : "",
-             a.correct ? " corrected" : "", a.rot ? " rotated" : "", a.O ? " outliers" : "", (long long)a.bits,
+             a.correct ? " corrected" : "", a.rot ? " rotated" : "", a.O ? " outliers" : "", a.softcap > 0 ? " softcapped" : "", (long long)a.bits,
              (long long)a.row0, (long long)(a.row0 + a.B - 1), (long long)a.T);
     DecodeRun run[2];
     for (int t = 0; t < 2; t++) {
