@@ -537,7 +537,8 @@ static void check_fused(const char *cas) {
     char msg[512], what[512];
     snprintf(what, sizeof what, "%s decode_attention %s%s%s%s%s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
              a.current ? "prefetch current" : "speculative", a.select_both ? " select_both" : "",
-             a.correct ? " corrected" : "", a.rot ? " rotated" : "", a.O ? " outliers" : "", a.softcap > 0 ? " softcapped" : "", (long long)a.bits,
+             a.correct ? " corrected" : "", a.rot ? " rotated" : "", a.O ? " outliers" : "",
+             a.softcap > 0 ? " softcapped" : "", (long long)a.bits,
              (long long)a.row0, (long long)(a.row0 + a.B - 1), (long long)a.T);
     DecodeRun run[2];
     for (int t = 0; t < 2; t++) {
