@@ -58,7 +58,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 9; }
+EXPORT int specache_guide_abi_version(void) { return 10; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -1644,6 +1644,56 @@ EXPORT int specache_decode_attention(const DecodeArgs *a) {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++)
             if (scratch) decode_item(a, it / a->H, it % a->H, scratch, Lmax);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ------------------------------------------------------- sliding-window decode attention */
+
+/* A sliding-window layer's decode pass (engine/kvcache/sliding.py SlidingWindowLayer.attend, whose torch code
+ * is the reference): per cache row b, KV head h and grouped query i (query head i / T of the group, new token
+ * t = i % T at position p = start[b] + t), the slots c of the ring whose position pos[c] lies in (p - W, p]
+ * are attended (only those: a ring holds up to W + a chunk): scores q . k * scaling (softcapped when
+ * softcap > 0), one softmax, the values weighted.
+ * A query that sees no slot gets zeros. One work item per query: a batch-1 model with one KV head still
+ * spreads over the threads. Returns 0, or -1 for bad arguments / out of memory. */
+static void sliding_item(const SlidingArgs *a, int64_t b, int64_t h, int64_t i, float *row, float *q, int32_t *idx) {
+    const int64_t D = a->D, C = a->C, r = a->row0 + b, p = a->start[b] + i % a->T;
+    const float *qi = a->q + b * a->q_sb + h * a->q_sh + i * D;
+    const float *k = a->k + r * a->k_sb + h * a->k_sh, *v = a->v + r * a->k_sb + h * a->k_sh;
+    const int64_t *pos = a->pos + r * a->pos_sb;
+    float *o = a->out + ((b * a->H + h) * a->G * a->T + i) * D;
+    for (int64_t d = 0; d < D; d++) q[d] = qi[d] * a->scaling;
+    int64_t m = 0; /* the visible slots, compacted: scores row[0, m), slots idx[0, m) */
+    for (int64_t c = 0; c < C; c++)
+        if (pos[c] >= 0 && pos[c] <= p && pos[c] > p - a->W) {
+            idx[m] = (int32_t)c;
+            row[m++] = dot(q, k + c * D, D);
+        }
+    memset(o, 0, (size_t)D * sizeof(float));
+    if (!m) return;
+    if (a->softcap > 0.0f) softcap_row(row, m, a->softcap);
+    softmax_row(row, m);
+    add_weighted_gather(o, 1, v, idx, row, m, m, D);
+}
+
+EXPORT int specache_sliding_attention(const SlidingArgs *a) {
+    if (a->B <= 0 || a->H <= 0 || a->C <= 0) return 0;
+    if (a->D % 8 || a->D <= 0 || a->G < 1 || a->T < 1 || a->W < 1) return -1;
+    const int64_t Q = a->G * a->T, items = a->B * a->H * Q;
+    const int64_t cpad = (a->C + 15) / 16 * 16;
+    const size_t floats = (size_t)(2 * cpad + a->D); /* scores, slot indices, the scaled query */
+    int failed = 0;
+#pragma omp parallel num_threads((int)a->nthreads) if (a->nthreads > 1 && items > 1) reduction(| : failed)
+    {
+        float *scratch = scratch_alloc(floats);
+        if (!scratch) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++)
+            if (scratch)
+                sliding_item(a, it / (a->H * Q), it / Q % a->H, it % Q, scratch, scratch + 2 * cpad,
+                             (int32_t *)(scratch + cpad));
         free(scratch);
     }
     return failed ? -1 : 0;
