@@ -4,7 +4,7 @@ Exit codes (documented in README):
   0 ok, 1 internal error, 2 bad flags (Click's own usage errors too),
   3 input not found, 4 unsupported input type, 5 corrupt document,
   6 encrypted document (wrong or missing password), 7 no extractable text (scanned),
-  8 empty document, 9 document too long for the chosen strategy,
+  8 empty document (blank, or tokenizes to nothing), 9 document too long for the chosen strategy,
   10 model could not be loaded, 11 malformed profile, 12 out of memory / does not fit,
   13 some documents of a batch failed, 14 a file could not be written (disk full, read-only,
   a cache folder that is not a folder), 130 interrupted (Ctrl-C).

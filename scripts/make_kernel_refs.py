@@ -22,7 +22,9 @@ reference implementations give for them: the native library is disabled here
               DecodeArgs points to, its scalar fields, and the torch decode path's output
               (GuidedLayer.attend_decode) and selection weights, for prefetch speculative
               (2 and 1 bit, select_both, corrected -- the default -- and not, a hadamard-rotated guide)
-              and current (on cache row 1 of 2; rotated).
+              and current (on cache row 1 of 2; rotated), both also softcapped (Gemma 2); and a sliding-window
+              layer's decode attention over its ring (SlidingWindowLayer.attend_torch: two new tokens, rows of
+              different lengths, one ring wrapped, softcapped or not).
 
 The layer's state is written through its own API (update, commit: sinks, residual window,
 host store, quantization) from seeded random K/V, and the fetched set from seeded random
@@ -55,8 +57,10 @@ import torch
 from engine import native
 from engine.config import CacheConfig
 from engine.kvcache import make_cache
-from engine.kvcache.base import Step, grouped_query
+from engine.kvcache.base import ModelShape, Step, grouped_query
 from engine.kvcache.fused import FusedDecode
+from engine.kvcache.sliding import SlidingWindowLayer
+from engine.kvcache.transfer import Transfer
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
 from engine.model.gguf_files import split_block_rows
 from engine.model.linears import (BF16_FMT, F16_FMT, FORMATS, MIN_FMTS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT,
@@ -393,7 +397,8 @@ def _layer_state(config) -> tuple:
     return cache, layer, step.start
 
 
-def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, select: int | None, seed: int) -> Case:
+def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, select: int | None, seed: int,
+                softcap: float | None = None) -> Case:
     cache, layer, starts = _layer_state(config)
     hkv, d, heads = TINY.num_key_value_heads, TINY.head_dim, TINY.num_attention_heads
     b = rows.stop - rows.start
@@ -411,6 +416,8 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
         if field != "nthreads":  # the check runs each case with 1 and 2 threads
             c[field] = int(getattr(a, field))
     c["scaling"] = float(a.scaling)
+    if softcap is not None:  # DecodeArgs.softcap (absent: none)
+        c["softcap"] = float(softcap)
     store, guide = layer.store, layer.guide
     buffers = {"q": qg, "start": start, "qend": layer.qend, "sink_k": layer.sink_k, "sink_v": layer.sink_v,
                "res_k": layer.res_k, "res_v": layer.res_v, "fk": store.fk, "fv": store.fv, "fidx": layer.fidx,
@@ -438,7 +445,7 @@ def _fused_case(name: str, base: Case | None, config, rows: slice, t: int, selec
 
     layer.fetch_top = capture
     with torch.no_grad():
-        out = layer.attend_decode(q, scaling, step)  # [b, T, H, D]
+        out = layer.attend_decode(q, scaling, step, softcap)  # [b, T, H, D]
     assert len(captured) == 1, "the pass made no selection"
     c["ref_out"] = out.transpose(1, 2).reshape(b, hkv, heads // hkv * t, d)
     c["ref_sel_w"] = captured[0]
@@ -469,13 +476,58 @@ def fused_cases() -> list[Case]:
                         seed=606),
             _fused_case("fused:current_1bit_outliers", base,
                         dataclasses.replace(spec, bits=1, prefetch="current", rotation="hadamard", outliers=3),
-                        slice(0, 2), 1, None, seed=607)]
+                        slice(0, 2), 1, None, seed=607),
+            # a small softcap (Gemma 2's is 50 on scores of a few units): most scores are bent by it
+            _fused_case("fused:spec_softcap", base, spec, slice(0, 2), 2, 1, seed=608, softcap=1.5),
+            _fused_case("fused:current_softcap", base, dataclasses.replace(spec, prefetch="current"), slice(0, 2), 1,
+                        None, seed=609, softcap=1.5)]
+
+
+def _sliding_case(name: str, base: Case | None, rows: slice, softcap: float | None, seed: int) -> Case:
+    """A sliding-window layer (engine/kvcache/sliding.py) of the tiny GQA shape, window 24, its two rows filled
+    through its own update (7 and 61 tokens in prefill chunks of 16: the longer row's ring wraps), then a decode
+    pass writing two new tokens per row; queries of `rows` attend (the reference: attend_torch's output). The
+    ring is the same in every case (stored once, in the base case)."""
+    hkv, d, heads = TINY.num_key_value_heads, TINY.head_dim, TINY.num_attention_heads
+    lengths, t = [7, 61], 2
+    g = gen(700)
+    layer = SlidingWindowLayer.build(ModelShape(1, heads, hkv, d), CacheConfig(mode="full", chunk_size=16),
+                                     len(lengths), 400, torch.float32, torch.device("cpu"),
+                                     Transfer(torch.device("cpu")), window=24)
+    for r, n in enumerate(lengths):
+        for p0 in range(0, n, 16):
+            m = min(16, n - p0)
+            step = Step(slice(r, r + 1), torch.tensor([p0]), m, m, prefill=True)
+            layer.update(torch.randn(1, hkv, m, d, generator=g), torch.randn(1, hkv, m, d, generator=g), step)
+    step = Step(slice(0, 2), torch.tensor(lengths), t, 1, 0)
+    layer.update(torch.randn(2, hkv, t, d, generator=g), torch.randn(2, hkv, t, d, generator=g), step)
+    b = rows.stop - rows.start
+    step = Step(rows, torch.tensor(lengths[rows]), t, 1, 0)
+    q = torch.randn(b, heads, t, d, generator=gen(seed)) * 2
+    scaling = d**-0.5
+    c = Case(name, base=base)
+    for field, value in (("B", b), ("H", hkv), ("G", heads // hkv), ("T", t), ("D", d), ("C", layer.capacity),
+                         ("W", layer.window), ("row0", rows.start)):
+        c[field] = int(value)
+    c["scaling"] = float(scaling)
+    c["softcap"] = float(softcap or 0.0)  # (always written: a case's absent field is its base case's)
+    c["q"] = grouped_query(q, hkv).contiguous()
+    c["k"], c["v"], c["pos"], c["start"] = layer.k.clone(), layer.v.clone(), layer.pos.clone(), step.start.clone()
+    with torch.no_grad():
+        out = layer.attend_torch(q, scaling, step, softcap)  # [b, T, H, D]
+    c["ref_out"] = out.transpose(1, 2).reshape(b, hkv, heads // hkv * t, d)
+    return c
+
+
+def sliding_cases() -> list[Case]:
+    base = _sliding_case("sliding:two_rows_softcapped", None, slice(0, 2), 1.5, seed=701)
+    return [base, _sliding_case("sliding:row_1", base, slice(1, 2), None, seed=702)]
 
 
 # -------------------------------------------------------------------------------- main
 
 
-FILES = {"linear.bin": linear_cases, "guide.bin": guide_cases, "fused.bin": fused_cases}
+FILES = {"linear.bin": linear_cases, "guide.bin": guide_cases, "fused.bin": lambda: fused_cases() + sliding_cases()}
 
 
 def make(out: Path) -> list[Path]:

@@ -375,3 +375,53 @@ def test_the_timings_line_says_what_the_guide_ran_with(tiny_model_dir):
     assert f"rotation hadamard ({c['guided_layers']} of {c['guided_layers']} layers rotated)" in r.stderr
     r = runner.invoke(app, base + ["--cache", "full"])
     assert r.exit_code == 0 and "guide" not in r.stderr.split("single:")[1]
+
+
+class DroppingTokenizer:
+    """A tokenizer that drops every character of a text (its ids: none), around the model's own."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, text, **kwargs):
+        return {"input_ids": []}
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("command", [["summarize"], ["ask", "What is it?", "--doc"]])
+def test_a_document_that_tokenizes_to_nothing_is_one_error_line_and_the_empty_document_code(tiny_model_dir,
+                                                                                             monkeypatch, command):
+    """A text that is not blank but of which the tokenizer keeps nothing: the empty-document exit code (8) and one
+    `error:` line naming the file, no traceback (it was an internal error deep in the prefill)."""
+    from engine.model import loading
+
+    load = loading.load_model
+
+    def dropping(*args, **kwargs):
+        lm = load(*args, **kwargs)
+        lm.tokenizer = DroppingTokenizer(lm.tokenizer)
+        return lm
+
+    monkeypatch.setattr("specache_cli.run_cmds.load_model", dropping)
+    r = CliRunner().invoke(app, [*command, str(DATA / "sample.txt"), "--model", str(tiny_model_dir), "--no-store",
+                                 "--max-tokens", "4"])
+    assert r.exit_code == 8, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "sample.txt" in errors[0] and "tokenizes to nothing" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_empty_prompt_is_an_empty_document_not_an_internal_error(tiny_model):
+    from engine.config import CacheConfig, GenerationConfig
+    from engine.errors import EmptyDocument
+    from engine.generate.engine import Engine
+
+    for mode in ("full", "specache"):
+        engine = Engine(tiny_model, CacheConfig(mode=mode))
+        with pytest.raises(EmptyDocument) as info:
+            list(engine.generate([[5, 6, 7], []], GenerationConfig(max_tokens=2)))
+        assert info.value.exit_code == 8
+        with pytest.raises(EmptyDocument):
+            list(engine.teacher_forced([], [5]))

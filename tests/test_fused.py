@@ -133,6 +133,46 @@ def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
 
 @pytest.mark.kernels
 @needs_native
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[5], CONFIGS[4], CONFIGS[9]],
+                         ids=["specache-2b", "specache-1b-hadamard", "current", "current-1b-hadamard-outliers"])
+def test_fused_decode_of_softcapped_layers_equals_torch_path(monkeypatch, config):
+    """A softcapped model (Gemma 2's attention-logit softcapping, here a cap of 4 that bends most scores)
+    decodes its guided layers by the native call, which caps every score as the torch path does. (Not
+    specache-1b here: on this model its plain guide ties two candidates at step 13 with or without the cap,
+    and the two paths break the tie differently, which the kernel check allows.)"""
+    from engine.model.loading import prepare_model
+    from tests.tiny_archs import VOCAB, tiny_model as arch_model
+
+    model = prepare_model(arch_model("gemma2"))
+    assert model.config.attn_logit_softcapping == 4.0
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, VOCAB - 3, (300,), generator=g).tolist()
+    forced = torch.randint(3, VOCAB - 3, (40,), generator=g).tolist()
+    caps = []
+    original = engine.kvcache.fused.FusedDecode.__call__
+
+    def wrapped(self, qg, scaling, step, softcap=None):
+        caps.append(softcap)
+        return original(self, qg, scaling, step, softcap)
+
+    monkeypatch.setattr(engine.kvcache.fused.FusedDecode, "__call__", wrapped)
+    fused, fused_guides = forced_and_guides(Engine(model, config), prompt, forced)
+    assert caps and set(caps) == {4.0}, "the softcapped layers did not take the native call"
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+    plain, plain_guides = forced_and_guides(Engine(model, config), prompt, forced)
+    same = next((i for i, (a, b) in enumerate(zip(fused_guides, plain_guides)) if a != b), len(forced))
+    assert same >= 30, f"the guides parted at step {same}"
+    torch.testing.assert_close(fused[:same], plain[:same], rtol=1e-4, atol=1e-4)
+    # and the cap matters: the same native call without it gives other logits
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", engine.kvcache.fused.fused_applies)
+    monkeypatch.setattr(engine.kvcache.fused.FusedDecode, "__call__",
+                        lambda self, qg, scaling, step, softcap=None: original(self, qg, scaling, step, None))
+    uncapped, _ = forced_and_guides(Engine(model, config), prompt, forced)
+    assert (uncapped[:same] - plain[:same]).abs().max() > 1e-3  # ten times the tolerance above
+
+
+@pytest.mark.kernels
+@needs_native
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[4]], ids=["speculative", "current"])
 def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypatch, config):
     prompts = prompts_of((150, 97, 260))

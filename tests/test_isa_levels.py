@@ -45,7 +45,8 @@ def test_kernel_tests_pass_at_level(level):
                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert probe.stdout.split()[0] == native.LEVEL_ISA[level], probe.stdout + probe.stderr
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kernels",
-                          "tests/test_linears.py", "tests/test_quant.py", "tests/test_fused.py"],
+                          "tests/test_linears.py", "tests/test_quant.py", "tests/test_fused.py",
+                          "tests/test_sliding.py"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-1000:]

@@ -9,12 +9,15 @@ import torch
 from transformers import Gemma3TextConfig, MistralConfig
 from typer.testing import CliRunner
 
+from engine import native
 from engine.config import CacheConfig
 from engine.generate.steps import prefill
-from engine.kvcache import layer_classes, make_cache
+from engine.kvcache import layer_classes, make_cache, sliding
+from engine.kvcache.base import ModelShape, Step, grouped_query, masked_attention, ungroup_output
 from engine.kvcache.sizes import layer_kv_bytes_per_token, sliding_slots
-from engine.kvcache.sliding import SlidingWindowLayer
 from engine.kvcache.policies.specache import SpecacheLayer
+from engine.kvcache.sliding import SlidingWindowLayer, sliding_kernel
+from engine.kvcache.transfer import Transfer
 from engine.model.loading import prepare_model
 from engine.plan import planner as P
 from engine.plan.profiles import load_hardware, load_model_profile, model_profile_from_config
@@ -118,3 +121,53 @@ def test_the_device_fraction_counts_16_bit_on_both_sides_of_an_fp32_run(mode):
         exact_fp32 = stats["device_bytes"] - stats["device_fp16_bytes"]  # the exact parts' second half
         assert stats["device_vs_full_fp16"] == round(stats["device_fp16_bytes"] / stats["full_fp16_bytes"], 4)
         assert 0 < exact_fp32 < stats["device_fp16_bytes"] < stats["full_fp16_bytes"]
+
+
+def filled_window_layer(lengths, window: int, heads: int = 6, kv_heads: int = 2, head_dim: int = 32, seed: int = 0):
+    """A window layer of len(lengths) rows, row r holding lengths[r] tokens of random K/V written through
+    its own update (prefill chunks of 16: the ring wraps for the longer rows)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = ModelShape(1, heads, kv_heads, head_dim)
+    config = CacheConfig(mode="full", chunk_size=16)
+    layer = SlidingWindowLayer.build(shape, config, len(lengths), 400, torch.float32, torch.device("cpu"),
+                                     Transfer(torch.device("cpu")), window=window)
+    for r, n in enumerate(lengths):
+        for p0 in range(0, n, 16):
+            t = min(16, n - p0)
+            step = Step(slice(r, r + 1), torch.tensor([p0]), t, t, prefill=True)
+            layer.update(torch.randn(1, kv_heads, t, head_dim, generator=g), torch.randn(1, kv_heads, t, head_dim,
+                                                                                          generator=g), step)
+    return layer, g
+
+
+@pytest.mark.kernels
+@pytest.mark.skipif(sliding_kernel(torch.device("cpu")) != "native", reason="native kernels unavailable here")
+@pytest.mark.parametrize("rows,new", [(slice(0, 3), 1), (slice(0, 3), 2), (slice(1, 3), 3)])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_the_native_sliding_kernel_equals_the_torch_reference(rows, new, softcap):
+    """A decode pass's attention over the rings of rows of different lengths (one shorter than the window,
+    two whose rings wrapped), 1-3 new tokens, with and without a softcap: the C kernel against attend_torch."""
+    lengths = [30, 7, 61]
+    layer, g = filled_window_layer(lengths, window=24)
+    b = rows.stop - rows.start
+    start = torch.tensor(lengths[rows])
+    step = Step(rows, start, new, 1, select=0)
+    layer.update(torch.randn(b, 2, new, 32, generator=g), torch.randn(b, 2, new, 32, generator=g), step)
+    q = torch.randn(b, 6, new, 32, generator=g) * 2
+    got = layer.attend(q, 0.3, step, softcap)
+    want = layer.attend_torch(q, 0.3, step, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the window matters: the same queries over every written slot give another output
+    wide = masked_attention(grouped_query(q, 2), layer.k[rows], layer.v[rows], None, 0.3, softcap)
+    assert (ungroup_output(wide, 6, new) - want).abs().max() > 1e-2
+
+
+def test_the_sliding_kernel_is_chosen_per_device_from_the_table(monkeypatch):
+    """The table names the CPU's kernel; a device it does not name, and a CPU without the library, take torch."""
+    assert sliding.sliding_kernel(torch.device("meta")) == "torch"
+    monkeypatch.setattr(native, "lib", lambda: None)
+    assert sliding.sliding_kernel(torch.device("cpu")) == "torch"
+    monkeypatch.setattr(native, "lib", lambda: object())
+    assert sliding.sliding_kernel(torch.device("cpu")) == "native"
+    monkeypatch.setitem(sliding.SLIDING_KERNELS, "cpu", "torch")
+    assert sliding.sliding_kernel(torch.device("cpu")) == "torch"

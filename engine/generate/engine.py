@@ -16,6 +16,7 @@ import torch
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import make_key
+from engine.errors import EmptyDocument
 from engine.generate.prefixes import DocStoreUse, load_row, prefix_layout, save_row, store_settings
 from engine.generate.sampling import Sampler
 from engine.generate.steps import Picker, decode_headroom, decoder_for, prefill, sync
@@ -55,6 +56,13 @@ class Finished:
         return sum(len(t) for t in self.tokens)
 
 
+def check_prompts(prompts: list[list[int]]) -> None:
+    """A batch with no prompt, or a prompt of no tokens: EmptyDocument (the empty-document exit code) rather
+    than an error deep in the prefill."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise EmptyDocument("a prompt tokenizes to nothing: there is no token to start from")
+
+
 class Engine:
     """A model (any transformers causal LM prepared by engine.model.loading.prepare_model) with one
     cache configuration. store: the persistent document store for document prefixes (or None).
@@ -92,7 +100,9 @@ class Engine:
 
         Each prompt's document prefix is filled on its own first (prefix_layout: one shared prefix
         filled once and copied, or one per row), loaded from the store when it is there and saved
-        to it after its prefill otherwise; labels name each row's document in the store."""
+        to it after its prefill otherwise; labels name each row's document in the store. A prompt of no
+        tokens (a text that tokenizes to nothing) raises EmptyDocument: there is nothing to condition on."""
+        check_prompts(prompts)
         max_len = max(len(p) for p in prompts) + gen.max_tokens + 2 + decode_headroom(self.policy)
         with self.new_cache(len(prompts), max_len) as cache:
             t0 = time.perf_counter()
@@ -181,6 +191,7 @@ class Engine:
     def teacher_forced(self, prompt: list[int], forced: list[int]) -> Iterator[torch.Tensor]:
         """Feed `forced` as the output tokens (e.g. the full cache's own output) through the mode's real
         step loop; yield the next-token logits [V] that preceded each forced token."""
+        check_prompts([prompt])
         with self.new_cache(1, len(prompt) + len(forced) + 2 + decode_headroom(self.policy)) as cache:
             *_, last = self.prefill(cache, prompt, 0)
             it = iter(forced)  # (exact mode may ask past the end within its last cycle: 0 then)

@@ -284,6 +284,17 @@ def split_sections(tokenizer, text: str, budget: int) -> list[str]:
     return sections
 
 
+def document_tokens(tokenizer, text: str, source: str) -> int:
+    """count_tokens of a document that is not blank; EmptyDocument when it is blank or tokenizes to nothing
+    (the tokenizer drops every character of it)."""
+    if not text.strip():
+        raise EmptyDocument(f"{source}: the document is empty")
+    n = count_tokens(tokenizer, text)
+    if n == 0:
+        raise EmptyDocument(f"{source}: the document tokenizes to nothing (the tokenizer drops all its characters)")
+    return n
+
+
 def choose_strategy(runner: Runner, doc_tokens: int, instruction: str) -> str:
     fits = doc_tokens <= runner.budget(instruction, runner.gen.max_tokens)
     if runner.strategy == "single" and not fits:
@@ -298,10 +309,8 @@ def choose_strategy(runner: Runner, doc_tokens: int, instruction: str) -> str:
 
 def summarize(runner: Runner, text: str, source: str) -> Iterator[Status | Stage | TextDelta | Result]:
     """Summarize one document (single pass or hierarchical map-reduce)."""
-    if not text.strip():
-        raise EmptyDocument(f"{source}: the document is empty")
     tok = runner.lm.tokenizer
-    n = count_tokens(tok, text)
+    n = document_tokens(tok, text, source)
     result = Result("", source, runner.lm.name, choose_strategy(runner, n, P.SUMMARIZE))
     if result.strategy == "single":
         prompt = P.build_prompt(tok, text, P.SUMMARIZE)
@@ -342,11 +351,9 @@ def ask_section_budget(runner: Runner, question: str) -> int:
 
 def ask(runner: Runner, text: str, source: str, question: str) -> Iterator[Status | Stage | TextDelta | Result]:
     """Answer a question about a document (or corpus); long ones are asked section by section."""
-    if not text.strip():
-        raise EmptyDocument(f"{source}: the document is empty")
     tok = runner.lm.tokenizer
     instruction = P.ASK.format(question=question)
-    n = count_tokens(tok, text)
+    n = document_tokens(tok, text, source)
     result = Result("", source, runner.lm.name, choose_strategy(runner, n, instruction), question=question)
     if result.strategy == "single":
         prompt = P.build_prompt(tok, text, instruction)
@@ -401,9 +408,7 @@ def summarize_many(runner: Runner, docs: list[tuple[str, str]], stream: bool = F
 
     for text, source in docs:
         try:
-            if not text.strip():
-                raise EmptyDocument(f"{source}: the document is empty")
-            strategy = choose_strategy(runner, count_tokens(tok, text), P.SUMMARIZE)
+            strategy = choose_strategy(runner, document_tokens(tok, text, source), P.SUMMARIZE)
         except SpecacheError as exc:  # this document only; results stay in document order
             yield from flush()
             yield Failed(source, exc)
@@ -423,11 +428,9 @@ def ask_many(runner: Runner, text: str, source: str, questions: list[str], strea
              ) -> Iterator[Status | Stage | TextDelta | Result]:
     """Answer several questions about one document: when it fits the window, as decode batches that
     prefill the document once and share it; otherwise one question at a time (map-reduce)."""
-    if not text.strip():
-        raise EmptyDocument(f"{source}: the document is empty")
     tok = runner.lm.tokenizer
     instructions = [P.ASK.format(question=q) for q in questions]
-    n = count_tokens(tok, text)
+    n = document_tokens(tok, text, source)
     if any(choose_strategy(runner, n, i) != "single" for i in instructions):
         for q in questions:
             yield from ask(runner, text, source, q)

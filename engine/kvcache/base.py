@@ -285,6 +285,7 @@ class KVCache(Cache):
         windows = [layer for layer in self.layers if layer.window is not None]
         if windows:
             stats["sliding_window_layers"] = len(windows)
+            stats.update(windows[0].run_stats(windows))  # (the window, and the kernel its decode passes take)
         stats.update(self.decode_stats)
         return stats
 

@@ -7,8 +7,9 @@ output back (DecodeArgs.rot), and in the corrected speculative mode (DecodeArgs.
 token picks its own set first, as prefetch "current" does, counting how much of it the prefetch held
 (DecodeArgs.reuse -> SpecacheLayer.count_reuse). Same semantics; results agree to float rounding (the top-k may order
 ties differently). The torch path stays the reference, and runs on CUDA, without the native
-library, for window mode, when the prefetch hit rate is measured, and for a softcapped layer (Gemma 2: the native
-call has no softcap; GuidedLayer.attend_decode decides). A guide's outlier key channels
+library, for window mode, and when the prefetch hit rate is measured (GuidedLayer.attend_decode decides). A
+softcapped layer (Gemma 2) takes the native call too: it caps every score, exact or the guide's, before the
+softmax as the torch path does (DecodeArgs.softcap). A guide's outlier key channels
 (engine/kvcache/outliers.py) add their score term in the native call too (DecodeArgs.O).
 """
 from __future__ import annotations
@@ -108,8 +109,11 @@ class FusedDecode:
         setattr(a, names[2] + "_sb", k.stride(0))
         setattr(a, names[2] + "_sh", k.stride(1))
 
-    def __call__(self, qg: torch.Tensor, scaling: float, step: Step) -> torch.Tensor:
-        """qg [b, H_kv, G*T, D] fp32 -> out [b, H_kv, G*T, D]; updates the fetched set when step.select."""
+    def __call__(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
+        """qg [b, H_kv, G*T, D] fp32 -> out [b, H_kv, G*T, D]; updates the fetched set when step.select
+        (softcap: the model's attention-logit softcapping, or None)."""
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"a softcap must be positive, got {softcap}")
         a = self.args
         b, _, nq, d = qg.shape
         if qg.stride(3) != 1 or qg.stride(2) != d:
@@ -122,6 +126,7 @@ class FusedDecode:
         a.rot = rot.data_ptr() if rot is not None else None
         a.select = -1 if step.select is None else step.select
         a.scaling = scaling
+        a.softcap = softcap or 0.0
         a.q, a.q_sb, a.q_sh = qg.data_ptr(), qg.stride(0), qg.stride(1)
         a.start, a.out = start.data_ptr(), out.data_ptr()
         reuse = torch.zeros(b, a.H, 2, dtype=torch.long) if a.correct and step.n_new > 1 else None

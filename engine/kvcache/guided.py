@@ -343,14 +343,14 @@ class GuidedLayer(CacheLayer):
 
     def attend_decode(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """One or two new tokens per row against guide + sinks + fetched set + residual (the native
-        fused call where it applies; it has no softcap, so a softcapped layer takes the torch path)."""
+        fused call where it applies, softcapped layers included)."""
         rows, t = step.rows, step.n_new
         b, h, g = q.shape[0], self.shape.kv_heads, self.shape.group
         qg = grouped_query(q, h)  # [b, H_kv, G*T, D]
         exact_region = self.watch is not None and self.watched(qg, scaling, step, softcap)
-        if softcap is None and not step.fixed and not exact_region and fused_applies(self, q):  # one native call: below
+        if not step.fixed and not exact_region and fused_applies(self, q):  # one native call: below
             self.fused = self.fused or FusedDecode(self)
-            return ungroup_output(self.fused(qg, scaling, step).to(q.dtype), self.shape.heads, t)
+            return ungroup_output(self.fused(qg, scaling, step, softcap).to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
         qends = self.qend_host[rows]  # (the same on the host)
         nq = max(qends) if self.use_guide else 0

@@ -11,7 +11,11 @@ from position s writes slots of positions up to s + T - 1 - capacity, and its fi
 positions from s - W + 1, so capacity >= W + T - 1 suffices (sizes.sliding_slots)."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
+
+from engine import native
 
 from engine.config import CacheConfig
 from engine.kvcache.base import (
@@ -26,6 +30,43 @@ from engine.kvcache.base import (
 )
 from engine.kvcache.sizes import layer_kv_bytes_per_token, sliding_kept_tokens, sliding_slots
 from engine.kvcache.transfer import Transfer
+
+
+# The code that computes a sliding-window layer's decode attention, by device type: "native", the C kernel
+# (engine/native/guide_kernels.c specache_sliding_attention: one call per layer and pass instead of ~10 torch
+# ops; Gemma 3 270M's 15 window layers took ~23% of a decode step in torch, bench-results/gemma3-llama-cpp.md),
+# where the library is built; every other device, and a CPU without it, the torch reference
+# (SlidingWindowLayer.attend_torch). sliding_kernel() says which one a run gets (--json: run_stats).
+SLIDING_KERNELS = {"cpu": "native"}
+
+
+def sliding_kernel(device: torch.device) -> str:
+    """Which code decodes the sliding-window layers on this device: "native" or "torch" (SLIDING_KERNELS)."""
+    if SLIDING_KERNELS.get(device.type) == "native" and native.lib() is not None:
+        return "native"
+    return "torch"
+
+
+def native_sliding_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                             start: torch.Tensor, rows: slice, window: int, scaling: float,
+                             softcap: float | None, group: int, t: int) -> torch.Tensor:
+    """The C kernel's attention of grouped queries qg [b, H_kv, G*T, D] (fp32) over the ring k / v
+    [B, H_kv, C, D] of the cache rows `rows`, slot positions pos [B, C], each row's first new position
+    start [b] -> [b, H_kv, G*T, D] (the same as attend_torch's, to float rounding)."""
+    if qg.stride(3) != 1 or qg.stride(2) != qg.shape[3]:
+        qg = qg.contiguous()
+    start = start.to(torch.long).contiguous()
+    b, h, nq, d = qg.shape
+    out = torch.empty(b, h, nq, d, dtype=torch.float32)
+    a = native.SlidingArgs(B=b, H=h, G=group, T=t, D=d, C=k.shape[2], W=window, row0=rows.start,
+                           nthreads=native.threads(), scaling=scaling, softcap=softcap or 0.0,
+                           q=qg.data_ptr(), q_sb=qg.stride(0), q_sh=qg.stride(1), k=k.data_ptr(), v=v.data_ptr(),
+                           k_sb=k.stride(0), k_sh=k.stride(1), pos=pos.data_ptr(), pos_sb=pos.stride(0),
+                           start=start.data_ptr(), out=out.data_ptr())
+    rc = native.lib().specache_sliding_attention(ctypes.byref(a))
+    if rc != 0:
+        raise RuntimeError(f"native sliding-window attention failed (rc {rc})")
+    return out
 
 
 class SlidingWindowLayer(CacheLayer):
@@ -72,8 +113,19 @@ class SlidingWindowLayer(CacheLayer):
         return additive_mask(allowed.repeat(1, group, 1)[:, None], dtype)
 
     def attend(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
-        """q [b, H, T, D] -> [b, T, H, D]: exact attention over the ring, masked to each query's window.
-        The mask is the same in every sliding layer of a pass (same writes, same capacity): built once."""
+        """q [b, H, T, D] -> [b, T, H, D]: exact attention over the ring, masked to each query's window. A
+        decode pass (fp32) takes the device's kernel (sliding_kernel), else the torch reference."""
+        if not step.prefill and not step.fixed and q.dtype == torch.float32 and self.k.dtype == torch.float32 \
+                and sliding_kernel(q.device) == "native":
+            qg = grouped_query(q, self.shape.kv_heads)
+            out = native_sliding_attention(qg, self.k, self.v, self.pos, step.start, step.rows, self.window, scaling,
+                                           softcap, self.shape.group, step.n_new)
+            return ungroup_output(out, self.shape.heads, step.n_new)
+        return self.attend_torch(q, scaling, step, softcap)
+
+    def attend_torch(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
+        """The torch reference of attend (every device, prefill chunks, the kernel's tests). The mask is the
+        same in every sliding layer of a pass (same writes, same capacity): built once."""
         qg = grouped_query(q, self.shape.kv_heads)  # [b, H_kv, G*T, D]
         mask = step.shared_value(("sliding", self.window, self.capacity, q.dtype),
                                  lambda: self.window_mask(step, self.shape.group, q.dtype))
@@ -114,4 +166,4 @@ class SlidingWindowLayer(CacheLayer):
         return (self.k.numel() + self.v.numel()) * self.k.element_size() // self.k.shape[0]
 
     def run_stats(self, layers: list) -> dict:
-        return {"sliding_window": self.window}
+        return {"sliding_window": self.window, "sliding_kernel": sliding_kernel(self.k.device)}

@@ -114,8 +114,9 @@ def _string(f) -> str:
     return f.read(n).decode("utf-8", errors="replace")
 
 
-def _value(f, vtype: int):
-    """One metadata value; arrays are skipped (None), strings of arrays without decoding them."""
+def _value(f, vtype: int, arrays: bool = False):
+    """One metadata value. Arrays: skipped (None; strings of arrays without decoding them), or with
+    arrays=True read, as a list (strings, nested arrays, booleans) or a list of numbers."""
     vtype = V(vtype)
     if vtype == V.STRING:
         return _string(f)
@@ -125,13 +126,41 @@ def _value(f, vtype: int):
     if count > _left(f):
         raise ValueError(f"an array of {count} values runs past the end of the file")
     if itype == V.STRING:
-        _skip_strings(f, count)
-    elif itype == V.ARRAY:
-        for _ in range(count):
-            _value(f, V.ARRAY)
-    else:
-        f.seek(count * struct.calcsize(_SCALARS[itype]), os.SEEK_CUR)
-    return None
+        return _read_strings(f, count) if arrays else _skip_strings(f, count)
+    if itype == V.ARRAY:
+        items = [_value(f, V.ARRAY, arrays) for _ in range(count)]
+        return items if arrays else None
+    fmt = _SCALARS[itype]
+    size = count * struct.calcsize(fmt)
+    if not arrays:
+        f.seek(size, os.SEEK_CUR)
+        return None
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError("the file ends inside its header")
+    return np.frombuffer(data, dtype=np.dtype(fmt)).tolist()
+
+
+def _read_strings(f, count: int) -> list[str]:
+    """count length-prefixed strings (a tokenizer's 262k tokens: one struct.unpack_from each on a buffer)."""
+    start, buf, off, out = f.tell(), b"", 0, []
+    unpack = struct.Struct("<Q").unpack_from
+    for _ in range(count):
+        if off + 8 > len(buf) or off + 8 + unpack(buf, off)[0] > len(buf):
+            start += off
+            f.seek(start)
+            n = unpack(f.read(8).ljust(8, b"\0"))[0]
+            f.seek(start)
+            if n > _left(f):  # a damaged length: never ask for terabytes
+                raise ValueError(f"a string of {n} bytes runs past the end of the file")
+            buf, off = f.read(max(1 << 20, 8 + n)), 0
+            if len(buf) < 8 or 8 + unpack(buf, 0)[0] > len(buf):
+                raise ValueError("the file ends inside its header")
+        n = unpack(buf, off)[0]
+        out.append(buf[off + 8 : off + 8 + n].decode("utf-8", errors="replace"))
+        off += 8 + n
+    f.seek(start + off)
+    return out
 
 
 def _skip_strings(f, count: int) -> None:
@@ -149,9 +178,10 @@ def _skip_strings(f, count: int) -> None:
     f.seek(start + off)
 
 
-def read_header(path: Path) -> Header:
+def read_header(path: Path, arrays: bool = False) -> Header:
     """The header of a GGUF file (format v2/v3), read without mapping the file: the gguf package's
-    reader decodes every tokenizer string into numpy views, 7 s for SmolLM2's 49k tokens."""
+    reader decodes every tokenizer string into numpy views, 7 s for SmolLM2's 49k tokens. arrays: the
+    metadata's arrays too (the tokenizer's vocabulary), as lists; else None in their place."""
     try:
         with open(path, "rb", buffering=1 << 20) as f:
             if f.read(4) != b"GGUF":
@@ -165,7 +195,7 @@ def read_header(path: Path) -> Header:
             fields = {}
             for _ in range(n_fields):
                 key = _string(f)
-                fields[key] = _value(f, _unpack(f, "<I"))
+                fields[key] = _value(f, _unpack(f, "<I"), arrays)
             infos = []
             for _ in range(n_tensors):
                 name = _string(f)
@@ -204,6 +234,114 @@ def check_architecture(arch: str, path: Path) -> None:
                              f"(it reads {', '.join(readable)})")
 
 
+# --- config and tokenizer from the header ---------------------------------------------------------
+# transformers reads a GGUF's config through the gguf package's reader, which builds numpy views of every
+# metadata value (Gemma 3's 262k-token vocabulary: ~15 s), and derives a Gemma tokenizer's ~515k merges in a
+# Python loop over the vocabulary (~8 s). For the held architectures the same config and tokenizer are made
+# here from read_header(arrays=True) (0.2 s) with transformers' own key tables and tokenizer builders, and the
+# merges by the same rule, vectorised (gemma_merges); tests/test_gemma_gguf.py checks they are transformers'.
+FAST_CONVERSION = HELD_ARCHITECTURES
+GEMMA_TOKENIZERS = ("gemma2", "gemma3")  # the builds whose merges gemma_merges derives (transformers' gemma_tokenizer)
+SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                  "pad_token": "padding_token_id"}
+
+
+def config_dict(header: Header, vocab_size: int | None) -> dict:
+    """The transformers config dict of a held architecture's GGUF, as transformers' legacy GGUF reader makes it
+    (its key tables GGUF_CONFIG_MAPPING and GGUF_CONFIG_DEFAULTS_MAPPING; a tied output when the file has no
+    output.weight; gemma3 -> gemma3_text; the vocabulary's size where no key gives it)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = header.arch
+    named = arch
+    if "llama" in arch and header.fields.get("general.name") == "mistral":  # (transformers' test, as it is)
+        named = "mistral"
+    out: dict = {"tie_word_embeddings": "output.weight" not in header.tensors}
+    for key, value in (GGUF_CONFIG_DEFAULTS_MAPPING.get(named) or GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        out.setdefault(key, value)
+    for key, value in header.fields.items():
+        key = key.replace(arch, named)
+        prefix, _, rest = key.partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, named)
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if renamed is not None and renamed != -1:
+            out[renamed] = value
+    if out.get("model_type") == "gemma3":
+        out["model_type"] = "gemma3_text"
+    if "vocab_size" not in out and vocab_size is not None:
+        out["vocab_size"] = vocab_size
+    return out
+
+
+def gemma_merges(tokens: list[str]) -> list[str]:
+    """The merges transformers derives for a Gemma vocabulary (gguf_tokenizer_mapping.gemma_tokenizer, by
+    tokenization_utils_base.generate_merges), as "left right" strings: every split of a token into two
+    tokens, the tokens in the order of their (last) position in the vocabulary, a token's splits longest
+    left part first. tokens: the vocabulary as that builder respells it (no token holds a space)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    words = [tokens[i] for i in sorted(vocab.values())]
+    lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
+    which, cuts = [], []
+    for k in range(1, int(lengths.max(initial=0))):
+        longer = np.nonzero(lengths > k)[0]
+        hit = np.fromiter((w[:k] in vocab and w[k:] in vocab for w in map(words.__getitem__, longer.tolist())),
+                          dtype=bool, count=len(longer))
+        which.append(longer[hit])
+        cuts.append(np.full(int(hit.sum()), k))
+    if not which:
+        return []
+    which, cuts = np.concatenate(which), np.concatenate(cuts)
+    order = np.lexsort((-cuts, which))
+    return [f"{words[i][:k]} {words[i][k:]}" for i, k in zip(which[order].tolist(), cuts[order].tolist())]
+
+
+def gguf_tokenizer(header: Header):
+    """A Gemma GGUF's tokenizer as AutoTokenizer.from_pretrained(gguf_file=..., tokenizer_type=...) builds it
+    (GemmaTokenizer around transformers' convert_gguf_tokenizer of the file's vocabulary), the merges from
+    gemma_merges. header: read with arrays."""
+    from transformers import GemmaTokenizer
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    meta = header.fields
+    grouped = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, settings = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        settings.setdefault("add_bos_token", True)
+    for name, key in SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        settings[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokenizer["tokens"]]
+    if "merges" not in tokenizer and not any(" " in t for t in respelled):
+        tokenizer["merges"] = gemma_merges(respelled)
+    backend, extra = convert_gguf_tokenizer(header.arch, tokenizer)
+    return GemmaTokenizer(tokenizer_object=Given(backend), **settings, **extra)
+
+
+FRESH: dict[Path, object] = {}  # tokenizer backends converted in this process, by folder (take_fresh)
+
+
+def take_fresh(folder: Path):
+    """The tokenizer backend this process converted into folder, once (the first load then builds its tokenizer
+    from it instead of parsing the tokenizer.json just written: Gemma 3's, ~1.5 s), else None."""
+    backend = FRESH.pop(Path(folder), None)
+    return None if backend is None else Given(backend)
+
+
+class Given:
+    """A built backend handed to a transformers tokenizer as its tokenizer_object, which it deep-copies: the
+    copy is the backend itself (a 262k-token BPE: 1.6 s to copy for nothing, the original being dropped)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __deepcopy__(self, memo):
+        return self.backend
+
+
 def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = None) -> Path:
     """Write the GGUF's config, tokenizer and chat template to dest (temp folder, then rename), with a
     pointer back to the file the weights are read from."""
@@ -211,17 +349,24 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
     with FileLock(str(dest) + ".lock"):
         if (dest / GGUF_POINTER).is_file():
             return dest  # another process finished it while we waited
-        check_architecture(read_header(path).arch, path)
+        header = read_header(path)
+        check_architecture(header.arch, path)
         if on_status:
             on_status(f"reading the config and tokenizer of {path.name} once into {dest}")
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent))
         try:
             try:
-                config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-                # Gemma: the tokenizer class named, else AutoTokenizer reads the file's 262k-token metadata again
-                # through the gguf package to build the config it has (~20 s; the same tokenizer files)
-                typed = {"tokenizer_type": config.model_type} if config.model_type in ("gemma2", "gemma3_text") else {}
-                tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **typed)
+                header = read_header(path, arrays=True) if header.arch in FAST_CONVERSION else None
+                if header is not None:  # (config_dict, gguf_tokenizer: the same as transformers' GGUF readers)
+                    tokens = header.fields.get("tokenizer.ggml.tokens")
+                    config = AutoConfig.for_model(**config_dict(header, len(tokens) if isinstance(tokens, list)
+                                                                else None))
+                else:
+                    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+                if header is not None and header.arch in GEMMA_TOKENIZERS:
+                    tok = gguf_tokenizer(header)
+                else:
+                    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             except (ValueError, KeyError, OSError, NotImplementedError) as exc:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise ModelLoadError(f"{path.name}: transformers cannot read it ({first})") from None
@@ -232,10 +377,14 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
             config.save_pretrained(tmp)
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
             tok.save_pretrained(tmp)
+            fresh = tok.backend_tokenizer if header is not None and header.arch in GEMMA_TOKENIZERS else None
             pointer = {"source": str(path.resolve()), "size": path.stat().st_size, "identity": identity(path),
                        "version": CONVERSION_VERSION}
             (tmp / GGUF_POINTER).write_text(json.dumps(pointer, indent=1), encoding="utf-8")
             os.replace(tmp, dest)
+            if fresh is not None:  # (the latest only: a process that converts without loading keeps one)
+                FRESH.clear()
+                FRESH[dest] = fresh
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return dest

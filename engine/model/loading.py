@@ -23,7 +23,7 @@ from engine.model.attention import ATTENTION_NAME, register_with_transformers
 from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
 from engine.model.file_checks import check_folder_before_planning, check_folder_weights
 from engine.model.filling import load_folder_model, load_gguf_model, own_config, transformers_model
-from engine.model.gguf_files import HELD_ARCHITECTURES, ensure_converted, estimate_held_bytes, read_header
+from engine.model.gguf_files import HELD_ARCHITECTURES, ensure_converted, estimate_held_bytes, read_header, take_fresh
 from engine.model.linears import cpu_has_native_bf16, use_skinny_linears
 from engine.model.llama import CausalLM
 from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
@@ -132,7 +132,8 @@ def load_tokenizer(path: Path, own=None):
     tokenizer_config.json, as transformers' TokenizersBackend does for a class without a constructor of its
     own: AutoTokenizer's class for it (GemmaTokenizer, ...) re-reads tokenizer.json in Python to rebuild its
     vocabulary and merges (Gemma 3's 262k tokens: 4.8 s, 270 MB kept against 1.5 s and ~100 MB; the same
-    ids, text and special tokens: tests/test_gemma_gguf.py). Other folders: AutoTokenizer."""
+    ids, text and special tokens: tests/test_gemma_gguf.py); the first load after this process converted the
+    folder takes the backend the conversion built (gguf_files.take_fresh). Other folders: AutoTokenizer."""
     if (path / GGUF_POINTER).is_file() and (path / "tokenizer.json").is_file():
         from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -141,7 +142,9 @@ def load_tokenizer(path: Path, own=None):
         cls = tokenizer_class_from_name(values.pop("tokenizer_class", "") or "TokenizersBackend")
         values.setdefault("padding_side", getattr(cls, "padding_side", "right"))
         values.setdefault("model_input_names", getattr(cls, "model_input_names", None))
-        tokenizer = TokenizersBackend(tokenizer_file=str(path / "tokenizer.json"), name_or_path=str(path),
+        fresh = take_fresh(path)  # converted by this process: its backend, not the file parsed again
+        source = {"tokenizer_object": fresh} if fresh is not None else {"tokenizer_file": str(path / "tokenizer.json")}
+        tokenizer = TokenizersBackend(**source, name_or_path=str(path),
                                       **{k: v for k, v in values.items() if v is not None})
         if (path / "chat_template.jinja").is_file():
             tokenizer.chat_template = (path / "chat_template.jinja").read_text(encoding="utf-8")

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
            Path(__file__).with_name("attention_kernels.c"))
 HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("decode_args.h"))
-ABI_VERSION = 9
+ABI_VERSION = 10
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_ARCH = "SPECACHE_NATIVE_ARCH"
@@ -76,7 +76,17 @@ class DecodeArgs(ctypes.Structure):
                    ("vc", _P), ("vc_sb", _I64), ("vc_sh", _I64), ("vs", _P), ("vz", _P), ("vs_sb", _I64), ("vs_sh", _I64),
                    ("out", _P), ("rot", _P), ("correct", _I64), ("reuse", _P), ("res_at_qend", _I64),
                    ("O", _I64), ("oidx", _P), ("oi_sb", _I64), ("oi_sh", _I64), ("oc", _P), ("oc_sb", _I64),
-                   ("oc_sh", _I64), ("os", _P), ("oz", _P), ("os_sb", _I64), ("os_sh", _I64)])
+                   ("oc_sh", _I64), ("os", _P), ("oz", _P), ("os_sb", _I64), ("os_sh", _I64),
+                   ("softcap", ctypes.c_float)])
+
+
+class SlidingArgs(ctypes.Structure):
+    """Mirror of the C struct SlidingArgs (decode_args.h; guide_kernels.c's sliding-window decode attention)."""
+
+    _fields_ = ([(n, _I64) for n in ("B", "H", "G", "T", "D", "C", "W", "row0", "nthreads")]
+                + [("scaling", ctypes.c_float), ("softcap", ctypes.c_float), ("q", _P), ("q_sb", _I64), ("q_sh", _I64),
+                   ("k", _P), ("v", _P), ("k_sb", _I64), ("k_sh", _I64), ("pos", _P), ("pos_sb", _I64),
+                   ("start", _P), ("out", _P)])
 
 
 class PrefillArgs(ctypes.Structure):
@@ -279,6 +289,8 @@ def _load(path: Path) -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.specache_decode_attention.argtypes = [ctypes.POINTER(DecodeArgs)]
     lib.specache_decode_attention.restype = ctypes.c_int
+    lib.specache_sliding_attention.argtypes = [ctypes.POINTER(SlidingArgs)]
+    lib.specache_sliding_attention.restype = ctypes.c_int
     lib.specache_skinny_linear.argtypes = _LINEAR_ARGS
     lib.specache_skinny_linear.restype = ctypes.c_int
     lib.specache_packed_linear.argtypes = _PACKED_LINEAR_ARGS

@@ -47,6 +47,23 @@ typedef struct {
     int64_t oc_sb, oc_sh;
     const uint16_t *os, *oz; /* fp16 [rows, H, L/g, O] scale and zero */
     int64_t os_sb, os_sh;
+    float softcap; /* > 0: attention-logit softcapping (Gemma 2), every score s (exact or the guide's, already
+                    * scaled) becomes softcap * tanh(s / softcap) before the softmax; 0: none */
 } DecodeArgs;
+
+/* The argument block of specache_sliding_attention (guide_kernels.c): a sliding-window layer's decode attention
+ * over its ring (engine/kvcache/sliding.py). */
+typedef struct {
+    int64_t B, H, G, T, D, C, W, row0, nthreads;
+    float scaling, softcap;   /* softcap > 0: every score s becomes softcap * tanh(s / softcap); 0: none */
+    const float *q;           /* [B, H, G*T, D]: (b, h, i, d) at b*q_sb + h*q_sh + i*D + d */
+    int64_t q_sb, q_sh;
+    const float *k, *v;       /* the ring [rows, H, C, D]: (r, h, c, d) at r*k_sb + h*k_sh + c*D + d (v alike) */
+    int64_t k_sb, k_sh;
+    const int64_t *pos;       /* [rows, C]: the position slot c holds (-1: none), at r*pos_sb + c */
+    int64_t pos_sb;
+    const int64_t *start;     /* [B]: the position of row b's first new token */
+    float *out;               /* [B, H, G*T, D] contiguous */
+} SlidingArgs;
 
 #endif

@@ -58,7 +58,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 9; }
+EXPORT int specache_guide_abi_version(void) { return 10; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -1089,7 +1089,8 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
  * their exact K/V are copied from the host store into the fetched buffers fk / fv.
  * With current (non-speculative prefetch, T = 1), the same selection is made first, from the
  * new token's own probabilities with guide scores (sinks and residual exact) over [S, n), and
- * the pass then attends with that fetched set.
+ * the pass then attends with that fetched set. With softcap > 0 (Gemma 2) every score, exact or
+ * the guide's, is capped (c tanh(s / c)) before the softmax and before any selection reads it.
  * Arrays indexed by cache row use row0 + b; q, out, start use b. All strides in elements.
  * The argument block, DecodeArgs, is in decode_args.h. */
 
@@ -1157,6 +1158,34 @@ static float reduce16(const float *x, int64_t L, int op) {
     float r = lanes[0];
     for (int i = 1; i < 16; i++) r = op ? (lanes[i] > r ? lanes[i] : r) : r + lanes[i];
     return r;
+}
+
+/* Attention-logit softcapping (Gemma 2), per lane: c * tanh(s / c), a masked score (-inf) kept.
+ * tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) and |x| clamped to 9 (tanh(9) is 1 in
+ * float): absolute error ~2e-7 c, the torch path's tanh rounded differently. */
+INLINE vnf vn_softcap(vnf s, float c, float inv_c) {
+    const vni masked = s == VN_SPLAT(-__builtin_inff());
+    const vnf x = s * inv_c;
+    const vni neg = x < VN_SPLAT(0.0f);
+    vnf a = vn_select(neg, -x, x);
+    a = vn_select(a > VN_SPLAT(9.0f), VN_SPLAT(9.0f), a);
+    const vnf e = vn_exp(a * -2.0f);
+    vnf t = (1.0f - e) / (1.0f + e) * c;
+    t = vn_select(neg, -t, t);
+    return vn_select(masked, s, t);
+}
+
+/* row[l] = c * tanh(row[l] / c) for l < L (c > 0; -inf stays), VW at a time (the tail through a padded copy). */
+static void softcap_row(float *row, int64_t L, float c) {
+    const float inv = 1.0f / c;
+    int64_t l = 0;
+    for (; l + VW <= L; l += VW) vn_store(row + l, vn_softcap(vn_load(row + l), c, inv));
+    if (l < L) {
+        float tail[VW] = {0};
+        memcpy(tail, row + l, (size_t)(L - l) * sizeof(float));
+        vn_store(tail, vn_softcap(vn_load(tail), c, inv));
+        memcpy(row + l, tail, (size_t)(L - l) * sizeof(float));
+    }
 }
 
 /* softmax of row[0, L) in place (entries may be -inf; at least one is finite). */
@@ -1413,6 +1442,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     const int64_t Q = a->G * a->T, D = a->D, T = a->T, r = a->row0 + b;
     const int64_t n = a->qend[r], start = a->start[b], nres = start + T - n, L = n + nres;
     const int64_t S = a->S < n ? a->S : n;
+    const int cap = a->softcap > 0.0f; /* every score softcapped before the softmax (DecodeArgs.softcap) */
     float *scores = scratch;                    /* [Q][Lmax] */
     float *agg = scores + (size_t)Q * Lmax;     /* [Lmax] */
     int32_t *cidx = (int32_t *)(agg + Lmax);    /* [Lmax] */
@@ -1470,6 +1500,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         const int64_t last = start + i % T; /* the newest position this query sees */
         for (int64_t j = 0; j < nres; j++)
             row[n + j] = n + j <= last ? dot(qi, rk + j * D, D) : -__builtin_inff();
+        if (cap) softcap_row(row, L, a->softcap); /* guide, sink and residual scores alike */
     }
     int64_t chosen = 0;
     if (direct) {
@@ -1502,6 +1533,7 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         dots_gather(q, Q, a->store_k + r * a->st_sb + h * a->st_sh, cidx, chosen, D, exq, a->K);
         for (int64_t i = 0; i < Q; i++) {
             float *row = scores + i * Lmax, *ex = exq + i * a->K;
+            if (cap) softcap_row(ex, chosen, a->softcap);
             float emax = mx[i], z = zs[i];
             for (int64_t j = 0; j < chosen; j++) emax = ex[j] > emax ? ex[j] : emax;
             if (emax > mx[i]) { /* an exact score above the row's maximum: rescale (rare) */
@@ -1521,9 +1553,12 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
         for (int64_t i = 0; i < Q; i++) {
             float *row = scores + i * Lmax;
             const float *qi = q + i * D;
-            if (use_fetched)
+            if (use_fetched) {
+                for (int64_t j = 0; j < a->K; j++) fw[j] = fpos[j] >= 0 ? dot(qi, fk + j * D, D) : 0.0f;
+                if (cap) softcap_row(fw, a->K, a->softcap);
                 for (int64_t j = 0; j < a->K; j++)
-                    if (fpos[j] >= 0) row[fpos[j]] = dot(qi, fk + j * D, D);
+                    if (fpos[j] >= 0) row[fpos[j]] = fw[j];
+            }
             /* 2. softmax */
             softmax_row(row, L);
         }
@@ -1609,6 +1644,56 @@ EXPORT int specache_decode_attention(const DecodeArgs *a) {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++)
             if (scratch) decode_item(a, it / a->H, it % a->H, scratch, Lmax);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ------------------------------------------------------- sliding-window decode attention */
+
+/* A sliding-window layer's decode pass (engine/kvcache/sliding.py SlidingWindowLayer.attend, whose torch code
+ * is the reference): per cache row b, KV head h and grouped query i (query head i / T of the group, new token
+ * t = i % T at position p = start[b] + t), the slots c of the ring whose position pos[c] lies in (p - W, p]
+ * are attended (only those: a ring holds up to W + a chunk): scores q . k * scaling (softcapped when
+ * softcap > 0), one softmax, the values weighted.
+ * A query that sees no slot gets zeros. One work item per query: a batch-1 model with one KV head still
+ * spreads over the threads. Returns 0, or -1 for bad arguments / out of memory. */
+static void sliding_item(const SlidingArgs *a, int64_t b, int64_t h, int64_t i, float *row, float *q, int32_t *idx) {
+    const int64_t D = a->D, C = a->C, r = a->row0 + b, p = a->start[b] + i % a->T;
+    const float *qi = a->q + b * a->q_sb + h * a->q_sh + i * D;
+    const float *k = a->k + r * a->k_sb + h * a->k_sh, *v = a->v + r * a->k_sb + h * a->k_sh;
+    const int64_t *pos = a->pos + r * a->pos_sb;
+    float *o = a->out + ((b * a->H + h) * a->G * a->T + i) * D;
+    for (int64_t d = 0; d < D; d++) q[d] = qi[d] * a->scaling;
+    int64_t m = 0; /* the visible slots, compacted: scores row[0, m), slots idx[0, m) */
+    for (int64_t c = 0; c < C; c++)
+        if (pos[c] >= 0 && pos[c] <= p && pos[c] > p - a->W) {
+            idx[m] = (int32_t)c;
+            row[m++] = dot(q, k + c * D, D);
+        }
+    memset(o, 0, (size_t)D * sizeof(float));
+    if (!m) return;
+    if (a->softcap > 0.0f) softcap_row(row, m, a->softcap);
+    softmax_row(row, m);
+    add_weighted_gather(o, 1, v, idx, row, m, m, D);
+}
+
+EXPORT int specache_sliding_attention(const SlidingArgs *a) {
+    if (a->B <= 0 || a->H <= 0 || a->C <= 0) return 0;
+    if (a->D % 8 || a->D <= 0 || a->G < 1 || a->T < 1 || a->W < 1) return -1;
+    const int64_t Q = a->G * a->T, items = a->B * a->H * Q;
+    const int64_t cpad = (a->C + 15) / 16 * 16;
+    const size_t floats = (size_t)(2 * cpad + a->D); /* scores, slot indices, the scaled query */
+    int failed = 0;
+#pragma omp parallel num_threads((int)a->nthreads) if (a->nthreads > 1 && items > 1) reduction(| : failed)
+    {
+        float *scratch = scratch_alloc(floats);
+        if (!scratch) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++)
+            if (scratch)
+                sliding_item(a, it / (a->H * Q), it / Q % a->H, it % Q, scratch, scratch + 2 * cpad,
+                             (int32_t *)(scratch + cpad));
         free(scratch);
     }
     return failed ? -1 : 0;

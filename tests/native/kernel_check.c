@@ -523,6 +523,8 @@ static void check_fused(const char *cas) {
     const Blob *oidx = find(cas, "oidx"), *oc = find(cas, "oc"), *os_ = find(cas, "os"), *oz = find(cas, "oz");
     if (oidx && oc && os_ && oz) a.oidx = oidx->data, a.oc = oc->data, a.os = os_->data, a.oz = oz->data;
     a.scaling = *F32(scaling);
+    const Blob *softcap = find(cas, "softcap"); /* absent: no softcapping */
+    a.softcap = softcap ? *F32(softcap) : 0.0f;
     a.q = F32(q), a.start = start->data, a.qend = qend->data, a.sink_k = F32(sink_k), a.sink_v = F32(sink_v);
     a.res_k = F32(res_k), a.res_v = F32(res_v), a.store_k = F32(store_k), a.store_v = F32(store_v);
     a.kc = kc->data, a.ks = ks->data, a.kz = kz->data, a.vc = vc->data, a.vs = vs->data, a.vz = vz->data;
@@ -533,9 +535,10 @@ static void check_fused(const char *cas) {
         return;
     }
     char msg[512], what[512];
-    snprintf(what, sizeof what, "%s decode_attention %s%s%s%s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
+    snprintf(what, sizeof what, "%s decode_attention %s%s%s%s%s%s, %lld bit, rows %lld..%lld, %lld new token(s)", cas,
              a.current ? "prefetch current" : "speculative", a.select_both ? " select_both" : "",
-             a.correct ? " corrected" : "", a.rot ? " rotated" : "", a.O ? " outliers" : "", (long long)a.bits,
+             a.correct ? " corrected" : "", a.rot ? " rotated" : "", a.O ? " outliers" : "",
+             a.softcap > 0 ? " softcapped" : "", (long long)a.bits,
              (long long)a.row0, (long long)(a.row0 + a.B - 1), (long long)a.T);
     DecodeRun run[2];
     for (int t = 0; t < 2; t++) {
@@ -588,6 +591,50 @@ static void check_fused(const char *cas) {
     free_run(&run[1]);
 }
 
+/* ------------------------------------------------------- sliding-window decode attention */
+
+int specache_sliding_attention(const SlidingArgs *a);
+
+/* sliding:*  the ring (k, v, pos), the queries, the rows' first new positions and the scalar fields of
+ * SlidingArgs (softcap 0: none); ref_out: SlidingWindowLayer.attend_torch's output [B, H, G*T, D]. */
+static void check_sliding(const char *cas) {
+    SlidingArgs a;
+    memset(&a, 0, sizeof a);
+    a.B = geti(cas, "B"), a.H = geti(cas, "H"), a.G = geti(cas, "G"), a.T = geti(cas, "T"), a.D = geti(cas, "D");
+    a.C = geti(cas, "C"), a.W = geti(cas, "W"), a.row0 = geti(cas, "row0");
+    const Blob *scaling = get(cas, "scaling", 'f', 0), *q = get(cas, "q", 'f', 4), *k = get(cas, "k", 'f', 4),
+               *v = get(cas, "v", 'f', 4), *pos = get(cas, "pos", 'q', 2), *start = get(cas, "start", 'q', 1),
+               *ref = get(cas, "ref_out", 'f', 4);
+    if (missing) return;
+    const Blob *softcap = get(cas, "softcap", 'f', 0);
+    if (missing) return;
+    a.scaling = *F32(scaling), a.softcap = *F32(softcap);
+    a.q = F32(q), a.q_sb = q->shape[1] * q->shape[2] * q->shape[3], a.q_sh = q->shape[2] * q->shape[3];
+    a.k = F32(k), a.v = F32(v), a.k_sb = k->shape[1] * k->shape[2] * k->shape[3], a.k_sh = k->shape[2] * k->shape[3];
+    a.pos = pos->data, a.pos_sb = pos->shape[1], a.start = start->data;
+    const int64_t nout = a.B * a.H * a.G * a.T * a.D;
+    if (ref->count != nout || q->count != nout || k->shape[2] != a.C || k->shape[3] != a.D) {
+        check(0, "%s: inconsistent shapes", cas);
+        return;
+    }
+    float *out[2];
+    char msg[512];
+    for (int t = 0; t < 2; t++) {
+        out[t] = out_buffer(nout);
+        a.out = out[t], a.nthreads = THREADS[t];
+        const int rc = specache_sliding_attention(&a);
+        int ok = rc == 0 && close_to(out[t], F32(ref), nout, 1e-4, 1e-4, msg, sizeof msg);
+        if (rc) snprintf(msg, sizeof msg, "returned %d", rc);
+        const int guard = guard_ok(out[t], nout);
+        check(ok && guard,
+              "%s sliding_attention%s, rows %lld..%lld, %lld new token(s), threads %d: output vs the torch reference: "
+              "%s%s", cas, a.softcap > 0 ? " softcapped" : "", (long long)a.row0,
+              (long long)(a.row0 + a.B - 1), (long long)a.T, THREADS[t], msg, guard ? "" : "; wrote past its output");
+    }
+    check(!memcmp(out[0], out[1], (size_t)nout * 4), "%s: 2 threads == 1 thread bit for bit", cas);
+    free(out[0]), free(out[1]);
+}
+
 /* --------------------------------------------------------------------- main */
 
 static void check_file(const char *path) {
@@ -614,6 +661,7 @@ static void check_file(const char *path) {
         else if (!strncmp(cas, "scores:", 7)) check_guide(cas, 0);
         else if (!strncmp(cas, "values:", 7)) check_guide(cas, 1);
         else if (!strncmp(cas, "fused:", 6)) check_fused(cas);
+        else if (!strncmp(cas, "sliding:", 8)) check_sliding(cas);
         else check(0, "%s: unknown kind of case", cas);
     }
     if (!cases) check(0, "%s: no cases", path);
