@@ -551,7 +551,7 @@ def test_outlier_channels_are_kept_at_4_bits_beside_the_1_bit_guide():
     keys with those channels zeroed before the rotation, plus the 4-bit side guide's (the reference:
     tests/conftest.kivi_guide_part / outlier_keys_reference), and they are closer to the exact scores
     than the plain 1-bit guide's of the same keys. Its bytes are what engine.kvcache.sizes counts."""
-    from engine.kvcache.guide import Guide
+    from engine.kvcache.guide import Guide, GuideSpec
     from engine.kvcache.outliers import pack, unpack
     from engine.kvcache.sizes import guide_bytes, guide_capacity
     from tests.conftest import kivi_guide_part
@@ -562,8 +562,8 @@ def test_outlier_channels_are_kept_at_4_bits_beside_the_1_bit_guide():
     k[..., 40] += 9
     v = torch.randn(1, 3, 256, 64, generator=gen)
     q = torch.randn(1, 3, 6, 64, generator=gen)
-    side = Guide(1, 3, 300, 64, 1, 32, torch.device("cpu"), "hadamard", outliers=2)
-    plain = Guide(1, 3, 300, 64, 1, 32, torch.device("cpu"), "none")
+    side = Guide(1, 3, 300, 64, GuideSpec(1, 32, "hadamard", 2), torch.device("cpu"))
+    plain = Guide(1, 3, 300, 64, GuideSpec(1, 32, "none"), torch.device("cpu"))
     for g in (side, plain):
         g.add(0, 0, k[:, :, :96], v[:, :, :96])
         g.add(0, 96, k[:, :, 96:], v[:, :, 96:])
@@ -586,11 +586,11 @@ def test_value_groups_divide_every_head(head_dim, group, channels):
     """Values are quantized in groups of gcd(group, head_dim) channels (Phi-3's heads of 96 with the default
     group 64: 32), so a guide exists for every head size the models have; its values reconstruct as the
     reference says."""
-    from engine.kvcache.guide import Guide
+    from engine.kvcache.guide import Guide, GuideSpec
     from engine.kvcache.sizes import value_group
 
     assert value_group(group, head_dim) == channels
-    guide = Guide(1, 2, 256, head_dim, 2, group, torch.device("cpu"))
+    guide = Guide(1, 2, 256, head_dim, GuideSpec(2, group), torch.device("cpu"))
     assert guide.values.group == channels
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 2, 2 * group, head_dim, generator=gen), torch.randn(1, 2, 2 * group, head_dim, generator=gen)
@@ -603,13 +603,13 @@ def test_value_groups_divide_every_head(head_dim, group, channels):
 def test_keys_beyond_fp16_give_finite_guide_scores(bits, rotation, outliers):
     """A key channel past fp16's range (65504) must not make the guide's fp16 scale / zero inf (and its
     scores inf or nan, issue 38): they saturate, every score stays finite, in the torch and native paths."""
-    from engine.kvcache.guide import Guide
+    from engine.kvcache.guide import Guide, GuideSpec
 
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, 2, 128, 64, generator=gen)
     k[..., 7] = 2e5  # a constant channel beyond fp16
     k[:, :, ::3, 9] = -1e6
-    g = Guide(1, 2, 128, 64, bits, 64, torch.device("cpu"), rotation, outliers)
+    g = Guide(1, 2, 128, 64, GuideSpec(bits, 64, rotation, outliers), torch.device("cpu"))
     g.add(0, 0, k, torch.randn(1, 2, 128, 64, generator=gen) * 1e5)
     q = torch.randn(1, 2, 3, 64, generator=gen)
     assert torch.isfinite(g.scores(q, slice(0, 1), 128)).all()
@@ -622,7 +622,7 @@ def test_a_constant_key_offset_costs_the_guide_nothing():
     mean -355, std 1.5 in Qwen2.5-Coder-1.5B's layer 0): the keys' per-channel zero points (groups of g
     tokens) absorb a constant, with or without the rotation, so the scores move by q . c alone (the same for
     every position: softmax does not see it) up to fp16's rounding of the zeros."""
-    from engine.kvcache.guide import Guide
+    from engine.kvcache.guide import Guide, GuideSpec
 
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, 2, 256, 64, generator=gen)
@@ -632,7 +632,7 @@ def test_a_constant_key_offset_costs_the_guide_nothing():
     for rotation in ("none", "hadamard"):
         errs = []
         for offset in (torch.zeros(64), c):
-            g = Guide(1, 2, 256, 64, 2, 64, torch.device("cpu"), rotation, 0)
+            g = Guide(1, 2, 256, 64, GuideSpec(2, 64, rotation, 0), torch.device("cpu"))
             g.add(0, 0, k + offset, k)
             s = g.scores(q, slice(0, 1), 256) - q @ (k + offset).transpose(-1, -2)
             errs.append((s - s.mean(-1, keepdim=True)).std())  # a constant per query does not count
@@ -644,27 +644,27 @@ def test_auto_rotation_is_measured_per_layer_and_travels_with_the_row():
     global layers' keys): the Hadamard would spread those jumps over every channel's per-channel range, so
     the guide keeps none; keys and values without such channels keep the Hadamard. The choice
     is exported with a row and taken by a fresh cache's guide (a decided one with the other choice refuses)."""
-    from engine.kvcache.guide import Guide
+    from engine.kvcache.guide import Guide, GuideSpec
 
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(1, 2, 128, 64, generator=gen)
     keys[..., :8] += (torch.rand(1, 2, 128, 1, generator=gen) < 1 / 16).float() * 40
     q = torch.randn(1, 2, 12, 64, generator=gen)
     v = torch.randn(1, 2, 128, 64, generator=gen)
-    spiky = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    spiky = Guide(1, 2, 128, 64, GuideSpec(2, 64, "auto", 2), torch.device("cpu"))
     spiky.add(0, 0, keys, v, q)
-    plain = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    plain = Guide(1, 2, 128, 64, GuideSpec(2, 64, "auto", 2), torch.device("cpu"))
     v_spiky = v.clone()
     v_spiky[..., 5] *= 20  # a value channel 20x the others: the rotation helps the values
     plain.add(0, 0, torch.randn(1, 2, 128, 64, generator=gen), v_spiky, torch.randn(1, 2, 12, 64, generator=gen))
     assert not spiky.rotated and plain.rotated and not spiky.auto and not plain.auto
     exact = q @ keys.transpose(-1, -2)
-    rotated = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "hadamard", 2)
+    rotated = Guide(1, 2, 128, 64, GuideSpec(2, 64, "hadamard", 2), torch.device("cpu"))
     rotated.add(0, 0, keys, v)
     assert (spiky.scores(q, slice(0, 1), 128) - exact).norm() < (rotated.scores(q, slice(0, 1), 128) - exact).norm()
     saved = {n: t.clone() for n, t in spiky.export_row(0, 128).items()}
     assert int(saved["rotated"]) == 0
-    fresh = Guide(1, 2, 128, 64, 2, 64, torch.device("cpu"), "auto", 2)
+    fresh = Guide(1, 2, 128, 64, GuideSpec(2, 64, "auto", 2), torch.device("cpu"))
     fresh.import_row(0, 128, saved, check=True)
     fresh.import_row(0, 128, saved)
     assert not fresh.rotated and not fresh.auto

@@ -16,11 +16,23 @@ from engine.kvcache.rotation import rotation_helps, rotation_matrix
 from engine.kvcache.sizes import guide_bytes, guide_capacity, value_group
 
 
+@dataclass(frozen=True)
+class GuideSpec:
+    """A guide's settings: bits (1 or 2), the key group g (tokens), the rotation ("none", "hadamard" or
+    "auto") and the outlier key channels kept at 4 bits."""
+
+    bits: int
+    group: int
+    rotation: str = "none"
+    outliers: int = 0
+
+
 class Guide:
     """Quantized K [B, H_kv, L, D] (per-channel groups of g tokens) and V (per-token groups)."""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, bits: int, group: int,
-                 device: torch.device, rotation: str = "none", outliers: int = 0):
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, spec: GuideSpec,
+                 device: torch.device):
+        bits, group, rotation, outliers = spec.bits, spec.group, spec.rotation, spec.outliers
         cap = guide_capacity(max_len, group)
         if not 0 <= outliers < head_dim:
             raise ValueError(f"outliers must be in 0..{head_dim - 1} for head_dim {head_dim}, not {outliers}")

@@ -19,6 +19,8 @@ pass attends with it (nothing to overlap: the paper's non-speculative baseline).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.config import CacheConfig
@@ -28,7 +30,6 @@ from engine.kvcache.base import (
     Step,
     additive_mask,
     grouped_query,
-    import_tensors,
     masked_attention,
     native_prefill_attention,
     split_attention_applies,
@@ -37,25 +38,36 @@ from engine.kvcache.base import (
     ungroup_output,
 )
 from engine.kvcache.fused import FusedDecode, fused_applies, reproduces
-from engine.kvcache.guide import Guide
+from engine.kvcache.guide import Guide, GuideSpec
 from engine.kvcache.quant import guide_kernel
 from engine.kvcache.sizes import (
     PlanTerms,
     Sizing,
     guided_sizing,
-    layer_kv_bytes_per_token,
     quant_boundary,
     residual_slots,
     sink_slots,
 )
 from engine.kvcache.transfer import HostStore, Transfer
-from engine.kvcache.watch import coverage_ratio
+from engine.kvcache.guided_rows import GuidedRows
+from engine.kvcache.watch import WatchedLayer
 
 NEG_INF = float("-inf")
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What a guided policy keeps per layer: topk exact positions fetched (0: none), a guide or not, the
+    exact residual window and the quantization group (GuidedLayer.layout)."""
+
+    topk: int
+    use_guide: bool
+    residual: int
+    group: int
+
+
 @reproduces
-class GuidedLayer(CacheLayer):
+class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
     """The machinery the guide-based policies share (see module docstring); each policy is a subclass
     that fixes how many positions it fetches (topk), whether it keeps a guide and an exact host store,
     and its window (engine/kvcache/policies/specache.py, kivi.py, window.py)."""
@@ -71,19 +83,24 @@ class GuidedLayer(CacheLayer):
         """A guide, the residual window and the sinks (engine.kvcache.sizes.guided_sizing): kivi's."""
         return guided_sizing(terms)
 
+    @classmethod
+    def layout(cls, shape: ModelShape, config: CacheConfig, max_len: int, dtype: torch.dtype) -> Layout:
+        """What the policy keeps (kivi's here: a guide, no fetched set, the configured window and group)."""
+        return Layout(topk=0, use_guide=True, residual=config.residual, group=config.group)
+
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device, transfer: Transfer, *, topk: int, use_guide: bool, residual: int, group: int):
+                 device: torch.device, transfer: Transfer):
         self.shape, self.config = shape, config
-        self.topk, self.use_guide = topk, use_guide
-        self.residual, self.group = residual, group
+        kept = self.layout(shape, config, max_len, dtype)
+        self.topk, self.use_guide, self.residual, self.group = kept.topk, kept.use_guide, kept.residual, kept.group
         h, d = shape.kv_heads, shape.head_dim
         self.sinks = config.sinks
         self.sink_k = torch.zeros(batch, h, sink_slots(self.sinks), d, dtype=dtype, device=device)  # [B, H_kv, S, D]
         self.sink_v = torch.zeros_like(self.sink_k)
         self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
         self.qend_host = [0] * batch  # the same on the host: read by every pass without a device sync
-        self.guide = Guide(batch, h, max_len, d, config.bits, config.group, device, config.guide_rotation,
-                           config.guide_outliers) if self.use_guide else None
+        self.guide = Guide(batch, h, max_len, d, GuideSpec(config.bits, config.group, config.guide_rotation,
+                                                                  config.guide_outliers), device) if self.use_guide else None
         self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
         # Where the store is the compute device's memory (the CPU), the residual window is the store's
         # positions [qend, qend + W) of each row: every new token's K/V is written there, and nothing is
@@ -194,81 +211,6 @@ class GuidedLayer(CacheLayer):
                               self.res_v[row, :, done - q0 : upto - q0])
         self.stored[row] = upto
 
-    def residual_kv(self, rows: slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first n slots of rows' residual windows, positions [qend, qend + n) of each row
-        -> K, V [b, H_kv, n, D] (views, but a copy for several rows whose windows are in the store)."""
-        if not self.res_in_store:
-            return self.res_k[rows, :, :n], self.res_v[rows, :, :n]
-        qends = self.qend_host[rows]
-        if len(qends) == 1:
-            q = qends[0]
-            return self.res_k[rows, :, q : q + n], self.res_v[rows, :, q : q + n]
-        # a row's window may run past the store's end where another row needs more slots: zeros there (masked)
-        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[1]))  # noqa: E731  [H_kv, n, D]
-        return tuple(torch.stack([pad(buf[rows.start + i, :, q : q + n]) for i, q in enumerate(qends)])
-                     for buf in (self.res_k, self.res_v))
-
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Make row dst a copy of row src's state (its first `length` tokens)."""
-        own = (self.sink_k, self.sink_v) + (() if self.res_in_store else (self.res_k, self.res_v))
-        for t in (*own, self.qend, self.fidx, self.fvalid):
-            t[dst] = t[src]
-        self.stored[dst], self.qend_host[dst] = self.stored[src], self.qend_host[src]
-        if self.store is not None:
-            self.store.settle()  # CUDA: a prefetch into the fetched set may be in flight
-            self.store.transfer.host_ready()  # and copies into the pinned store
-            self.store.fk[dst], self.store.fv[dst] = self.store.fk[src], self.store.fv[src]
-            self.store.k[dst, :, :length] = self.store.k[src, :, :length]
-            self.store.v[dst, :, :length] = self.store.v[src, :, :length]
-        if self.guide is not None:
-            self.guide.copy_row(src, dst)
-
-    def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
-        """Row `row`'s state after `length` committed tokens (views): quantized boundary, sinks,
-        residual buffer, exact host store and guide. Nothing else depends on the past tokens."""
-        qend = self.qend_host[row]
-        s = min(self.sinks, length)
-        rk, rv = self.residual_kv(slice(row, row + 1), length - qend)
-        if self.store is not None:
-            self.flush_to_store(row, length)  # (positions enter the store as they leave the window: all of them)
-            self.store.transfer.host_ready()  # CUDA: the store's copies are done before the CPU reads it
-        out = {"qend": self.qend[row : row + 1], "sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],
-               "res_k": rk[0], "res_v": rv[0]}
-        if self.store is not None:
-            out["store_k"], out["store_v"] = self.store.k[row, :, :length], self.store.v[row, :, :length]
-        if self.guide is not None:
-            out.update({f"guide.{n}": t for n, t in self.guide.export_row(row, qend).items()})
-        return out
-
-    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
-        """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate)."""
-        qend = int(quant_boundary(torch.tensor(length), self.residual, self.group))
-        got = tensors.get("qend")
-        if got is None or got.numel() != 1 or int(got) != qend:
-            raise ValueError(f"qend: expected {qend} for {length} tokens")
-        room = self.res_k.shape[2] - (qend if self.res_in_store else 0)  # slots from the window's start
-        if length - qend > room:
-            raise ValueError("the residual window does not fit this cache")
-        if not check:
-            self.qend[row] = qend
-            self.qend_host[row] = qend
-            self.fvalid[row] = False
-            self.stored[row] = length
-        s = min(self.sinks, length)
-        r0 = qend if self.res_in_store else 0  # (the same memory as the store's positions, written twice alike)
-        views = {"sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],
-                 "res_k": self.res_k[row, :, r0 : r0 + length - qend], "res_v": self.res_v[row, :, r0 : r0 + length - qend]}
-        if self.store is not None:
-            views["store_k"], views["store_v"] = self.store.k[row, :, :length], self.store.v[row, :, :length]
-        import_tensors(views, tensors, check)
-        extra = set(tensors) - set(views) - {"qend"}
-        if self.guide is not None:
-            guide = {n[len("guide."):]: t for n, t in tensors.items() if n.startswith("guide.")}
-            self.guide.import_row(row, qend, guide, check)
-            extra -= {f"guide.{n}" for n in guide}
-        if extra:
-            raise ValueError(f"unexpected tensors {sorted(extra)}")
-
     # ---- the fetched set: hooks of a policy that fetches (topk > 0, engine/kvcache/policies/specache.py) --
     def select_current(self, scores, rscores, step: Step, nq: int, qend) -> None:
         """prefetch "current": pick this pass's own fetched set before it attends (nothing to pick here)."""
@@ -343,157 +285,105 @@ class GuidedLayer(CacheLayer):
 
     def attend_decode(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """One or two new tokens per row against guide + sinks + fetched set + residual (the native
-        fused call where it applies, softcapped layers included)."""
+        fused call where it applies, softcapped layers included); the torch steps below otherwise."""
         rows, t = step.rows, step.n_new
-        b, h, g = q.shape[0], self.shape.kv_heads, self.shape.group
-        qg = grouped_query(q, h)  # [b, H_kv, G*T, D]
+        qg = grouped_query(q, self.shape.kv_heads)  # [b, H_kv, G*T, D]
         exact_region = self.watch is not None and self.watched(qg, scaling, step, softcap)
         if not step.fixed and not exact_region and fused_applies(self, q):  # one native call: below
             self.fused = self.fused or FusedDecode(self)
             return ungroup_output(self.fused(qg, scaling, step, softcap).to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
-        qends = self.qend_host[rows]  # (the same on the host)
-        nq = max(qends) if self.use_guide else 0
+        nq = max(self.qend_host[rows]) if self.use_guide else 0
         if step.fixed and self.use_guide:  # the guide's whole capacity, its columns past a row's qend masked
             nq = self.guide.keys.capacity
-        dev = q.device
-        cols = torch.arange(nq + 1, device=dev)  # guide columns plus one trash column at nq
-        # 1. guide region scores [b, H_kv, GT, nq + 1]
-        scores = torch.full((b, h, g * t, nq + 1), NEG_INF, dtype=torch.float32, device=dev)
+        scores = self.region_scores(qg, rows, nq, exact_region, scaling, softcap)  # [b, H_kv, GT, nq + 1]
+        rk, rv, rscores, rpos = self.recent_scores(qg, step, scaling, softcap)  # [b, H_kv, GT, n_res]
+        cols = torch.arange(nq + 1, device=q.device)  # guide columns plus one trash column at nq
+        out_of_rows = (cols[None, :] >= qend[:, None])[:, None, None, :]  # quantized columns beyond a row's qend
+        idx, fv = self.fetched_scores(qg, scores, rscores, out_of_rows, step, nq, scaling, softcap)
+        scores.masked_fill_(out_of_rows, NEG_INF)  # (and the trash column)
+        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)  # one softmax
+        out = self.mixed_values(probs, rv, idx, fv, rows, nq, exact_region)
+        if self.config.measure_hits and idx is not None and step.select != 0:
+            self.count_hits(qg, rscores, idx, step, nq, scaling)
+        if step.select is not None and self.topk:
+            self.select_and_prefetch(probs, step, nq, rpos.shape[1], qend, rpos)
+        return ungroup_output(out.to(q.dtype), self.shape.heads, t)
+
+    def region_scores(self, qg: torch.Tensor, rows: slice, nq: int, exact_region: bool, scaling: float,
+                      softcap: float | None) -> torch.Tensor:
+        """Scores of the guide region [0, nq) plus a trash column at nq -> [b, H_kv, GT, nq + 1]: the guide's
+        (the store's exact keys where the watch found the guide lost), exact at the sinks, softcapped."""
+        b, h, gt = qg.shape[:3]
+        scores = torch.full((b, h, gt, nq + 1), NEG_INF, dtype=torch.float32, device=qg.device)
         if nq and exact_region:  # the guide is lost (engine/kvcache/watch.py): the store's exact keys instead
             self.store.transfer.host_ready()  # (CUDA: the store's own copies done)
-            scores[..., :nq] = (qg.float() @ self.store.k[rows, :, :nq].to(dev).float().transpose(-1, -2)) * scaling
+            keys = self.store.k[rows, :, :nq].to(qg.device).float()
+            scores[..., :nq] = (qg.float() @ keys.transpose(-1, -2)) * scaling
         elif nq:
             scores[..., :nq] = self.guide.scores(qg.float(), rows, nq) * scaling
-        # 2. sinks: exact scores where the sink is in the quantized region
         s = min(self.sinks, nq)
-        if s:
-            sink_scores = (qg @ self.sink_k[rows, :, :s].transpose(-1, -2)).float() * scaling
-            scores[..., :s] = sink_scores
-        scores = soft_cap(scores, softcap)
-        # 3. residual + new tokens, exact and causal
-        n_res = self.res_k.shape[2] if step.fixed else max(p0 + t - q0 for p0, q0 in zip(step.starts, qends))
+        if s:  # exact scores where the sink is in the quantized region
+            scores[..., :s] = (qg @ self.sink_k[rows, :, :s].transpose(-1, -2)).float() * scaling
+        return soft_cap(scores, softcap)
+
+    def recent_scores(self, qg: torch.Tensor, step: Step, scaling: float, softcap: float | None):
+        """The residual window and the new tokens, exact and causal -> (K, V [b, H_kv, n_res, D], scores
+        [b, H_kv, GT, n_res], their absolute positions [b, n_res])."""
+        rows, t, g = step.rows, step.n_new, self.shape.group
+        qend = self.qend[rows]
+        n_res = self.res_k.shape[2] if step.fixed else max(p0 + t - q0 for p0, q0 in zip(step.starts,
+                                                                                         self.qend_host[rows]))
         rk, rv = self.residual_kv(rows, n_res)
-        rscores = soft_cap((qg @ rk.transpose(-1, -2)).float() * scaling, softcap)  # [b, H_kv, GT, n_res]
-        rpos = qend[:, None] + torch.arange(n_res, device=dev)  # [b, n_res] absolute positions
-        qpos = step.positions()  # [b, T]
-        visible = rpos[:, None, :] <= qpos[:, :, None]  # [b, T, n_res]
+        rscores = soft_cap((qg @ rk.transpose(-1, -2)).float() * scaling, softcap)
+        rpos = qend[:, None] + torch.arange(n_res, device=qg.device)
+        visible = rpos[:, None, :] <= step.positions()[:, :, None]  # [b, T, n_res]
         rscores.masked_fill_(~visible.repeat(1, g, 1)[:, None], NEG_INF)
-        out_of_rows = (cols[None, :] >= qend[:, None])[:, None, None, :]  # quantized columns beyond a row's qend
-        # 4. fetched set: exact scores at the selected positions (topk > 0: the specache policy, whose
-        #    select_current / select_and_prefetch / count_hits are in engine/kvcache/policies/specache.py)
-        kf = self.topk if nq else 0
-        if kf and self.config.prefetch == "current":  # this pass picks its own set first
+        return rk, rv, rscores, rpos
+
+    def fetched_scores(self, qg, scores, rscores, out_of_rows, step: Step, nq: int, scaling: float,
+                       softcap: float | None):
+        """The fetched set (topk > 0: the specache policy, whose select_current / correct_fetched hooks are in
+        engine/kvcache/policies/specache.py): picked now (prefetch current) or corrected, then its exact scores
+        written over the guide's at its positions -> (its positions [b, H_kv, k] (invalid: the trash column
+        nq), its exact V), or (None, None)."""
+        if not (self.topk and nq):
+            return None, None
+        qend = self.qend[step.rows]
+        if self.config.prefetch == "current":  # this pass picks its own set first
             self.select_current(scores.masked_fill(out_of_rows, NEG_INF), rscores, step, nq, qend)
-        elif kf and self.config.correct:  # speculative: the output token corrects the prefetched set
+        elif self.config.correct:  # speculative: the output token corrects the prefetched set
             self.correct_fetched(scores.masked_fill(out_of_rows, NEG_INF), rscores, step, nq, qend)
-        if kf:
-            fk, fv = self.store.fetched(rows)
-            idx = torch.where(self.fvalid[rows], self.fidx[rows], nq)  # [b, H_kv, k]; invalid -> trash
-            fscores = soft_cap((qg @ fk.transpose(-1, -2)).float() * scaling, softcap)  # [b, H_kv, GT, k]
-            scores.scatter_(-1, idx[:, :, None, :].expand(-1, -1, g * t, -1), fscores)
-        scores.masked_fill_(out_of_rows, NEG_INF)  # (and the trash column)
-        # 5. one softmax
-        probs = torch.softmax(torch.cat([scores, rscores], dim=-1), dim=-1)
+        fk, fv = self.store.fetched(step.rows)
+        idx = torch.where(self.fvalid[step.rows], self.fidx[step.rows], nq)  # [b, H_kv, k]
+        fscores = soft_cap((qg @ fk.transpose(-1, -2)).float() * scaling, softcap)  # [b, H_kv, GT, k]
+        scores.scatter_(-1, idx[:, :, None, :].expand(-1, -1, qg.shape[2], -1), fscores)
+        return idx, fv
+
+    def mixed_values(self, probs, rv, idx, fv, rows: slice, nq: int, exact_region: bool) -> torch.Tensor:
+        """The output [b, H_kv, GT, D] from one softmax's probabilities over [guide region + trash, recent]:
+        exact values at the recent, sink and fetched positions, the guide's (or the store's, exact_region)
+        for every other quantized position."""
         pg, pr = probs[..., : nq + 1], probs[..., nq + 1 :]
         out = (pr @ rv.float()) if rv.dtype != torch.float32 else pr @ rv
+        s = min(self.sinks, nq)
         if s:
             out = out + pg[..., :s] @ self.sink_v[rows, :, :s].float()
-        if kf:
-            fidx = idx[:, :, None, :].expand(-1, -1, g * t, -1)  # [b, H_kv, GT, k]
+        if idx is not None:
+            fidx = idx[:, :, None, :].expand(-1, -1, pg.shape[2], -1)  # [b, H_kv, GT, k]
             out = out + torch.gather(pg, -1, fidx) @ fv.float()
         if nq:  # the guide serves every quantized position that is neither a sink nor fetched
             guide_p = pg.clone()
             guide_p[..., :s] = 0
-            if kf:
+            if idx is not None:
                 guide_p.scatter_(-1, fidx, 0.0)  # invalid entries hit the trash column
             if exact_region:
-                out = out + guide_p[..., :nq] @ self.store.v[rows, :, :nq].to(dev).float()
+                out = out + guide_p[..., :nq] @ self.store.v[rows, :, :nq].to(pg.device).float()
             else:
                 out = out + self.guide.weighted_values(guide_p[..., :nq], rows, nq)
-        if self.config.measure_hits and kf and step.select != 0:
-            self.count_hits(qg, rscores, idx, step, nq, scaling)
-        if step.select is not None and self.topk:
-            self.select_and_prefetch(probs, step, nq, n_res, qend, rpos)
-        return ungroup_output(out.to(q.dtype), self.shape.heads, t)
-
-    def watched(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> bool:
-        """The watch's part of a decode pass: check the guide when it is this layer's turn; True when the
-        watch has found the guide lost (the pass then attends its guide region exactly). A recorded pass
-        (Step.fixed) only keeps its queries: the check runs after it (check_kept), on the host."""
-        if step.fixed:
-            q0 = self.output_queries(qg, step)
-            if self.kept_q is None:
-                self.kept_q = torch.empty(self.fidx.shape[0], *q0.shape[1:], dtype=torch.float32, device=q0.device)
-            self.kept_q[step.rows].copy_(q0)
-            self.kept_args = (scaling, softcap)
-            return False
-        if self.watch.due(self):
-            self.check_guide(self.output_queries(qg, step), scaling, step.rows, softcap)
-        return self.watch.lost
-
-    def check_kept(self, rows: slice) -> None:
-        """After a recorded pass of `rows`: the check it kept the queries for, when it is this layer's turn."""
-        if self.watch.due(self):
-            self.check_guide(self.kept_q[rows], *self.kept_args[:1], rows, self.kept_args[1])
-
-    def output_queries(self, qg: torch.Tensor, step: Step) -> torch.Tensor:
-        """qg [b, H_kv, G*T, D] -> the output token's queries [b, H_kv, G, D]."""
-        b, h, g, t = qg.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
-        return qg.reshape(b, h, g, t, -1)[:, :, :, 0]
-
-    def check_guide(self, q0s: torch.Tensor, scaling: float, rows: slice, softcap: float | None) -> None:
-        """One check (engine/kvcache/watch.py): the output token's queries q0s [b, H_kv, G, D] of one row of
-        `rows` (the rows take turns, check by check: a batch's every document is watched), its guide region
-        [sinks, qend) scored by the guide and by the exact store; skipped while k covers the region."""
-        i = (self.watch.passes // self.watch.every) % (rows.stop - rows.start)
-        row = rows.start + i
-        qend = self.qend_host[row]
-        if qend - self.sinks <= self.topk:
-            return
-        q0 = q0s[i : i + 1].float()  # [1, H_kv, G, D]
-        self.store.transfer.host_ready()  # (CUDA: the store's own copies done)
-        keys = self.store.k[row : row + 1, :, self.sinks : qend].to(q0.device).float()
-        exact = soft_cap((q0 @ keys.transpose(-1, -2)) * scaling, softcap)[0]
-        guide = soft_cap(self.guide.scores(q0, slice(row, row + 1), qend) * scaling, softcap)[0, ..., self.sinks :]
-        self.watch.record(coverage_ratio(exact, guide, self.topk), row)
+        return out
 
     # ---- accounting ----------------------------------------------------------------------
-    def device_bytes(self, lengths: torch.Tensor, element_size: int | None = None) -> int:
-        per_token = layer_kv_bytes_per_token(self.shape, element_size or self.sink_k.element_size())
-        qend = quant_boundary(lengths, self.residual, self.group)
-        exact = int((lengths - qend).sum()) + int(torch.minimum(qend, torch.tensor(self.sinks)).sum())
-        total = exact * per_token
-        if self.guide is not None:
-            total += self.guide.bytes(int(qend.sum()), rows=int((qend > 0).sum()))
-        if self.topk:  # the fetched set holds at most k exact positions of the guided region
-            total += int((qend - self.sinks).clamp(min=0).clamp(max=self.topk).sum()) * per_token
-        return total
-
-    def host_bytes(self, lengths: torch.Tensor) -> int:
-        return self.store.host_bytes(int(lengths.sum())) if self.store is not None else 0
-
-    def allocated_device_bytes(self) -> int:
-        """Preallocated device bytes per row: sinks, residual window, guide and fetched set."""
-        tensors = [self.sink_k, self.sink_v] + ([] if self.res_in_store else [self.res_k, self.res_v])
-        if self.guide is not None:
-            tensors += self.guide.tensors()
-        if self.topk:
-            tensors += [self.store.fk, self.store.fv]
-        return sum(t.numel() * t.element_size() for t in tensors) // self.sink_k.shape[0]
-
-    def store_key(self) -> dict:
-        """A stored row depends on the window, the group, the sinks and the guide's width, rotation and
-        outlier channels (None: no guide; a guide without a rotation or outliers keeps the key it had
-        before those existed)."""
-        key = {"residual": self.residual, "group": self.group, "sinks": self.sinks,
-               "bits": self.config.bits if self.guide is not None else None}
-        if self.guide is not None and self.guide.rotation is not None:
-            key["rotation"] = self.config.guide_rotation
-        if self.guide is not None and self.guide.outliers is not None:
-            key["outliers"] = self.guide.outlier_count
-        return key
-
     def run_stats(self, layers: list["GuidedLayer"]) -> dict:
         """Settings for --json."""
         return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,

@@ -16,9 +16,14 @@ and values of the host store instead of the guide (the full cache's attention: s
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+from engine.kvcache.passes import soft_cap
+
+if TYPE_CHECKING:
+    from engine.kvcache.base import Step
 
 EVERY = 4  # decode passes between two checks (one layer each)
 WINDOW = 4  # checks averaged
@@ -89,3 +94,48 @@ def coverage_ratio(exact: torch.Tensor, guide: torch.Tensor, k: int) -> float:
     guide_mass = mass.gather(-1, ranked.topk(k, -1).indices).sum(-1)
     best = mass.topk(k, -1).values.sum(-1)
     return float((guide_mass / best.clamp(min=1e-30)).mean())
+
+
+class WatchedLayer:
+    """A guided layer's part of the watch (GuidedLayer mixes it in; self.watch: the cache's GuideWatch)."""
+
+    def watched(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> bool:
+        """The watch's part of a decode pass: check the guide when it is this layer's turn; True when the
+        watch has found the guide lost (the pass then attends its guide region exactly). A recorded pass
+        (Step.fixed) only keeps its queries: the check runs after it (check_kept), on the host."""
+        if step.fixed:
+            q0 = self.output_queries(qg, step)
+            if self.kept_q is None:
+                self.kept_q = torch.empty(self.fidx.shape[0], *q0.shape[1:], dtype=torch.float32, device=q0.device)
+            self.kept_q[step.rows].copy_(q0)
+            self.kept_args = (scaling, softcap)
+            return False
+        if self.watch.due(self):
+            self.check_guide(self.output_queries(qg, step), scaling, step.rows, softcap)
+        return self.watch.lost
+
+    def check_kept(self, rows: slice) -> None:
+        """After a recorded pass of `rows`: the check it kept the queries for, when it is this layer's turn."""
+        if self.watch.due(self):
+            self.check_guide(self.kept_q[rows], *self.kept_args[:1], rows, self.kept_args[1])
+
+    def output_queries(self, qg: torch.Tensor, step: Step) -> torch.Tensor:
+        """qg [b, H_kv, G*T, D] -> the output token's queries [b, H_kv, G, D]."""
+        b, h, g, t = qg.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
+        return qg.reshape(b, h, g, t, -1)[:, :, :, 0]
+
+    def check_guide(self, q0s: torch.Tensor, scaling: float, rows: slice, softcap: float | None) -> None:
+        """One check (engine/kvcache/watch.py): the output token's queries q0s [b, H_kv, G, D] of one row of
+        `rows` (the rows take turns, check by check: a batch's every document is watched), its guide region
+        [sinks, qend) scored by the guide and by the exact store; skipped while k covers the region."""
+        i = (self.watch.passes // self.watch.every) % (rows.stop - rows.start)
+        row = rows.start + i
+        qend = self.qend_host[row]
+        if qend - self.sinks <= self.topk:
+            return
+        q0 = q0s[i : i + 1].float()  # [1, H_kv, G, D]
+        self.store.transfer.host_ready()  # (CUDA: the store's own copies done)
+        keys = self.store.k[row : row + 1, :, self.sinks : qend].to(q0.device).float()
+        exact = soft_cap((q0 @ keys.transpose(-1, -2)) * scaling, softcap)[0]
+        guide = soft_cap(self.guide.scores(q0, slice(row, row + 1), qend) * scaling, softcap)[0, ..., self.sinks :]
+        self.watch.record(coverage_ratio(exact, guide, self.topk), row)

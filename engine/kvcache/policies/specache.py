@@ -10,7 +10,7 @@ import torch
 from engine.config import CacheConfig
 from engine.kvcache.base import ModelShape, Step
 from engine.kvcache.fused import reproduces
-from engine.kvcache.guided import GuidedLayer
+from engine.kvcache.guided import GuidedLayer, Layout
 from engine.kvcache.registry import register
 from engine.kvcache.sizes import (
     FETCH_BUFFERS,
@@ -56,10 +56,14 @@ class SpecacheLayer(GuidedLayer):
                         decode_working_set=decode_working_set_bytes(t.model, t.context, queries, t.element_bytes,
                                                                     guided=True))
 
+    @classmethod
+    def layout(cls, shape: ModelShape, config: CacheConfig, max_len: int, dtype: torch.dtype) -> Layout:
+        """kivi's, and k exact positions fetched."""
+        return replace(super().layout(shape, config, max_len, dtype), topk=config.k)
+
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):
-        super().__init__(shape, config, batch, max_len, dtype, device, transfer, topk=config.k, use_guide=True,
-                         residual=config.residual, group=config.group)
+        super().__init__(shape, config, batch, max_len, dtype, device, transfer)
         self.hits = self.hit_total = 0  # prefetch hit counts (config.measure_hits)
         # corrected sets: slots the prefetch had brought, slots in all (summed on the device in place, the same
         # op every pass, as a recorded one needs; read once by run_stats)

@@ -6,10 +6,9 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kvcache.base import ModelShape
-from engine.kvcache.guided import GuidedLayer
+from engine.kvcache.guided import GuidedLayer, Layout
 from engine.kvcache.registry import register
 from engine.kvcache.sizes import window_tokens
-from engine.kvcache.transfer import Transfer
 
 
 @register("window")
@@ -19,9 +18,9 @@ class WindowLayer(GuidedLayer):
     plan_column, plan_mode = False, "kivi"
     own_settings = ("window",)  # --window / a bench label's w<n>
 
-    def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device, transfer: Transfer):
+    @classmethod
+    def layout(cls, shape: ModelShape, config: CacheConfig, max_len: int, dtype: torch.dtype) -> Layout:
+        """No guide: the window is exact (its width, W, is the residual), one token at a time."""
         window = config.window or window_tokens(shape, max_len, config.bits, config.group, config.k, config.residual,
                                                 torch.finfo(dtype).bits // 8)
-        super().__init__(shape, config, batch, max_len, dtype, device, transfer, topk=0, use_guide=False,
-                         residual=window, group=1)
+        return Layout(topk=0, use_guide=False, residual=window, group=1)
