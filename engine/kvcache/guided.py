@@ -48,8 +48,8 @@ from engine.kvcache.sizes import (
     residual_slots,
     sink_slots,
 )
-from engine.kvcache.transfer import HostStore, Transfer
 from engine.kvcache.guided_rows import GuidedRows
+from engine.kvcache.transfer import HostStore, Transfer
 from engine.kvcache.watch import WatchedLayer
 
 NEG_INF = float("-inf")
@@ -99,8 +99,8 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         self.sink_v = torch.zeros_like(self.sink_k)
         self.qend = torch.zeros(batch, dtype=torch.long, device=device)  # [B] quantized prefix per row
         self.qend_host = [0] * batch  # the same on the host: read by every pass without a device sync
-        self.guide = Guide(batch, h, max_len, d, GuideSpec(config.bits, config.group, config.guide_rotation,
-                                                                  config.guide_outliers), device) if self.use_guide else None
+        spec = GuideSpec(config.bits, config.group, config.guide_rotation, config.guide_outliers)
+        self.guide = Guide(batch, h, max_len, d, spec, device) if self.use_guide else None
         self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
         # Where the store is the compute device's memory (the CPU), the residual window is the store's
         # positions [qend, qend + W) of each row: every new token's K/V is written there, and nothing is
@@ -297,7 +297,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         if step.fixed and self.use_guide:  # the guide's whole capacity, its columns past a row's qend masked
             nq = self.guide.keys.capacity
         scores = self.region_scores(qg, rows, nq, exact_region, scaling, softcap)  # [b, H_kv, GT, nq + 1]
-        rk, rv, rscores, rpos = self.recent_scores(qg, step, scaling, softcap)  # [b, H_kv, GT, n_res]
+        rk, rv, rscores, rpos = self.recent_scores(qg, step, qend, scaling, softcap)  # [b, H_kv, GT, n_res]
         cols = torch.arange(nq + 1, device=q.device)  # guide columns plus one trash column at nq
         out_of_rows = (cols[None, :] >= qend[:, None])[:, None, None, :]  # quantized columns beyond a row's qend
         idx, fv = self.fetched_scores(qg, scores, rscores, out_of_rows, step, nq, scaling, softcap)
@@ -327,11 +327,11 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
             scores[..., :s] = (qg @ self.sink_k[rows, :, :s].transpose(-1, -2)).float() * scaling
         return soft_cap(scores, softcap)
 
-    def recent_scores(self, qg: torch.Tensor, step: Step, scaling: float, softcap: float | None):
-        """The residual window and the new tokens, exact and causal -> (K, V [b, H_kv, n_res, D], scores
-        [b, H_kv, GT, n_res], their absolute positions [b, n_res])."""
+    def recent_scores(self, qg: torch.Tensor, step: Step, qend: torch.Tensor, scaling: float,
+                      softcap: float | None):
+        """The residual window and the new tokens, exact and causal (qend: the rows' quantized prefixes [b]) ->
+        (K, V [b, H_kv, n_res, D], scores [b, H_kv, GT, n_res], their absolute positions [b, n_res])."""
         rows, t, g = step.rows, step.n_new, self.shape.group
-        qend = self.qend[rows]
         n_res = self.res_k.shape[2] if step.fixed else max(p0 + t - q0 for p0, q0 in zip(step.starts,
                                                                                          self.qend_host[rows]))
         rk, rv = self.residual_kv(rows, n_res)
