@@ -228,6 +228,26 @@ static void *scratch_alloc(size_t floats) {
     return aligned_alloc(ALIGN, bytes);
 }
 
+/* parallel_items(items, floats, nthreads, fn, ctx): fn(ctx, it, scratch) for it < items, spread over
+ * nthreads OpenMP threads (static schedule; one thread when nthreads <= 1 or items <= 1), each thread
+ * with its own scratch of `floats` floats (ALIGN-aligned). Returns 0, or -1 when a scratch could not
+ * be allocated (the items of that thread are then skipped). */
+typedef void (*item_fn)(const void *ctx, int64_t it, float *scratch);
+
+static int parallel_items(int64_t items, size_t floats, int64_t nthreads, item_fn fn, const void *ctx) {
+    int failed = 0;
+#pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
+    {
+        float *scratch = scratch_alloc(floats);
+        if (!scratch) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++)
+            if (scratch) fn(ctx, it, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
 /* ------------------------------------------------------------------- bit gathering */
 
 #define MAX_WORDS 16 /* head_dim <= 1024 */
@@ -673,6 +693,33 @@ static uint64_t *keys_words(float *scratch, int64_t D, int64_t g) {
  * codes: (b, h) block at codes + b*c_sb + h*c_sh, groups contiguous [J][bits][g][D/8].
  * scale/zero: (b, h) block at + b*s_sb + h*s_sh, [J][D] contiguous.
  * out: fp32 [B, H, Q, n] contiguous. Returns 0, or -1 (bad arguments / out of memory). */
+/* The arguments of specache_guide_scores (below) and its split: work item it is query block qb of
+ * (b, h), groups [J * part / split, J * (part + 1) / split). */
+typedef struct {
+    const float *q;
+    int64_t q_sb, q_sh, q_sq;
+    const uint8_t *codes;
+    int64_t c_sb, c_sh;
+    const uint16_t *scale, *zero;
+    int64_t s_sb, s_sh;
+    float *out;
+    int64_t H, Q, D, n, g, bits, J, nqb, split;
+} ScoresArgs;
+
+static void scores_item(const void *ctx, int64_t it, float *scratch) {
+    const ScoresArgs *a = ctx;
+    const int64_t split = a->split, H = a->H, Q = a->Q, J = a->J;
+    const int64_t part = it % split, bhq = it / split, qb = bhq % a->nqb, bh = bhq / a->nqb;
+    const int64_t b = bh / H, h = bh % H;
+    const int64_t j0 = J * part / split, j1 = J * (part + 1) / split;
+    const int64_t q0 = qb * LANES;
+    const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
+    keys_item(a->q + b * a->q_sb + h * a->q_sh + q0 * a->q_sq, a->q_sq, nl, a->codes + b * a->c_sb + h * a->c_sh,
+              a->scale + b * a->s_sb + h * a->s_sh, a->zero + b * a->s_sb + h * a->s_sh,
+              a->out + ((b * H + h) * Q + q0) * a->n, a->n, j0, j1, (int)a->D, (int)a->g, (int)a->bits, scratch,
+              keys_words(scratch, a->D, a->g));
+}
+
 EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_sq, const uint8_t *codes,
                                  int64_t c_sb, int64_t c_sh, const uint16_t *scale, const uint16_t *zero,
                                  int64_t s_sb, int64_t s_sh, float *out, int64_t B, int64_t H, int64_t Q,
@@ -683,29 +730,10 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
     int64_t split = 1;
     if (nthreads > 1) split = (4 * nthreads + base - 1) / base; /* ~4 items per thread */
     if (split > J) split = J;
-    const int64_t items = base * split;
-    const size_t sfloats = keys_scratch_floats(D, g) + keys_words_floats(D, g, bits);
-    int failed = 0;
-#pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
-    {
-        float *scratch = scratch_alloc(sfloats);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            if (!scratch) continue;
-            const int64_t part = it % split, bhq = it / split, qb = bhq % nqb, bh = bhq / nqb;
-            const int64_t b = bh / H, h = bh % H;
-            const int64_t j0 = J * part / split, j1 = J * (part + 1) / split;
-            const int64_t q0 = qb * LANES;
-            const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
-            keys_item(q + b * q_sb + h * q_sh + q0 * q_sq, q_sq, nl, codes + b * c_sb + h * c_sh,
-                      scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh,
-                      out + ((b * H + h) * Q + q0) * n, n, j0, j1, (int)D, (int)g, (int)bits, scratch,
-                      keys_words(scratch, D, g));
-        }
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    const ScoresArgs a = {q, q_sb, q_sh, q_sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, out,
+                          H, Q, D, n, g, bits, J, nqb, split};
+    return parallel_items(base * split, keys_scratch_floats(D, g) + keys_words_floats(D, g, bits), nthreads,
+                          scores_item, &a);
 }
 
 /* ------------------------------------------------------------------------- values */
@@ -1006,6 +1034,36 @@ static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const u
     }
 }
 
+/* The arguments of specache_guide_weighted_values (below) and its split: work item it is query block qb
+ * of (b, h), value blocks [nb * part / split, nb * (part + 1) / split), summed into its own part of
+ * `parts` (part_floats floats: D channels, then D / gv zero terms, LANES queries each). */
+typedef struct {
+    const float *p;
+    int64_t p_sb, p_sh, p_sq;
+    const uint8_t *codes;
+    int64_t c_sb, c_sh;
+    const uint16_t *scale, *zero;
+    int64_t s_sb, s_sh;
+    float *parts;
+    size_t part_floats;
+    int64_t H, D, n, gv, bits, Q, nb, nqb, ng, split;
+} ValuesArgs;
+
+static void weighted_item(const void *ctx, int64_t it, float *scratch) {
+    const ValuesArgs *a = ctx;
+    const int64_t split = a->split, H = a->H, Q = a->Q, nb = a->nb;
+    const int64_t part = it % split, bhq = it / split, qb = bhq % a->nqb, bh = bhq / a->nqb;
+    const int64_t b = bh / H, h = bh % H;
+    const int64_t k0 = nb * part / split, k1 = nb * (part + 1) / split;
+    const int64_t q0 = qb * LANES;
+    const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
+    float *acc = a->parts + (size_t)it * a->part_floats;
+    values_item(a->p + b * a->p_sb + h * a->p_sh + q0 * a->p_sq, a->p_sq, nl, a->n,
+                a->codes + b * a->c_sb + h * a->c_sh, a->scale + b * a->s_sb + h * a->s_sh,
+                a->zero + b * a->s_sb + h * a->s_sh, k0, k1, (int)a->D, (int)a->gv, (int)a->bits, acc,
+                acc + (size_t)a->D * LANES, scratch, values_words(scratch, a->ng));
+}
+
 /* out[b, h, q, d] = sum_{l < n} p[b, h, q, l] * V[b, h, l, d].
  * p: fp32, element (b, h, i, l) at p + b*p_sb + h*p_sh + i*p_sq + l.
  * codes: (b, h) block at codes + b*c_sb + h*c_sh, blocks contiguous [nb][bits][D][8].
@@ -1030,27 +1088,9 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
     const size_t part_floats = (size_t)(D + ng) * LANES;
     float *parts = scratch_alloc(part_floats * (size_t)items);
     if (!parts) return -1;
-    const size_t sfloats = values_scratch_floats(ng) + 4 * (size_t)D;
-    int failed = 0;
-#pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
-    {
-        float *scratch = scratch_alloc(sfloats);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            if (!scratch) continue;
-            const int64_t part = it % split, bhq = it / split, qb = bhq % nqb, bh = bhq / nqb;
-            const int64_t b = bh / H, h = bh % H;
-            const int64_t k0 = nb * part / split, k1 = nb * (part + 1) / split;
-            const int64_t q0 = qb * LANES;
-            const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
-            float *acc = parts + (size_t)it * part_floats;
-            values_item(p + b * p_sb + h * p_sh + q0 * p_sq, p_sq, nl, n, codes + b * c_sb + h * c_sh,
-                        scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh, k0, k1, (int)D, (int)gv, (int)bits,
-                        acc, acc + (size_t)D * LANES, scratch, values_words(scratch, ng));
-        }
-        free(scratch);
-    }
+    const ValuesArgs a = {p, p_sb, p_sh, p_sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, parts, part_floats,
+                          H, D, n, gv, bits, Q, nb, nqb, ng, split};
+    const int failed = parallel_items(items, values_scratch_floats(ng) + 4 * (size_t)D, nthreads, weighted_item, &a);
     if (!failed) {
         for (int64_t bhq = 0; bhq < base; bhq++) {
             const int64_t qb = bhq % nqb, bh = bhq / nqb, q0 = qb * LANES;
@@ -1621,6 +1661,16 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     }
 }
 
+typedef struct {
+    const DecodeArgs *a;
+    int64_t Lmax;
+} DecodeRun;
+
+static void decode_run_item(const void *ctx, int64_t it, float *scratch) {
+    const DecodeRun *run = ctx;
+    decode_item(run->a, it / run->a->H, it % run->a->H, scratch, run->Lmax);
+}
+
 /* Returns 0, or -1 for bad arguments / out of memory. */
 EXPORT int specache_decode_attention(const DecodeArgs *a) {
     if (a->B <= 0 || a->H <= 0) return 0;
@@ -1634,19 +1684,8 @@ EXPORT int specache_decode_attention(const DecodeArgs *a) {
         Lmax = L > Lmax ? L : Lmax;
     }
     Lmax = (Lmax + 15) / 16 * 16;
-    const size_t floats = decode_scratch_floats(a, Lmax);
-    const int64_t items = a->B * a->H;
-    int failed = 0;
-#pragma omp parallel num_threads((int)a->nthreads) if (a->nthreads > 1 && items > 1) reduction(| : failed)
-    {
-        float *scratch = scratch_alloc(floats);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++)
-            if (scratch) decode_item(a, it / a->H, it % a->H, scratch, Lmax);
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    const DecodeRun run = {a, Lmax};
+    return parallel_items(a->B * a->H, decode_scratch_floats(a, Lmax), a->nthreads, decode_run_item, &run);
 }
 
 /* ------------------------------------------------------- sliding-window decode attention */
@@ -1678,23 +1717,25 @@ static void sliding_item(const SlidingArgs *a, int64_t b, int64_t h, int64_t i, 
     add_weighted_gather(o, 1, v, idx, row, m, m, D);
 }
 
+typedef struct {
+    const SlidingArgs *a;
+    int64_t Q, cpad;
+} SlidingRun;
+
+static void sliding_run_item(const void *ctx, int64_t it, float *scratch) {
+    const SlidingRun *run = ctx;
+    const SlidingArgs *a = run->a;
+    const int64_t Q = run->Q;
+    sliding_item(a, it / (a->H * Q), it / Q % a->H, it % Q, scratch, scratch + 2 * run->cpad,
+                 (int32_t *)(scratch + run->cpad));
+}
+
 EXPORT int specache_sliding_attention(const SlidingArgs *a) {
     if (a->B <= 0 || a->H <= 0 || a->C <= 0) return 0;
     if (a->D % 8 || a->D <= 0 || a->G < 1 || a->T < 1 || a->W < 1) return -1;
     const int64_t Q = a->G * a->T, items = a->B * a->H * Q;
     const int64_t cpad = (a->C + 15) / 16 * 16;
     const size_t floats = (size_t)(2 * cpad + a->D); /* scores, slot indices, the scaled query */
-    int failed = 0;
-#pragma omp parallel num_threads((int)a->nthreads) if (a->nthreads > 1 && items > 1) reduction(| : failed)
-    {
-        float *scratch = scratch_alloc(floats);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++)
-            if (scratch)
-                sliding_item(a, it / (a->H * Q), it / Q % a->H, it % Q, scratch, scratch + 2 * cpad,
-                             (int32_t *)(scratch + cpad));
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    const SlidingRun run = {a, Q, cpad};
+    return parallel_items(items, floats, a->nthreads, sliding_run_item, &run);
 }
