@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from engine import native
-from engine.kvcache import guide_triton
+from engine.kvcache import codes, guide_triton
 from engine.kvcache.codes import (
     _VR,
     VALUE_BLOCK,
@@ -46,24 +46,11 @@ from engine.kvcache.codes import (
 )
 
 __all__ = [
-    "QuantizedKeys",
-    "QuantizedValues",
-    "VALUE_BLOCK",
-    "pack_codes",
-    "unpack_codes",
-    "quantize_keys",
-    "quantize_values",
-    "quantize_keys_into",
-    "quantize_values_into",
-    "empty_keys",
-    "empty_values",
-    "dequantize_keys",
-    "dequantize_values",
+    *codes.__all__,
     "guide_scores",
     "guide_scores_reference",
     "guide_weighted_values",
     "guide_weighted_values_reference",
-    "guide_bits_per_element",
     "tensor_bytes",
 ]
 

@@ -688,38 +688,55 @@ static uint64_t *keys_words(float *scratch, int64_t D, int64_t g) {
     return (uint64_t *)(scratch + keys_scratch_floats(D, g));
 }
 
-/* scores[b, h, q, l] = sum_d q[b, h, q, d] * K[b, h, l, d] for l < n (n % g == 0).
- * q: fp32, element (b, h, i, d) at q + b*q_sb + h*q_sh + i*q_sq + d.
- * codes: (b, h) block at codes + b*c_sb + h*c_sh, groups contiguous [J][bits][g][D/8].
- * scale/zero: (b, h) block at + b*s_sb + h*s_sh, [J][D] contiguous.
- * out: fp32 [B, H, Q, n] contiguous. Returns 0, or -1 (bad arguments / out of memory). */
-/* The arguments of specache_guide_scores (below) and its split: work item it is query block qb of
- * (b, h), groups [J * part / split, J * (part + 1) / split). */
+/* The arguments of specache_guide_scores and specache_guide_weighted_values (below) and their split into
+ * work items: item it is the query block (it / split) % nqb of (b, h) = it / split / nqb, and part it % split
+ * of its `blocks` (key groups, or value blocks). x: the queries (scores) or the probabilities (values);
+ * out: the scores, or the items' partial sums (part_floats floats each). */
 typedef struct {
-    const float *q;
-    int64_t q_sb, q_sh, q_sq;
+    const float *x;
+    int64_t x_sb, x_sh, x_sq;
     const uint8_t *codes;
     int64_t c_sb, c_sh;
     const uint16_t *scale, *zero;
     int64_t s_sb, s_sh;
     float *out;
-    int64_t H, Q, D, n, g, bits, J, nqb, split;
-} ScoresArgs;
+    size_t part_floats;
+    int64_t H, Q, D, n, g, bits, blocks, nqb, split;
+} GuideRun;
 
-static void scores_item(const void *ctx, int64_t it, float *scratch) {
-    const ScoresArgs *a = ctx;
-    const int64_t split = a->split, H = a->H, Q = a->Q, J = a->J;
-    const int64_t part = it % split, bhq = it / split, qb = bhq % a->nqb, bh = bhq / a->nqb;
-    const int64_t b = bh / H, h = bh % H;
-    const int64_t j0 = J * part / split, j1 = J * (part + 1) / split;
-    const int64_t q0 = qb * LANES;
-    const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
-    keys_item(a->q + b * a->q_sb + h * a->q_sh + q0 * a->q_sq, a->q_sq, nl, a->codes + b * a->c_sb + h * a->c_sh,
-              a->scale + b * a->s_sb + h * a->s_sh, a->zero + b * a->s_sb + h * a->s_sh,
-              a->out + ((b * H + h) * Q + q0) * a->n, a->n, j0, j1, (int)a->D, (int)a->g, (int)a->bits, scratch,
-              keys_words(scratch, a->D, a->g));
+/* A work item's (b, h), first query q0 and query count nl, and its blocks [k0, k1). */
+typedef struct {
+    int64_t b, h, q0, k0, k1;
+    int nl;
+} GuideItem;
+
+static GuideItem guide_item(const GuideRun *a, int64_t it) {
+    const int64_t part = it % a->split, bhq = it / a->split, qb = bhq % a->nqb, bh = bhq / a->nqb, q0 = qb * LANES;
+    return (GuideItem){bh / a->H, bh % a->H, q0, a->blocks * part / a->split, a->blocks * (part + 1) / a->split,
+                       (int)(a->Q - q0 < LANES ? a->Q - q0 : LANES)};
 }
 
+/* Parts per (b, h, query block): ~4 work items per thread over the `base` ones, at most one per block. */
+static int64_t guide_split(int64_t base, int64_t blocks, int64_t nthreads) {
+    int64_t split = 1;
+    if (nthreads > 1) split = (4 * nthreads + base - 1) / base;
+    return split > blocks ? blocks : split;
+}
+
+static void scores_item(const void *ctx, int64_t it, float *scratch) {
+    const GuideRun *a = ctx;
+    const GuideItem w = guide_item(a, it);
+    keys_item(a->x + w.b * a->x_sb + w.h * a->x_sh + w.q0 * a->x_sq, a->x_sq, w.nl,
+              a->codes + w.b * a->c_sb + w.h * a->c_sh, a->scale + w.b * a->s_sb + w.h * a->s_sh,
+              a->zero + w.b * a->s_sb + w.h * a->s_sh, a->out + ((w.b * a->H + w.h) * a->Q + w.q0) * a->n, a->n,
+              w.k0, w.k1, (int)a->D, (int)a->g, (int)a->bits, scratch, keys_words(scratch, a->D, a->g));
+}
+
+/* scores[b, h, q, l] = sum_d q[b, h, q, d] * K[b, h, l, d] for l < n (n % g == 0).
+ * q: fp32, element (b, h, i, d) at q + b*q_sb + h*q_sh + i*q_sq + d.
+ * codes: (b, h) block at codes + b*c_sb + h*c_sh, groups contiguous [J][bits][g][D/8].
+ * scale/zero: (b, h) block at + b*s_sb + h*s_sh, [J][D] contiguous.
+ * out: fp32 [B, H, Q, n] contiguous. Returns 0, or -1 (bad arguments / out of memory). */
 EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_sq, const uint8_t *codes,
                                  int64_t c_sb, int64_t c_sh, const uint16_t *scale, const uint16_t *zero,
                                  int64_t s_sb, int64_t s_sh, float *out, int64_t B, int64_t H, int64_t Q,
@@ -727,11 +744,9 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
     if (B <= 0 || H <= 0 || Q <= 0 || n <= 0) return 0;
     if (D <= 0 || D % 8 || D > 64 * MAX_WORDS || g <= 0 || g % 8 || n % g || (bits != 1 && bits != 2)) return -1;
     const int64_t J = n / g, nqb = (Q + LANES - 1) / LANES, base = B * H * nqb;
-    int64_t split = 1;
-    if (nthreads > 1) split = (4 * nthreads + base - 1) / base; /* ~4 items per thread */
-    if (split > J) split = J;
-    const ScoresArgs a = {q, q_sb, q_sh, q_sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, out,
-                          H, Q, D, n, g, bits, J, nqb, split};
+    const int64_t split = guide_split(base, J, nthreads);
+    const GuideRun a = {q, q_sb, q_sh, q_sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, out, 0,
+                        H, Q, D, n, g, bits, J, nqb, split};
     return parallel_items(base * split, keys_scratch_floats(D, g) + keys_words_floats(D, g, bits), nthreads,
                           scores_item, &a);
 }
@@ -1034,34 +1049,16 @@ static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const u
     }
 }
 
-/* The arguments of specache_guide_weighted_values (below) and its split: work item it is query block qb
- * of (b, h), value blocks [nb * part / split, nb * (part + 1) / split), summed into its own part of
- * `parts` (part_floats floats: D channels, then D / gv zero terms, LANES queries each). */
-typedef struct {
-    const float *p;
-    int64_t p_sb, p_sh, p_sq;
-    const uint8_t *codes;
-    int64_t c_sb, c_sh;
-    const uint16_t *scale, *zero;
-    int64_t s_sb, s_sh;
-    float *parts;
-    size_t part_floats;
-    int64_t H, D, n, gv, bits, Q, nb, nqb, ng, split;
-} ValuesArgs;
-
+/* Work item it of specache_guide_weighted_values (GuideRun): its value blocks summed into its own part of
+ * `out` (part_floats floats: D channels, then D / gv zero terms, LANES queries each). */
 static void weighted_item(const void *ctx, int64_t it, float *scratch) {
-    const ValuesArgs *a = ctx;
-    const int64_t split = a->split, H = a->H, Q = a->Q, nb = a->nb;
-    const int64_t part = it % split, bhq = it / split, qb = bhq % a->nqb, bh = bhq / a->nqb;
-    const int64_t b = bh / H, h = bh % H;
-    const int64_t k0 = nb * part / split, k1 = nb * (part + 1) / split;
-    const int64_t q0 = qb * LANES;
-    const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
-    float *acc = a->parts + (size_t)it * a->part_floats;
-    values_item(a->p + b * a->p_sb + h * a->p_sh + q0 * a->p_sq, a->p_sq, nl, a->n,
-                a->codes + b * a->c_sb + h * a->c_sh, a->scale + b * a->s_sb + h * a->s_sh,
-                a->zero + b * a->s_sb + h * a->s_sh, k0, k1, (int)a->D, (int)a->gv, (int)a->bits, acc,
-                acc + (size_t)a->D * LANES, scratch, values_words(scratch, a->ng));
+    const GuideRun *a = ctx;
+    const GuideItem w = guide_item(a, it);
+    float *acc = a->out + (size_t)it * a->part_floats;
+    values_item(a->x + w.b * a->x_sb + w.h * a->x_sh + w.q0 * a->x_sq, a->x_sq, w.nl, a->n,
+                a->codes + w.b * a->c_sb + w.h * a->c_sh, a->scale + w.b * a->s_sb + w.h * a->s_sh,
+                a->zero + w.b * a->s_sb + w.h * a->s_sh, w.k0, w.k1, (int)a->D, (int)a->g, (int)a->bits, acc,
+                acc + (size_t)a->D * LANES, scratch, values_words(scratch, a->D / a->g));
 }
 
 /* out[b, h, q, d] = sum_{l < n} p[b, h, q, l] * V[b, h, l, d].
@@ -1081,15 +1078,12 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
         return 0;
     }
     const int64_t nb = (n + VB - 1) / VB, nqb = (Q + LANES - 1) / LANES, base = B * H * nqb, ng = D / gv;
-    int64_t split = 1;
-    if (nthreads > 1) split = (4 * nthreads + base - 1) / base;
-    if (split > nb) split = nb;
-    const int64_t items = base * split;
+    const int64_t split = guide_split(base, nb, nthreads), items = base * split;
     const size_t part_floats = (size_t)(D + ng) * LANES;
     float *parts = scratch_alloc(part_floats * (size_t)items);
     if (!parts) return -1;
-    const ValuesArgs a = {p, p_sb, p_sh, p_sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, parts, part_floats,
-                          H, D, n, gv, bits, Q, nb, nqb, ng, split};
+    const GuideRun a = {p, p_sb, p_sh, p_sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, parts, part_floats,
+                        H, Q, D, n, gv, bits, nb, nqb, split};
     const int failed = parallel_items(items, values_scratch_floats(ng) + 4 * (size_t)D, nthreads, weighted_item, &a);
     if (!failed) {
         for (int64_t bhq = 0; bhq < base; bhq++) {
