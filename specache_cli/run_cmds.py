@@ -4,16 +4,13 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import re
 import sys
 from dataclasses import replace
-from pathlib import Path
-from typing import Optional, TextIO
+from typing import Optional
 
 import torch
 import typer
-from rich.markup import escape
 
 from engine.config import CacheConfig, settings
 from engine.docstore.store import DocStore, check_folder, max_bytes_from
@@ -21,13 +18,12 @@ from engine.errors import (
     BadArgument,
     BatchFailures,
     EmptyDocument,
-    InputNotFound,
     ModelLoadError,
     ProfileError,
     SpecacheError,
 )
-from engine.inputs.documents import STDIN, decode_text, load_document, read_regular_file
-from engine.jobs.pipeline import STRATEGIES, Failed, Result, Runner, ask_many, count_tokens, summarize_many
+from engine.inputs.documents import STDIN
+from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, count_tokens, summarize_many
 from engine.jobs.workers import WorkerConfig, ask_tasks, import_ray, run_job, summarize_tasks, validate
 from engine.model.embedded import EMBEDDED_NAME
 from engine.kvcache import policy
@@ -46,7 +42,18 @@ from specache_cli.options import (
     WorkerOptions,
     grouped,
 )
-from specache_cli.render import emit_json, print_timings, progress_bar, render_jobs
+from specache_cli.render import emit_json, render_jobs
+from specache_cli.run_inputs import (
+    RESUME,
+    RESUME_ASK,
+    check_resume,
+    done_questions,
+    done_sources,
+    not_done,
+    read_document,
+    read_questions,
+)
+from specache_cli.run_output import output, write_item
 from specache_cli.workers_view import render_job
 
 
@@ -225,100 +232,6 @@ class Session:
         return store
 
 
-def read_document(source: str, password: Optional[str], quiet: bool):
-    """Read one document, with a page progress bar for PDFs."""
-    with progress_bar(quiet) as bar:
-        task = bar.add_task(f"reading {Path(source).name}", total=None, unit="pages")
-        return load_document(source, password=password, stdin=sys.stdin,
-                             on_page=lambda i, n: bar.update(task, completed=i + 1, total=n))
-
-
-def output(results, structured: bool, jsonl: bool, quiet: bool, header: bool) -> None:
-    """Print each finished result: JSON on stdout, timings on stderr (text was streamed or is printed)."""
-    for result in results:
-        if structured:
-            emit_json(result.to_json(), jsonl)
-        elif header:
-            label = f"Q: {result.question}" if result.question else f"# {result.source}"
-            sys.stdout.write(f"{label}\n{result.text}\n\n")
-        if not quiet:
-            print_timings(result)
-
-
-RESUME = typer.Option(None, "--resume", help="The --jsonl output of an earlier run: skip the files it already has "
-                      "a successful line for.")
-RESUME_ASK = typer.Option(None, "--resume", help="The --jsonl output of an earlier run: skip the questions it "
-                          "already answered about the same documents.")
-
-
-def check_resume(out: OutputOptions) -> None:
-    """--resume reads an earlier run's --jsonl output, so this run must write --jsonl too."""
-    if not out.jsonl:
-        raise BadArgument("--resume needs --jsonl (it reads an earlier run's --jsonl output)")
-
-
-def done_lines(path: str) -> list[dict]:
-    """The successful lines (a source and a text, no error) of a --jsonl file; a missing file has none."""
-    p = Path(path)
-    if p.is_dir():
-        raise BadArgument(f"--resume {path}: is a directory")
-    lines = read_regular_file(p).decode("utf-8", errors="replace").splitlines() if p.exists() else []
-    done = []
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError:  # e.g. a last line cut short by a killed run
-            continue
-        if isinstance(obj, dict) and "error" not in obj and isinstance(obj.get("source"), str) \
-                and isinstance(obj.get("text"), str):
-            done.append(obj)
-    return done
-
-
-def done_sources(path: str) -> set[str]:
-    """Sources with a successful line in a --jsonl file."""
-    return {obj["source"] for obj in done_lines(path)}
-
-
-def done_questions(path: str, sources: list[str]) -> set[str]:
-    """Questions with a successful line in a --jsonl file about the same documents (`sources`, in
-    order: compared as given, then as real paths)."""
-    def same(line_source: str) -> bool:
-        if line_source == ", ".join(sources):
-            return True
-        parts = line_source.split(", ")
-        return len(parts) == len(sources) and all(p == s or (s != "-" and os.path.realpath(p) == os.path.realpath(s))
-                                                  for p, s in zip(parts, sources))
-    return {obj["question"] for obj in done_lines(path) if isinstance(obj.get("question"), str) and same(obj["source"])}
-
-
-def not_done(files: list[str], done: set[str]) -> list[str]:
-    """The files without a successful line: compared as given, then as real paths (stdin never is done)."""
-    real = {os.path.realpath(d) for d in done if d != "-"}
-    return [f for f in files if f == "-" or (f not in done and os.path.realpath(f) not in real)]
-
-
-def read_questions(path: str) -> list[str]:
-    """--questions FILE: one question per line, blank lines skipped; - reads stdin."""
-    if path == "-":
-        raw = getattr(sys.stdin, "buffer", None)
-        text = decode_text(raw.read()) if raw is not None else sys.stdin.read()
-    else:
-        p = Path(path)
-        if p.is_dir():
-            raise BadArgument(f"--questions {path}: is a directory")
-        if not p.exists():
-            raise InputNotFound(f"{path}: no such file")
-        try:
-            text = read_regular_file(p).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise BadArgument(f"--questions {path}: cannot be read ({exc})") from None
-    questions = [line.strip() for line in text.splitlines() if line.strip()]
-    if not questions:
-        raise BadArgument(f"--questions {path}: no questions in the file")
-    return questions
-
-
 def summarize_cmd(
     files: list[str] = typer.Argument(..., help="PDF, .txt or .md files; - reads stdin."),
     model: ModelOptions = None, cache: CacheOptions = None, gen: GenerationOptions = None, out: OutputOptions = None,
@@ -437,27 +350,6 @@ def worker_runner(session: Session) -> Runner:
     own.quiet = True
     own.pick_threads = False  # the actor's threads: --threads-per-worker
     return own.runner
-
-
-def write_item(item: Result | Failed, stdout: TextIO, out: OutputOptions) -> None:
-    """One finished document (or question) of a job with workers, on `stdout`: as output() and the
-    error lines of summarize_cmd write them (a Failed's question, for ask, is in its error line)."""
-    if isinstance(item, Failed):
-        err_console.print(f"[bold red]error:[/] {escape(str(item.error))}", highlight=False, soft_wrap=True)
-        question = getattr(item, "question", None)
-        obj = {"source": item.source, **({"question": question} if question is not None else {}),
-               "error": {"code": item.error.code, "exit_code": item.error.exit_code, "message": str(item.error)}}
-    else:
-        obj = item.to_json()
-    if out.structured:
-        stdout.write((json.dumps(obj, ensure_ascii=False) if out.jsonl else
-                      json.dumps(obj, ensure_ascii=False, indent=2)) + "\n")
-    elif isinstance(item, Result):
-        label = f"Q: {item.question}" if item.question else f"# {item.source}"
-        stdout.write(f"{label}\n{item.text}\n\n")
-    stdout.flush()
-    if isinstance(item, Result) and not out.quiet:
-        print_timings(item)
 
 
 def run_on_workers(session: Session, config: WorkerConfig, tasks, total: int, out: OutputOptions,

@@ -572,7 +572,8 @@ def test_a_finished_row_leaves_the_batch(tiny_model, monkeypatch, mode, prefetch
     fed = []
     real = steps.forward
     monkeypatch.setattr(steps, "forward", lambda model, cache, ids, rows, **kw: (
-        kw.get("is_prefill") or fed.append(ids.shape[0])) and None or real(model, cache, ids, rows, **kw))
+        kw.get("how", steps.PLAIN).is_prefill or fed.append(ids.shape[0])) and None or real(model, cache, ids, rows,
+                                                                                              **kw))
     res = run(tiny_model, ps, config, GenerationConfig(max_tokens=NEW, stop_ids=(stop,), **look_back))
     assert res.tokens == [t[: t.index(stop)] if stop in t else t for t in free.tokens]
     assert fed[0] == 3 and fed[-1] < 3 and fed == sorted(fed, reverse=True)  # rows only ever leave

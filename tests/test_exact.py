@@ -9,7 +9,7 @@ import torch
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import BadArgument
-from engine.generate import steps
+from engine.generate import exact_steps, steps
 from engine.generate.engine import Engine
 from engine.generate.sampling import Sampler
 from engine.generate.steps import exact_cycles, greedy
@@ -38,7 +38,7 @@ def test_greedy_exact_equals_dynamic_cache(tiny_model, reference, bits, gamma, c
 
 def forced_draft(monkeypatch, sequences: list[list[int]], wrong: bool, vocab: int) -> None:
     """Make every draft pass predict sequences[r][next position] (+1 when wrong) for row r."""
-    real = steps.draft_logits
+    real = exact_steps.draft_logits
 
     def fake(model, cache, ids, rows):
         lengths = cache.lengths[rows].tolist()
@@ -50,7 +50,7 @@ def forced_draft(monkeypatch, sequences: list[list[int]], wrong: bool, vocab: in
             out[r, (token + int(wrong)) % vocab] = 1.0
         return out
 
-    monkeypatch.setattr(steps, "draft_logits", fake)
+    monkeypatch.setattr(exact_steps, "draft_logits", fake)
 
 
 @pytest.mark.parametrize("wrong", [True, False])
@@ -74,8 +74,8 @@ def test_a_finished_row_leaves_the_batch_while_the_others_go_on(tiny_model, refe
     gen = GenerationConfig(max_tokens=NEW, stop_ids=(stop,), no_repeat_ngram=2, repeat_penalty=1.3)
     full = run(tiny_model, ps, CacheConfig(mode="full", chunk_size=64), gen)
     fed = []
-    real = steps.forward
-    monkeypatch.setattr(steps, "forward", lambda model, cache, ids, rows, **kw: (kw.get("exact") and fed.append(
+    real = exact_steps.forward
+    monkeypatch.setattr(exact_steps, "forward", lambda model, cache, ids, rows, **kw: (kw["how"].exact and fed.append(
         ids.shape[0])) or real(model, cache, ids, rows, **kw))  # rows fed to each verification
     exact = run(tiny_model, ps, CacheConfig(mode="exact", gamma=4, chunk_size=64, **TINY), gen)
     assert exact.tokens == full.tokens
@@ -150,7 +150,7 @@ def test_a_rejected_cycle_leaves_the_cache_of_the_accepted_tokens(tiny_model, mo
     good = [2, 0]  # drafts right before the first wrong one, per row
     fed = [[refs[r][0]] + [refs[r][1 + j] if j < good[r] else (refs[r][1 + j] + 1) % vocab for j in range(4)]
            for r in range(2)]  # [t0, d1..d4] of the cycle
-    real = steps.draft_logits
+    real = exact_steps.draft_logits
     calls = {"n": 0}
 
     def fake(model, cache, ids, rows):
@@ -168,7 +168,7 @@ def test_a_rejected_cycle_leaves_the_cache_of_the_accepted_tokens(tiny_model, mo
                        kv_cache=cache)
         cache.commit(kept=torch.tensor(kept))
 
-    monkeypatch.setattr(steps, "draft_logits", fake)
+    monkeypatch.setattr(exact_steps, "draft_logits", fake)
     caches = [engine.new_cache(2, 200) for _ in range(3)]
     try:
         cache, same_pass, per_row = caches

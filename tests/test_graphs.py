@@ -39,7 +39,7 @@ def test_a_fixed_shape_pass_gives_the_pass_it_replaces(tiny_model):
         for row, p in enumerate(prompts((90, 141))):
             list(steps.prefill(tiny_model, cache, p, row, 64))
         ids = torch.tensor([[5], [7]], device=tiny_model.device)
-        logits = steps.forward(tiny_model, cache, ids, slice(0, 2), fixed=fixed)
+        logits = steps.forward(tiny_model, cache, ids, slice(0, 2), how=steps.PassOptions(fixed=fixed))
         out.append((logits, cache.layers[0].k.clone(), cache.layers[2].k.clone(), cache.lengths_host.copy()))
     torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-5, atol=1e-5)
     assert torch.equal(out[0][1], out[1][1])  # written at the same positions (layer 0: the same floats)
@@ -145,8 +145,8 @@ def test_fixed_passes_at_different_lengths_are_the_same_program(tiny_model, monk
         seen = []
         for _ in range(2):
             with Shapes() as rec:
-                steps.forward(tiny_model, cache, torch.full((len(lengths), t), 5), slice(0, len(lengths)), fixed=fixed,
-                              **kw)
+                steps.forward(tiny_model, cache, torch.full((len(lengths), t), 5), slice(0, len(lengths)),
+                              how=steps.PassOptions(fixed=fixed, **kw))
             seen.append(rec.seen)
         return seen
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.jobs import pipeline
+from engine.jobs import sections as job_sections
 
 
 def test_text_pieces_cover_the_text_and_cut_at_breaks():
@@ -39,7 +40,7 @@ def tokenizer(embedded_dir):
 
 
 def test_a_long_text_is_counted_and_cut_a_piece_at_a_time(tokenizer, monkeypatch):
-    monkeypatch.setattr(pipeline, "COUNT_PIECE_CHARS", 4000)
+    monkeypatch.setattr(job_sections, "COUNT_PIECE_CHARS", 4000)
     paragraphs = [f"Section {i}. " + " ".join(f"word{j % 50}" for j in range(i % 120 + 5)) for i in range(400)]
     text = "\n\n".join(paragraphs)
     whole = len(tokenizer(text, add_special_tokens=False)["input_ids"])

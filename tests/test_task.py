@@ -22,7 +22,7 @@ from engine.bench.task import (
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
 from specache_cli.app import app
-from specache_cli.bench_cmd import QUICK_RESULTS, RESULTS, out_dir
+from specache_cli.bench_common import QUICK_RESULTS, RESULTS, out_dir
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

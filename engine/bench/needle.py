@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 from engine.bench.common import (
@@ -76,12 +76,23 @@ def build_needle_prompt(tokenizer, corpus_ids: list[int], length: int, depth: fl
     return {"ids": prompt, "needle_token": len(head), "key": key}
 
 
-def run_needle(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec], lengths: Sequence[int],
-               depths: Sequence[float], needles: int, max_tokens: int = 12, seed: int = 0,
-               quick: bool = False, decoding: GenerationConfig | None = None) -> Iterator[BenchProgress | BenchResult]:
+@dataclass(frozen=True)
+class NeedleGrid:
+    """The needle bench's cells: context lengths x needle depths, `needles` pass keys per cell (from `seed`)."""
+
+    lengths: Sequence[int]
+    depths: Sequence[float]
+    needles: int
+    seed: int = 0
+
+
+def run_needle(lm, texts: Sequence[tuple[str, str]], modes: Sequence[ModeSpec], grid: NeedleGrid,
+               max_tokens: int = 12, quick: bool = False,
+               decoding: GenerationConfig | None = None) -> Iterator[BenchProgress | BenchResult]:
     """Yields progress, then BenchResult (see docs/bench.md for the JSON layout). decoding: the processors
     to decode with (default: greedy, every processor off); its max_tokens and stop ids are replaced."""
     t_start = time.perf_counter()
+    lengths, depths, needles, seed = grid.lengths, grid.depths, grid.needles, grid.seed
     tok, model = lm.tokenizer, lm.model
     limit = lm.max_context - max_tokens - 2
     bad = [n for n in lengths if n > limit]

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -158,10 +158,37 @@ def current_rss_bytes() -> int | None:
         return None
 
 
-def measure_mode(model, spec: ModeSpec, corpus: list[int], lengths: Sequence[int], batches: Sequence[int],
-                 tokens: int, repeats: int, warmup: int, on_progress=None) -> list[dict]:
+@dataclass(frozen=True)
+class SpeedGrid:
+    """What is timed of each mode: every prompt length x batch size, each with `warmup` decode steps not
+    counted, then `repeats` segments of `tokens` steps (the median segment is reported)."""
+
+    lengths: Sequence[int]
+    batches: Sequence[int]
+    tokens: int = 16
+    repeats: int = 3
+    warmup: int = 2
+
+    @property
+    def steps(self) -> int:
+        return self.warmup + self.repeats * self.tokens
+
+
+@dataclass(frozen=True)
+class ChildModel:
+    """How a mode's child process loads the model (run_speed with isolation): the --model spec as given,
+    the device, the dtype and the torch threads."""
+
+    spec: str | None
+    device: str = "cpu"
+    dtype: str = "auto"
+    threads: int | None = None
+
+
+def measure_mode(model, spec: ModeSpec, corpus: list[int], grid: SpeedGrid, on_progress=None) -> list[dict]:
     """Every (length, batch) of one mode. -> list of per-config results."""
-    steps = warmup + repeats * tokens
+    lengths, batches, tokens, repeats, warmup = grid.lengths, grid.batches, grid.tokens, grid.repeats, grid.warmup
+    steps = grid.steps
     out = []
     for length in lengths:
         for batch in batches:
@@ -188,7 +215,7 @@ def measure_mode(model, spec: ModeSpec, corpus: list[int], lengths: Sequence[int
 
 def warm_up(model, spec: ModeSpec, corpus: list[int]) -> None:
     """A tiny run so one-time costs (allocator, kernels, lazy imports) stay out of the numbers."""
-    measure_mode(model, spec, corpus, [min(64, len(corpus))], [1], tokens=2, repeats=1, warmup=1)
+    measure_mode(model, spec, corpus, SpeedGrid([min(64, len(corpus))], [1], tokens=2, repeats=1, warmup=1))
 
 
 # ---- child process -----------------------------------------------------------------------
@@ -209,8 +236,8 @@ def worker_main(spec_path: str, out_path: str) -> int:
     load_start = _load_average()
     warm_up(lm.model, spec, corpus)
     model_rss = current_rss_bytes()
-    configs = measure_mode(lm.model, spec, corpus, job["lengths"], job["batches"], job["tokens"], job["repeats"],
-                           job["warmup"], say)
+    configs = measure_mode(lm.model, spec, corpus, SpeedGrid(job["lengths"], job["batches"], job["tokens"],
+                                                             job["repeats"], job["warmup"]), say)
     peak = peak_rss_bytes()
     result = {"configs": configs, "torch_threads": torch.get_num_threads(),
               "load_average": {"start": load_start, "end": _load_average()}, "rss": {"model_bytes": model_rss, "peak_bytes": peak,
@@ -246,56 +273,65 @@ def run_child(job: dict) -> Iterator[str | dict]:
 
 # ---- the bench ---------------------------------------------------------------------------
 
-def run_speed(lm, model_spec: str | None, texts, modes: Sequence[ModeSpec], lengths: Sequence[int],
-              batches: Sequence[int], tokens: int = 16, repeats: int = 3, warmup: int = 2, isolate: bool = True,
-              quick: bool = False, device: str = "cpu", dtype: str = "auto", threads: int | None = None,
-              ) -> Iterator[BenchProgress | BenchResult]:
+def run_speed(lm, texts, modes: Sequence[ModeSpec], grid: SpeedGrid, child: ChildModel | None = None,
+              quick: bool = False) -> Iterator[BenchProgress | BenchResult]:
+    """Yields progress, then BenchResult (docs/bench.md). child: each mode measured in a child process that
+    loads the model itself (honest peak RSS); None: in this process, with lm."""
     t_start = time.perf_counter()
-    steps = warmup + repeats * tokens
-    bad = [n for n in lengths if n + steps + 4 > lm.max_context]
+    bad = [n for n in grid.lengths if n + grid.steps + 4 > lm.max_context]
     if bad:
-        raise BadArgument(f"--lengths {bad} plus {steps} decode steps exceed the model window {lm.max_context}")
+        raise BadArgument(f"--lengths {bad} plus {grid.steps} decode steps exceed the model window {lm.max_context}")
     corpus = encode(lm.tokenizer, "\n\n".join(t for _, t in texts))
     if not corpus:
         raise BadArgument("the speed documents have no text")
-    settings = {"documents": [s for s, _ in texts], "lengths": list(lengths), "batches": list(batches),
-                "decode_tokens": tokens, "repeats": repeats, "warmup_steps": warmup, "isolated": isolate,
+    settings = {"documents": [s for s, _ in texts], "lengths": list(grid.lengths), "batches": list(grid.batches),
+                "decode_tokens": grid.tokens, "repeats": grid.repeats, "warmup_steps": grid.warmup,
+                "isolated": child is not None,
                 "prompts": "equal-length windows of the documents' tokens (no chat template)"}
     result = envelope("speed", quick, settings, modes, lm)
     per_mode = []
     for i, spec in enumerate(modes):
         t0 = time.perf_counter()
-        yield BenchProgress(f"speed {spec.label}: starting ({'child process' if isolate else 'in process'})",
+        yield BenchProgress(f"speed {spec.label}: starting ({'child process' if child else 'in process'})",
                             i, len(modes))
-        if isolate:
-            job = {"model": model_spec, "device": device, "dtype": dtype, "mode": spec.label, "corpus": corpus,
-                   "lengths": list(lengths), "batches": list(batches), "tokens": tokens, "repeats": repeats,
-                   "warmup": warmup, "threads": threads,
-                   "config": asdict(spec.config) if spec.config is not None else None}
-            measured = None
-            for item in run_child(job):
-                if isinstance(item, str):
-                    yield BenchProgress(item, i, len(modes))
-                else:
-                    measured = item
-        else:
-            lines: list[str] = []
-            load_start = _load_average()
-            warm_up(lm.model, spec, corpus)
-            configs = measure_mode(lm.model, spec, corpus, lengths, batches, tokens, repeats, warmup, lines.append)
-            for line in lines:
-                yield BenchProgress(line, i, len(modes))
-            measured = {"configs": configs, "torch_threads": torch.get_num_threads(),
-                        "load_average": {"start": load_start, "end": _load_average()}, "rss": {"model_bytes": None, "peak_bytes": None,
-                                                    "peak_above_model_bytes": None, "isolated": False}}
+        measured = yield from (_measure_child(child, spec, corpus, grid, i, len(modes)) if child is not None else
+                               _measure_here(lm, spec, corpus, grid, i, len(modes)))
         per_mode.append({"label": spec.label, "mode": spec.mode, **measured,
                          "seconds": round(time.perf_counter() - t0, 2)})
         yield BenchProgress(f"speed {spec.label}: done ({time.perf_counter() - t0:.1f} s)", i + 1, len(modes))
     result["per_mode"] = per_mode
     result["comparison"] = compare(per_mode, modes)
-    result["targets"] = targets(result["comparison"], modes, lengths, batches)
+    result["targets"] = targets(result["comparison"], modes, grid.lengths, grid.batches)
     result["seconds"] = round(time.perf_counter() - t_start, 2)
     yield BenchResult(result)
+
+
+def _measure_child(child: ChildModel, spec: ModeSpec, corpus: list[int], grid: SpeedGrid, i: int, n: int):
+    """One mode in a child process (run_child): forwards its progress; returns its result."""
+    job = {"model": child.spec, "device": child.device, "dtype": child.dtype, "mode": spec.label, "corpus": corpus,
+           "lengths": list(grid.lengths), "batches": list(grid.batches), "tokens": grid.tokens,
+           "repeats": grid.repeats, "warmup": grid.warmup, "threads": child.threads,
+           "config": asdict(spec.config) if spec.config is not None else None}
+    measured = None
+    for item in run_child(job):
+        if isinstance(item, str):
+            yield BenchProgress(item, i, n)
+        else:
+            measured = item
+    return measured
+
+
+def _measure_here(lm, spec: ModeSpec, corpus: list[int], grid: SpeedGrid, i: int, n: int):
+    """One mode in this process: forwards its progress; returns its result (no RSS figures)."""
+    lines: list[str] = []
+    load_start = _load_average()
+    warm_up(lm.model, spec, corpus)
+    configs = measure_mode(lm.model, spec, corpus, grid, lines.append)
+    for line in lines:
+        yield BenchProgress(line, i, n)
+    return {"configs": configs, "torch_threads": torch.get_num_threads(),
+            "load_average": {"start": load_start, "end": _load_average()},
+            "rss": {"model_bytes": None, "peak_bytes": None, "peak_above_model_bytes": None, "isolated": False}}
 
 
 def compare(per_mode: list[dict], modes: Sequence[ModeSpec]) -> list[dict]:

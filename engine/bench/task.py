@@ -22,12 +22,12 @@ import json
 import re
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from engine.bench.common import EXAMPLES, BenchProgress, BenchResult, ModeSpec, envelope, mean
-from engine.bench.needle import run_needle
+from engine.bench.needle import NeedleGrid, run_needle
 from engine.config import GenerationConfig
 from engine.docstore.store import DocStore
 from engine.errors import BadArgument
@@ -151,73 +151,120 @@ def _result(events) -> Iterator[Result]:
 
 # ---- the bench -------------------------------------------------------------------------------
 
-def run_task(lm, modes: Sequence[ModeSpec], decodings: Sequence[Decoding], questions: Sequence[dict],
-             summary_docs: Sequence[str], needle_texts: Sequence[tuple[str, str]], needle_lengths: Sequence[int],
-             needle_depths: Sequence[float], needles: int = 2, answer_tokens: int = 32, summary_tokens: int = 256,
-             quick: bool = False, root: Path = EXAMPLES, ask_docs: Sequence[str] | None = None,
-             doc_chars: int | None = None) -> Iterator[BenchProgress | BenchResult]:
-    """Yields progress, then BenchResult: `rows` (one per decoding x mode), `asks`, `summaries`.
-    ask_docs: ask only against these documents (default: every document of the questions); doc_chars: cut
-    every document to its first doc_chars characters (quick runs on a tiny window)."""
+@dataclass(frozen=True)
+class TaskSetup:
+    """What the task bench asks and summarizes, beyond the modes and decodings: the questions (asked against
+    ask_docs, default every document they name), the documents summarized, the needle texts and grid, the
+    answer and summary token budgets, the documents' folder, and doc_chars: every document cut to its first
+    doc_chars characters (quick runs on a tiny window)."""
+
+    questions: Sequence[dict]
+    summary_docs: Sequence[str]
+    needle_texts: Sequence[tuple[str, str]]
+    needle: NeedleGrid
+    answer_tokens: int = 32
+    summary_tokens: int = 256
+    root: Path = EXAMPLES
+    ask_docs: Sequence[str] | None = None
+    doc_chars: int | None = None
+
+
+@dataclass
+class _TaskRun:
+    """One run_task's state: the model, its scratch document store, the setup, the questions per document
+    asked against and every document's text, the progress, and the records so far."""
+
+    lm: object
+    store: DocStore
+    setup: TaskSetup
+    by_doc: dict[str, list[dict]]
+    texts: dict[str, str]
+    done: int = 0
+    total: int = 0
+    asks: list[dict] = field(default_factory=list)
+    summaries: list[dict] = field(default_factory=list)
+
+
+def run_task(lm, modes: Sequence[ModeSpec], decodings: Sequence[Decoding], setup: TaskSetup,
+             quick: bool = False) -> Iterator[BenchProgress | BenchResult]:
+    """Yields progress, then BenchResult: `rows` (one per decoding x mode), `asks`, `summaries`."""
     t_start = time.perf_counter()
-    by_doc: dict[str, list[dict]] = {}
-    for item in questions:
-        for doc in item["docs"]:
-            if ask_docs is not None and doc not in ask_docs:
-                continue
-            by_doc.setdefault(doc, []).append(item)
-    texts = {doc: load_document(str(root / doc)).text[:doc_chars] for doc in sorted(set(by_doc) | set(summary_docs))}
-    if doc_chars is not None:  # only the questions whose answer is in the part kept
-        by_doc = {d: [i for i in items if contains_answer(texts[d], i["answers"])] for d, items in by_doc.items()}
-        by_doc = {d: items for d, items in by_doc.items() if items}
-    settings = {"questions": len(questions), "asks_per_mode": sum(map(len, by_doc.values())),
-                "documents": sorted(texts), "summary_documents": list(summary_docs),
-                "decodings": {d.label: _gen_json(d.config) for d in decodings}, "answer_tokens": answer_tokens,
-                "summary_tokens": summary_tokens, "needle_lengths": list(needle_lengths),
-                "needle_depths": list(needle_depths), "needles_per_cell": needles, "repeat_n": REPEAT_N,
-                "doc_chars": doc_chars}
+    by_doc, texts = _ask_documents(setup)
+    grid = setup.needle
+    settings = {"questions": len(setup.questions), "asks_per_mode": sum(map(len, by_doc.values())),
+                "documents": sorted(texts), "summary_documents": list(setup.summary_docs),
+                "decodings": {d.label: _gen_json(d.config) for d in decodings}, "answer_tokens": setup.answer_tokens,
+                "summary_tokens": setup.summary_tokens, "needle_lengths": list(grid.lengths),
+                "needle_depths": list(grid.depths), "needles_per_cell": grid.needles, "repeat_n": REPEAT_N,
+                "doc_chars": setup.doc_chars}
     result = envelope("task", quick, settings, modes, lm)
-    asks, summaries, rows = [], [], []
-    total = len(decodings) * len(modes) * (len(by_doc) + len(summary_docs) + 1)
-    done = 0
+    rows = []
     with tempfile.TemporaryDirectory(prefix="specache-task-") as store_dir:
-        store = DocStore(Path(store_dir), max_bytes=None)
+        run = _TaskRun(lm, DocStore(Path(store_dir), max_bytes=None), setup, by_doc, texts,
+                       total=len(decodings) * len(modes) * (len(by_doc) + len(setup.summary_docs) + 1))
         for dec in decodings:
-            needle_acc = yield from _needle(lm, needle_texts, modes, needle_lengths, needle_depths, needles, dec)
-            done += len(modes)
+            needle_acc = yield from _needle(lm, setup.needle_texts, modes, grid, dec)
+            run.done += len(modes)
             for spec in modes:
-                for doc, items in by_doc.items():
-                    t0 = time.perf_counter()
-                    runner = Runner(lm, spec.config, replace(dec.config, max_tokens=answer_tokens), store=store,
-                                    policy=spec.cls)
-                    replies = list(_result(ask_many(runner, texts[doc], doc, [i["q"] for i in items])))
-                    for item, reply in zip(items, replies):
-                        asks.append({"decoding": dec.label, "mode": spec.label, "doc": doc, "q": item["q"],
-                                     "answers": item["answers"], "reply": reply.text, "strategy": reply.strategy,
-                                     "right": contains_answer(reply.text, item["answers"])})
-                    done += 1
-                    right = sum(a["right"] for a in asks[-len(items):])
-                    yield BenchProgress(f"ask {dec.label} {spec.label} {doc}: {right}/{len(items)} right "
-                                        f"({replies[0].strategy}, {time.perf_counter() - t0:.1f} s)", done, total)
-                for doc in summary_docs:
-                    t0 = time.perf_counter()
-                    runner = Runner(lm, spec.config, replace(dec.config, max_tokens=summary_tokens), store=store,
-                                    policy=spec.cls)
-                    res = next(_result(summarize(runner, texts[doc], doc)))
-                    w = words(res.text)
-                    summaries.append({"decoding": dec.label, "mode": spec.label, "doc": doc, "text": res.text,
-                                      "strategy": res.strategy, "finish_reason": res.finish_reason,
-                                      "words": len(w), "tokens": res.generated_tokens,
-                                      "repeats_6gram": repeats_ngram(w), "distinct_2": distinct(w, 2),
-                                      "distinct_3": distinct(w, 3), "seconds": round(time.perf_counter() - t0, 2)})
-                    done += 1
-                    yield BenchProgress(f"summary {dec.label} {spec.label} {doc}: {len(w)} words, repeated 6-gram: "
-                                        f"{'yes' if summaries[-1]['repeats_6gram'] else 'no'} "
-                                        f"({time.perf_counter() - t0:.1f} s)", done, total)
-            rows += _rows(dec, modes, asks, summaries, needle_acc)
-    result.update({"rows": rows, "asks": asks, "summaries": summaries,
+                yield from _asks(run, spec, dec)
+                yield from _summaries(run, spec, dec)
+            rows += _rows(dec, modes, run.asks, run.summaries, needle_acc)
+    result.update({"rows": rows, "asks": run.asks, "summaries": run.summaries,
                    "seconds": round(time.perf_counter() - t_start, 2)})
     yield BenchResult(result)
+
+
+def _ask_documents(setup: TaskSetup) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """The questions per document asked against, and the text of every document asked or summarized (cut to
+    doc_chars, keeping only the questions whose answer is in the part kept)."""
+    by_doc: dict[str, list[dict]] = {}
+    for item in setup.questions:
+        for doc in item["docs"]:
+            if setup.ask_docs is not None and doc not in setup.ask_docs:
+                continue
+            by_doc.setdefault(doc, []).append(item)
+    texts = {doc: load_document(str(setup.root / doc)).text[:setup.doc_chars]
+             for doc in sorted(set(by_doc) | set(setup.summary_docs))}
+    if setup.doc_chars is not None:  # only the questions whose answer is in the part kept
+        by_doc = {d: [i for i in items if contains_answer(texts[d], i["answers"])] for d, items in by_doc.items()}
+        by_doc = {d: items for d, items in by_doc.items() if items}
+    return by_doc, texts
+
+
+def _asks(run: _TaskRun, spec: ModeSpec, dec: Decoding) -> Iterator[BenchProgress]:
+    """Every document's questions with this mode and decoding, into run.asks."""
+    for doc, items in run.by_doc.items():
+        t0 = time.perf_counter()
+        runner = Runner(run.lm, spec.config, replace(dec.config, max_tokens=run.setup.answer_tokens), store=run.store,
+                        policy=spec.cls)
+        replies = list(_result(ask_many(runner, run.texts[doc], doc, [i["q"] for i in items])))
+        for item, reply in zip(items, replies):
+            run.asks.append({"decoding": dec.label, "mode": spec.label, "doc": doc, "q": item["q"],
+                             "answers": item["answers"], "reply": reply.text, "strategy": reply.strategy,
+                             "right": contains_answer(reply.text, item["answers"])})
+        run.done += 1
+        right = sum(a["right"] for a in run.asks[-len(items):])
+        yield BenchProgress(f"ask {dec.label} {spec.label} {doc}: {right}/{len(items)} right "
+                            f"({replies[0].strategy}, {time.perf_counter() - t0:.1f} s)", run.done, run.total)
+
+
+def _summaries(run: _TaskRun, spec: ModeSpec, dec: Decoding) -> Iterator[BenchProgress]:
+    """Every summarized document with this mode and decoding, into run.summaries."""
+    for doc in run.setup.summary_docs:
+        t0 = time.perf_counter()
+        runner = Runner(run.lm, spec.config, replace(dec.config, max_tokens=run.setup.summary_tokens),
+                        store=run.store, policy=spec.cls)
+        res = next(_result(summarize(runner, run.texts[doc], doc)))
+        w = words(res.text)
+        run.summaries.append({"decoding": dec.label, "mode": spec.label, "doc": doc, "text": res.text,
+                              "strategy": res.strategy, "finish_reason": res.finish_reason,
+                              "words": len(w), "tokens": res.generated_tokens,
+                              "repeats_6gram": repeats_ngram(w), "distinct_2": distinct(w, 2),
+                              "distinct_3": distinct(w, 3), "seconds": round(time.perf_counter() - t0, 2)})
+        run.done += 1
+        yield BenchProgress(f"summary {dec.label} {spec.label} {doc}: {len(w)} words, repeated 6-gram: "
+                            f"{'yes' if run.summaries[-1]['repeats_6gram'] else 'no'} "
+                            f"({time.perf_counter() - t0:.1f} s)", run.done, run.total)
 
 
 def _gen_json(gen: GenerationConfig) -> dict:
@@ -225,11 +272,11 @@ def _gen_json(gen: GenerationConfig) -> dict:
                                          "no_repeat_ngram", "seed")}
 
 
-def _needle(lm, texts, modes, lengths, depths, needles, dec: Decoding):
+def _needle(lm, texts, modes, grid: NeedleGrid, dec: Decoding):
     """Run the needle bench with this decoding; forward its progress; return accuracy per mode label."""
-    if not lengths:
+    if not grid.lengths:
         return {}
-    for event in run_needle(lm, texts, modes, lengths, depths, needles, decoding=dec.config):
+    for event in run_needle(lm, texts, modes, grid, decoding=dec.config):
         if isinstance(event, BenchProgress):
             yield BenchProgress(f"{dec.label}: {event.message}")
         elif isinstance(event, BenchResult):

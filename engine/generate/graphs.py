@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from engine.generate.forward import PassOptions
 from engine.kvcache import KVCache
 
 
@@ -70,8 +71,8 @@ class DecodeGraphs:
         n, t = ids.shape
         rows = slice(0, n)
         if not self.cache.capturable:  # a guide watch that fired: its layers attend exactly, eagerly
-            return self.forward(self.model, self.cache, ids, rows, keep=keep, select=select,
-                                logits_to_keep=logits_to_keep)
+            return self.forward(self.model, self.cache, ids, rows,
+                                how=PassOptions(keep=keep, select=select, logits_to_keep=logits_to_keep))
         key = (n, t, keep, select, logits_to_keep)
 
         def prepare() -> None:  # host bookkeeping of the pass the recording or the replay runs
@@ -83,8 +84,8 @@ class DecodeGraphs:
             static = ids.clone()
 
             def run() -> torch.Tensor:
-                out = self.forward(self.model, self.cache, static, rows, keep=keep, select=select,
-                                   logits_to_keep=logits_to_keep, fixed=True, commit=False)
+                out = self.forward(self.model, self.cache, static, rows, how=PassOptions(
+                    keep=keep, select=select, logits_to_keep=logits_to_keep, fixed=True, commit=False))
                 self.cache.join()  # (a recording may not end with work on another stream)
                 return out
 

@@ -3,19 +3,17 @@ window, map-reduce over window-sized sections when it does not. Generators yield
 (Status, Stage progress, TextDelta) and end with a Result; the CLI renders them."""
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator
-
-import torch
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.docstore.store import DocStore
-from engine.errors import DocumentTooLong, EmptyDocument, SpecacheError
+from engine.errors import DocumentTooLong, SpecacheError
 from engine.generate.engine import Engine, Finished, Progress, Tokens
 from engine.generate.prefixes import DocStoreUse
-from engine.generate.steps import merge_exact_stats
 from engine.inputs import prompts as P
+from engine.jobs.events import HOLD_TOKENS, Failed, Result, Stage, Status, TextDelta, cut_at_sentence, sentence_end
+from engine.jobs.sections import COUNT_PIECE_CHARS, count_tokens, document_tokens, split_sections, text_pieces
 from engine.model.linears import held_bytes, held_parameters
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
@@ -23,119 +21,10 @@ from engine.plan.profiles import model_profile_from_config
 
 STRATEGIES = ("auto", "single", "map-reduce")
 PART_MAX_TOKENS = (48, 160)  # a section's partial summary or answer: --max-tokens clamped to this range
-# while streaming, the last HOLD_TOKENS of the --max-tokens budget are shown a sentence at a time, so an
-# answer cut by the budget can end at its last complete sentence without unprinting anything
-HOLD_TOKENS = 64
-SENTENCE_END = re.compile(r"""[.!?]["')\]”’]*(?=\s|$)""")
 
-
-def sentence_end(text: str, start: int = 0) -> int:
-    """The length of text up to its last complete sentence (after `start`), or 0 when there is none."""
-    ends = [m.end() for m in SENTENCE_END.finditer(text, start)]
-    return ends[-1] if ends else 0
-
-
-def cut_at_sentence(text: str, shown: int = 0) -> str:
-    """An answer cut by the token budget: up to its last complete sentence when there is one at or after
-    the `shown` characters already streamed; else the whole text (nothing to cut, or it was printed)."""
-    end = sentence_end(text)
-    return text[:end] if end and end >= shown else text
-
-
-@dataclass
-class Status:
-    message: str
-
-
-@dataclass
-class Stage:
-    """Prefill progress of one model call (label says which)."""
-
-    label: str
-    done: int
-    total: int
-
-
-@dataclass
-class TextDelta:
-    """New text of the final answer, for streaming to stdout."""
-
-    text: str
-
-
-@dataclass
-class Failed:
-    """A document of a multi-document run that could not be done (the others go on)."""
-
-    source: str
-    error: SpecacheError
-
-
-@dataclass
-class Result:
-    """One answer; `to_json` is the documented --json contract."""
-
-    text: str
-    source: str
-    model: str
-    strategy: str
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    calls: int = 0
-    question: str | None = None
-    sections: int = 1
-    cache: dict = field(default_factory=dict)
-    # "stop": the model ended its answer; "length": --max-tokens ended it (the text then ends at its last
-    # complete sentence when it has one)
-    finish_reason: str = "stop"
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    batch: int = 1  # rows decoded together in this result's (last) model call
-    threads: int = field(default_factory=torch.get_num_threads)  # torch CPU threads of the process that ran it
-
-    def add(self, fin: Finished, row: int = 0) -> None:
-        """Account one model call (row `row` of its batch; times are the batch's)."""
-        self.prompt_tokens += fin.prompt_tokens[row]
-        self.generated_tokens += len(fin.tokens[row])
-        self.prefill_seconds += fin.prefill_seconds
-        self.decode_seconds += fin.decode_seconds
-        self.calls += 1
-        self.batch = len(fin.tokens)
-        self.cache = merge_exact_stats(self.cache, fin.cache_stats)  # exact mode: figures over every call
-        self.add_store(fin.store[row] if fin.store else None)
-
-    plan: dict = field(default_factory=dict)
-    # the document store, None without one: hit (every entry was), key (the first), bytes, seconds (load on a
-    # hit, write on a miss), entries and hits (several for map-reduce sections)
-    store: dict | None = None
-
-    def add_store(self, info: dict | None) -> None:
-        """Account one call's use of the document store (several for map-reduce sections)."""
-        if info is None:
-            return
-        if self.store is None:
-            self.store = {"hit": info["hit"], "key": info["key"], "bytes": info["bytes"],
-                          "seconds": round(info["seconds"], 4), "entries": 1, "hits": int(info["hit"])}
-            return
-        self.store["hit"] = self.store["hit"] and info["hit"]
-        self.store["bytes"] = (self.store["bytes"] or 0) + (info["bytes"] or 0)
-        self.store["seconds"] = round(self.store["seconds"] + info["seconds"], 4)
-        self.store["entries"] += 1
-        self.store["hits"] += int(info["hit"])
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out["decode_tokens_per_second"] = round(self.decode_tokens_per_second, 3)
-        out["prefill_seconds"] = round(self.prefill_seconds, 4)
-        out["decode_seconds"] = round(self.decode_seconds, 4)
-        if self.question is None:
-            del out["question"]
-        return out
+__all__ = ["STRATEGIES", "Runner", "Status", "Stage", "TextDelta", "Failed", "Result", "cut_at_sentence",
+           "COUNT_PIECE_CHARS", "count_tokens", "text_pieces", "split_sections", "document_tokens", "summarize", "ask",
+           "summarize_many", "ask_many"]
 
 
 @dataclass
@@ -230,69 +119,6 @@ class Runner:
     def budget(self, instruction: str, max_tokens: int) -> int:
         """Document tokens that fit in one call next to the instruction and the answer."""
         return self.lm.max_context - P.overhead_tokens(self.lm.tokenizer, instruction) - max_tokens - 2
-
-
-COUNT_PIECE_CHARS = 1 << 20  # count_tokens: texts longer than this are tokenized a piece at a time
-
-
-def count_tokens(tokenizer, text: str) -> int:
-    """Tokens of text. A text over COUNT_PIECE_CHARS (~250k tokens: far past any window, so the
-    count only sizes the work) is counted in pieces cut at paragraph breaks: tokenizing 50 MB at once
-    took 7 GB of RAM. The sum may differ by a token or so per cut from the whole text's count."""
-    if len(text) <= COUNT_PIECE_CHARS:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return sum(len(tokenizer(piece, add_special_tokens=False)["input_ids"]) for piece in text_pieces(text))
-
-
-def text_pieces(text: str, size: int | None = None) -> Iterator[str]:
-    """text in consecutive pieces of at most `size` characters (default COUNT_PIECE_CHARS), cut after a
-    paragraph break (else a line break, else a space, else anywhere) within the piece's last quarter;
-    their concatenation is text."""
-    size = size or COUNT_PIECE_CHARS
-    start = 0
-    while start < len(text):
-        end = min(start + size, len(text))
-        if end < len(text):
-            lo = start + size * 3 // 4
-            cut = max(text.rfind("\n\n", lo, end), -1)
-            cut = cut + 2 if cut >= 0 else max(text.rfind("\n", lo, end) + 1, text.rfind(" ", lo, end) + 1)
-            end = cut if cut > lo else end
-        yield text[start:end]
-        start = end
-
-
-def split_sections(tokenizer, text: str, budget: int) -> list[str]:
-    """Cut text into sections of at most `budget` tokens, at paragraph breaks where possible."""
-    sections, current, used = [], [], 0
-    for para in [p for p in text.split("\n\n") if p.strip()]:
-        n = count_tokens(tokenizer, para) + 2
-        if n > budget:  # a huge paragraph: cut by tokens (tokenized a text piece at a time: bounded memory)
-            pieces = [tokenizer.decode(ids[i : i + budget - 2]) for part in text_pieces(para)
-                      for ids in [tokenizer(part, add_special_tokens=False)["input_ids"]]
-                      for i in range(0, len(ids), budget - 2)]
-        else:
-            pieces = [para]
-        for piece in pieces:
-            m = min(n, budget)
-            if used + m > budget and current:
-                sections.append("\n\n".join(current))
-                current, used = [], 0
-            current.append(piece)
-            used += m
-    if current:
-        sections.append("\n\n".join(current))
-    return sections
-
-
-def document_tokens(tokenizer, text: str, source: str) -> int:
-    """count_tokens of a document that is not blank; EmptyDocument when it is blank or tokenizes to nothing
-    (the tokenizer drops every character of it)."""
-    if not text.strip():
-        raise EmptyDocument(f"{source}: the document is empty")
-    n = count_tokens(tokenizer, text)
-    if n == 0:
-        raise EmptyDocument(f"{source}: the document tokenizes to nothing (the tokenizer drops all its characters)")
-    return n
 
 
 def choose_strategy(runner: Runner, doc_tokens: int, instruction: str) -> str:

@@ -19,23 +19,24 @@ A job is a generator of events, rendered by the CLI:
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 from engine.errors import BadArgument, SpecacheError
 from engine.jobs.pipeline import Failed, Result, Runner, ask_many, summarize_many
+from engine.jobs.tasks import FailedQuestion, Task, ask_tasks, group_size, summarize_tasks
 
 RAY_EXTRA = "pip install 'specache[ray]'"
-CHARS_PER_TOKEN = 4  # the token estimate used to order documents (the driver holds no tokenizer)
-DEFAULT_GROUP = 4  # documents handed to an actor at once (decoded together) when --batch is auto
 MAX_RESTARTS = 3  # restarts of one actor before it is given up
 RESTART_POLL_SECONDS = 0.25  # how often to ask whether a restarting actor is back
 OBJECT_STORE_MB = 256  # a local runtime's shared-memory object store: documents and results are small
+
+__all__ = ["Task", "FailedQuestion", "group_size", "summarize_tasks", "ask_tasks", "WorkerConfig", "WorkerState",
+           "Tick", "Retry", "WorkerDied", "WorkerError", "import_ray", "start_local_ray", "validate", "run_job"]
 
 
 class WorkerDied(SpecacheError):
@@ -59,81 +60,6 @@ def import_ray():
     except ImportError:
         raise BadArgument(f"--workers needs Ray, which is not installed: {RAY_EXTRA}") from None
     return ray
-
-
-# ---- what is handed out ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Task:
-    """Documents handed to one actor at once.
-
-    kind "summarize": docs are (text, source) pairs, summarized together (one decode batch when
-    they fit the window). kind "ask": one (text, source) corpus and the questions to answer on it.
-    attempt: 1 the first time, 2 for the retry after the actor running it died."""
-
-    key: int
-    kind: str
-    docs: tuple[tuple[str, str], ...]
-    questions: tuple[str, ...] = ()
-    attempt: int = 1
-
-    @property
-    def tokens(self) -> int:
-        """Estimated document tokens (characters / 4), the order documents are handed out in."""
-        return sum(estimate_tokens(text) for text, _ in self.docs)
-
-    @property
-    def label(self) -> str:
-        names = [Path(s).name or s for _, s in self.docs]
-        what = names[0] if len(names) == 1 else f"{names[0]} +{len(names) - 1}"
-        if self.kind == "ask":
-            what += f" ({len(self.questions)} question{'s' * (len(self.questions) != 1)})"
-        return what
-
-    def units(self) -> list[tuple[str, str | None]]:
-        """(source, question) of every result this task yields."""
-        if self.kind == "ask":
-            return [(self.docs[0][1], q) for q in self.questions]
-        return [(s, None) for _, s in self.docs]
-
-    def split(self, next_key: Callable[[], int]) -> list["Task"]:
-        """One task per document (per question for ask), as a retry: a second death then names one."""
-        if self.kind == "ask":
-            return [Task(next_key(), "ask", self.docs, (q,), attempt=2) for q in self.questions]
-        return [Task(next_key(), "summarize", (d,), attempt=2) for d in self.docs]
-
-
-def estimate_tokens(text: str) -> int:
-    return len(text) // CHARS_PER_TOKEN + 1
-
-
-def group_size(n: int, workers: int, batch: int | None) -> int:
-    """Documents per task: --batch when given, else DEFAULT_GROUP, but small enough that every
-    worker gets about two tasks (so the last ones to finish are short)."""
-    want = batch if batch is not None else DEFAULT_GROUP
-    return max(1, min(want, math.ceil(n / (2 * workers))))
-
-
-def summarize_tasks(docs: Sequence[tuple[str, str]], workers: int, batch: int | None) -> list[Task]:
-    """(text, source) documents -> tasks, longest first; each task holds documents of similar length."""
-    order = sorted(docs, key=lambda d: estimate_tokens(d[0]), reverse=True)
-    size = group_size(len(order), workers, batch)
-    return [Task(i, "summarize", tuple(order[j:j + size])) for i, j in enumerate(range(0, len(order), size))]
-
-
-def ask_tasks(text: str, source: str, questions: Sequence[str], workers: int, batch: int | None) -> list[Task]:
-    """Questions on one corpus -> tasks of a few questions each (an actor answers them as one batch
-    sharing the corpus prefill; with the store on, the corpus is prefilled once per machine)."""
-    size = group_size(len(questions), workers, batch)
-    return [Task(i, "ask", ((text, source),), tuple(questions[j:j + size]))
-            for i, j in enumerate(range(0, len(questions), size))]
-
-
-@dataclass
-class FailedQuestion(Failed):
-    """A question of ask that could not be answered (its error line names the question)."""
-
-    question: str | None = None
 
 
 # ---- the actor -------------------------------------------------------------------------------
@@ -288,6 +214,29 @@ def resources(ray, config: WorkerConfig) -> tuple[int, int]:
     return threads, int(use_gpu)
 
 
+@dataclass
+class _Schedule:
+    """run_job's bookkeeping: the actors and their states, the tasks still to hand out (longest first), the
+    idle actors, the calls in flight (ref -> (actor, task; None for a model load or a restart check)) and
+    the restarting actors (actor -> when to ask again whether it is back)."""
+
+    actors: list
+    states: list[WorkerState]
+    queue: deque
+    keys: Iterator[int]  # task keys for retries
+    idle: list[int] = field(default_factory=list)
+    running: dict = field(default_factory=dict)
+    restarting: dict[int, float] = field(default_factory=dict)
+
+    def busy(self) -> bool:
+        return bool(self.queue) or any(task is not None for _, task in self.running.values())
+
+    def moved(self, i: int, **changes) -> WorkerState:
+        """Actor i's state with these changes, since now."""
+        self.states[i] = replace(self.states[i], **changes, since=time.monotonic())
+        return self.states[i]
+
+
 def run_job(tasks: list[Task], make_runner: Callable[[], Runner], config: WorkerConfig,
             ) -> Iterator[WorkerState | Retry | Tick | Result | Failed]:
     """Run tasks on config.workers actors; yield worker states, retries and each Result / Failed
@@ -297,8 +246,6 @@ def run_job(tasks: list[Task], make_runner: Callable[[], Runner], config: Worker
     job started it."""
     validate(config)
     ray = import_ray()
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
-
     started = connect(ray, config)
     actors = []
     try:
@@ -306,76 +253,17 @@ def run_job(tasks: list[Task], make_runner: Callable[[], Runner], config: Worker
         remote = ray.remote(DocWorker).options(num_cpus=threads, num_gpus=gpus, max_restarts=config.max_restarts,
                                                max_task_retries=0)
         actors = [remote.remote(make_runner, threads) for _ in range(config.workers)]
-        states = [WorkerState(i, "starting", since=time.monotonic()) for i in range(config.workers)]
-        yield from states
-        keys = iter(range(len(tasks), 2**62))
-        queue = deque(tasks)  # longest first
-        idle: list[int] = []
-        running: dict = {a.ready.remote(): (i, None) for i, a in enumerate(actors)}  # ref -> (actor, task)
-        restarting: dict[int, float] = {}  # actor -> when to ask again whether it is back
-        while queue or any(task is not None for _, task in running.values()):
-            while idle and queue:
-                i, task = idle.pop(0), queue.popleft()
-                running[actors[i].run.remote(task)] = (i, task)
-                states[i] = replace(states[i], state="working", task=task.label, since=time.monotonic())
-                yield states[i]
-            now = time.monotonic()
-            for i in [i for i, due in restarting.items() if due <= now]:
-                del restarting[i]
-                running[actors[i].ready.remote()] = (i, None)
-            if not running and not restarting:
-                raise SpecacheError("every worker died; see the errors above")
-            wait = min([1.0] + [due - now for due in restarting.values()])
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=max(wait, 0.0)) if running else \
-                ([], time.sleep(max(wait, 0.0)))
-            if not ready:
+        job = _Schedule(actors, [WorkerState(i, "starting", since=time.monotonic()) for i in range(config.workers)],
+                        deque(tasks), iter(range(len(tasks), 2**62)))
+        yield from job.states
+        job.running = {a.ready.remote(): (i, None) for i, a in enumerate(actors)}
+        while job.busy():
+            yield from _hand_out(job)
+            ref = _next_done(ray, job)
+            if ref is None:
                 yield Tick()
                 continue
-            i, task = running.pop(ready[0])
-            try:
-                value = ray.get(ready[0])
-            except ActorUnavailableError:  # asked while Ray restarts it: ask again shortly
-                if task is None:
-                    restarting[i] = time.monotonic() + RESTART_POLL_SECONDS
-                    continue
-                value = None
-                exc_text = "its process died"
-            except ActorDiedError as exc:  # dead for good (restarts used up, or it cannot start)
-                value, exc_text = None, died_reason(exc)
-                if task is None:
-                    states[i] = replace(states[i], state="gone", pid=None, task=None, since=time.monotonic())
-                    yield states[i]
-                    continue
-            except RayActorError as exc:
-                value, exc_text = None, died_reason(exc)
-            except RayTaskError as exc:  # an exception inside the actor: these documents fail, the job goes on
-                if task is None:
-                    raise as_error("a worker", exc) from None
-                value = [failed(s, q, as_error(s, exc)) for s, q in task.units()]
-            if value is None:  # the process running the task died (killed, out of memory)
-                if task.attempt == 1:
-                    queue.extendleft(reversed(task.split(lambda: next(keys))))
-                    yield Retry(i, task.label, len(task.units()), exc_text)
-                else:
-                    for source, question in task.units():
-                        yield failed(source, question, WorkerDied(
-                            f"{source}: the worker died twice on this document ({exc_text})"))
-                states[i] = replace(states[i], state="restarting", pid=None, task=None, since=time.monotonic())
-                yield states[i]
-                running[actors[i].ready.remote()] = (i, None)  # back when Ray has restarted it, or gone
-                continue
-            if task is None:  # the actor has loaded the model
-                if value["error"] is not None:
-                    raise value["error"]
-                states[i] = replace(states[i], state="ready", pid=value["pid"], node=value["node"],
-                                    device=value["device"], threads=value["threads"], since=time.monotonic())
-            else:
-                states[i] = replace(states[i], state="idle", task=None, since=time.monotonic(),
-                                    done=states[i].done + len(value))
-            idle.append(i)
-            yield states[i]
-            if task is not None:
-                yield from value
+            yield from _settle(ray, job, ref)
     except BaseException:
         for actor in actors:  # Ctrl-C, a closed generator, an error: stop the work now
             try:
@@ -386,6 +274,83 @@ def run_job(tasks: list[Task], make_runner: Callable[[], Runner], config: Worker
     finally:
         if started:
             ray.shutdown()
+
+
+def _hand_out(job: _Schedule) -> Iterator[WorkerState]:
+    """The next tasks to the idle actors."""
+    while job.idle and job.queue:
+        i, task = job.idle.pop(0), job.queue.popleft()
+        job.running[job.actors[i].run.remote(task)] = (i, task)
+        yield job.moved(i, state="working", task=task.label)
+
+
+def _next_done(ray, job: _Schedule):
+    """The ref of a call that finished within about a second, or None; the restarting actors that are due
+    are asked again. Raises SpecacheError when no actor is left."""
+    now = time.monotonic()
+    for i in [i for i, due in job.restarting.items() if due <= now]:
+        del job.restarting[i]
+        job.running[job.actors[i].ready.remote()] = (i, None)
+    if not job.running and not job.restarting:
+        raise SpecacheError("every worker died; see the errors above")
+    wait = min([1.0] + [due - now for due in job.restarting.values()])
+    ready, _ = ray.wait(list(job.running), num_returns=1, timeout=max(wait, 0.0)) if job.running else \
+        ([], time.sleep(max(wait, 0.0)))
+    return ready[0] if ready else None
+
+
+def _settle(ray, job: _Schedule, ref) -> Iterator[WorkerState | Retry | Result | Failed]:
+    """What a finished call means: a loaded model, a task's results, a task's documents failed, or its actor
+    dead (the task retried or failed; the actor restarting, back later, or gone)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+    i, task = job.running.pop(ref)
+    try:
+        value = ray.get(ref)
+    except ActorUnavailableError:  # asked while Ray restarts it: ask again shortly
+        if task is None:
+            job.restarting[i] = time.monotonic() + RESTART_POLL_SECONDS
+            return
+        value = None
+        exc_text = "its process died"
+    except ActorDiedError as exc:  # dead for good (restarts used up, or it cannot start)
+        value, exc_text = None, died_reason(exc)
+        if task is None:
+            yield job.moved(i, state="gone", pid=None, task=None)
+            return
+    except RayActorError as exc:
+        value, exc_text = None, died_reason(exc)
+    except RayTaskError as exc:  # an exception inside the actor: these documents fail, the job goes on
+        if task is None:
+            raise as_error("a worker", exc) from None
+        value = [failed(s, q, as_error(s, exc)) for s, q in task.units()]
+    if value is None:  # the process running the task died (killed, out of memory)
+        yield from _lost(job, i, task, exc_text)
+        return
+    if task is None:  # the actor has loaded the model
+        if value["error"] is not None:
+            raise value["error"]
+        state = job.moved(i, state="ready", pid=value["pid"], node=value["node"], device=value["device"],
+                          threads=value["threads"])
+    else:
+        state = job.moved(i, state="idle", task=None, done=job.states[i].done + len(value))
+    job.idle.append(i)
+    yield state
+    if task is not None:
+        yield from value
+
+
+def _lost(job: _Schedule, i: int, task: Task, exc_text: str) -> Iterator[WorkerState | Retry | Failed]:
+    """Actor i died running task: its documents are queued again one by one, or fail on a second death; the
+    actor is asked again once Ray has restarted it (or it is gone)."""
+    if task.attempt == 1:
+        job.queue.extendleft(reversed(task.split(lambda: next(job.keys))))
+        yield Retry(i, task.label, len(task.units()), exc_text)
+    else:
+        for source, question in task.units():
+            yield failed(source, question, WorkerDied(f"{source}: the worker died twice on this document ({exc_text})"))
+    yield job.moved(i, state="restarting", pid=None, task=None)
+    job.running[job.actors[i].ready.remote()] = (i, None)  # back when Ray has restarted it, or gone
 
 
 def failed(source: str, question: str | None, error: SpecacheError) -> Failed:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.kvcache.quant import _codes as quant_codes
-from engine.kvcache.quant import _params as quant_params
+from engine.kvcache.codes import _codes as quant_codes
+from engine.kvcache.codes import _params as quant_params
 from engine.kvcache.sizes import OUTLIER_BITS
 
 

@@ -11,7 +11,8 @@ are copied to pinned host memory asynchronously (an event marks when they are th
 gathers the rows on the CPU into a pinned staging buffer and issues the copy on the side stream. The
 next step's attention makes the compute stream wait for `ready`, so the fetch overlaps everything the
 GPU does in between (the rest of this step, and the layers before this one in the next).
-`overlap_share()` reports how often the fetch had finished before the attention needed it.
+`overlap_share()` reports how often the fetch had finished before the attention needed it. The host
+memory itself, the worker thread and the row gathers are in engine/kvcache/host_memory.py.
 
 Exact mode's verification (engine/kvcache/policies/exact.py) attends with every committed exact K/V. On
 CUDA a `VerifyStream` copies them layer by layer from the pinned store into two device buffers on
@@ -20,21 +21,28 @@ store is read in place (the stream can be forced there for tests: Transfer(strea
 """
 from __future__ import annotations
 
-import mmap
-import queue
 import threading
 
-import numpy as np
 import torch
 
 from engine.errors import DoesNotFit
 from engine.kvcache import guide_triton
+from engine.kvcache.host_memory import (
+    HostMapping,
+    PrefetchWorker,
+    corrected_rows,
+    corrected_rows_fixed,
+    gather_rows,
+    mapped_zeros,
+    untouched_zeros,
+)
+from engine.kvcache.verify_stream import WHOLE_ROWS_WASTE, VerifyStream, copy_prefix
 from engine.machine import pinnable_bytes
 
-GIB = 2**30
-CUDA_HOST_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped (a device address too)
+__all__ = ["Transfer", "HostStore", "VerifyStream", "overlap_share", "copy_prefix", "corrected_rows",
+           "corrected_rows_fixed", "untouched_zeros", "WHOLE_ROWS_WASTE"]
 
-WHOLE_ROWS_WASTE = 0.125  # verification copy: whole store rows in one copy when at most this share is unused
+GIB = 2**30
 
 
 class Transfer:
@@ -314,274 +322,6 @@ class HostStore:
     def host_bytes(self, tokens: int) -> int:
         """Bytes of exact K and V held for `tokens` tokens of this layer."""
         return 2 * tokens * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
-
-
-class VerifyStream:
-    """Exact mode's verification on a device that does not hold the host store (CUDA): each layer's
-    committed exact K/V, positions [0, past) of the pass's rows, is copied from the pinned store into
-    one of two device buffers [B, H_kv, L, D] (K and V each, of the store's dtype; what the planner
-    budgets as verify_buffers), double-buffered on the cache's side stream:
-
-      begin(rows, past)  the copies of layers 0 and 1 (buffers 0 and 1), a `ready` event after each
-      acquire(l)         the compute stream waits for layer l's `ready`; -> buffer l % 2 (the caller
-                         writes the pass's new tokens into it and attends)
-      release(l)         a `free` event on the compute stream after layer l's attention; the copy of
-                         layer l + 2 into the same buffer is issued behind it on the side stream
-
-    so two copies are always queued ahead of the attention that needs them, and layer l + 1's copy
-    runs while layer l computes. A buffer is read only by the layer whose copy it holds in this pass
-    (`holds`; anything else raises). A copy moves contiguous memory only (`copy_prefix`): a strided
-    host-to-device copy would go through a pageable temporary, synchronously. Without CUDA (tests:
-    Transfer(stream_verify=True) on the CPU) the copies are plain copies and there are no events.
-
-    Counters: copied_bytes and passes (all verifications), waits / ready_in_time (CUDA: layers
-    attended / whose copy had completed by then)."""
-
-    def __init__(self, transfer: Transfer):
-        self.transfer = transfer
-        self.cuda = transfer.cuda
-        self.stores: list[HostStore] = []  # one per layer, in layer order
-        self.k: torch.Tensor | None = None  # [2, B, H_kv, L, D] on the device, allocated on the first pass
-        self.v: torch.Tensor | None = None
-        self.holds: list[tuple[int, int] | None] = [None, None]  # (pass, layer) whose copy each buffer holds
-        self.passes = 0
-        self.rows, self.past = slice(0, 0), 0
-        self.whole_rows_waste = WHOLE_ROWS_WASTE
-        self.copied_bytes = 0
-        self.waits = self.ready_in_time = 0
-        if self.cuda:
-            self.ready = [torch.cuda.Event(), torch.cuda.Event()]  # side stream: buffer i's copy is done
-            self.free = [torch.cuda.Event(), torch.cuda.Event()]  # compute stream: buffer i's reader is done
-
-    @property
-    def staged(self) -> bool:
-        """Whether verifications go through the buffers (else the store is read in place)."""
-        return self.transfer.stream_verify
-
-    def add(self, store: HostStore) -> int:
-        """Register the next layer's host store. -> its layer index."""
-        self.stores.append(store)
-        return len(self.stores) - 1
-
-    def bytes_per_row(self) -> int:
-        """Device bytes per row of the two K/V buffer pairs (0 when the store is read in place)."""
-        if not self.staged or not self.stores:
-            return 0
-        k = self.stores[0].k
-        return 2 * 2 * k[0].numel() * k.element_size()
-
-    def begin(self, rows: slice, past: int) -> None:
-        """A verification pass of `rows` whose committed past is [0, past): issue layers 0 and 1."""
-        if self.k is None:
-            self._allocate()
-        self.passes += 1
-        self.rows, self.past = rows, past
-        self.holds = [None, None]
-        for layer in range(min(2, len(self.stores))):
-            self._issue(layer)
-
-    def acquire(self, layer: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s buffer pair [B, H_kv, L, D] each, its copy of [0, past) complete for the
-        compute stream. Raises RuntimeError when the buffer does not hold this layer of this pass."""
-        buf = layer % 2
-        if self.holds[buf] != (self.passes, layer) or rows != self.rows:
-            raise RuntimeError(f"verification: layer {layer} of rows {rows} is not in buffer {buf} "
-                               f"(it holds {self.holds[buf]} of rows {self.rows}, pass {self.passes})")
-        if self.cuda:
-            self.waits += 1
-            self.ready_in_time += int(self.ready[buf].query())
-            torch.cuda.current_stream(self.transfer.device).wait_event(self.ready[buf])
-        return self.k[buf], self.v[buf]
-
-    def release(self, layer: int) -> None:
-        """Layer `layer`'s attention is queued: its buffer takes layer + 2's copy once that is done."""
-        buf = layer % 2
-        if self.cuda:
-            self.free[buf].record(torch.cuda.current_stream(self.transfer.device))
-        self.holds[buf] = None
-        if layer + 2 < len(self.stores):
-            self._issue(layer + 2)
-
-    def _issue(self, layer: int) -> None:
-        """Copy layer `layer`'s store rows [0, past) into buffer layer % 2 (side stream on CUDA)."""
-        buf, store, rows = layer % 2, self.stores[layer], self.rows
-        if not self.cuda:
-            n = copy_prefix(self.k[buf, rows], store.k[rows], self.past, self.whole_rows_waste)
-            n += copy_prefix(self.v[buf, rows], store.v[rows], self.past, self.whole_rows_waste)
-        else:
-            side = self.transfer.stream
-            side.wait_event(self.free[buf])  # the previous reader of this buffer is done with it
-            with torch.cuda.stream(side):
-                n = copy_prefix(self.k[buf, rows], store.k[rows], self.past, self.whole_rows_waste)
-                n += copy_prefix(self.v[buf, rows], store.v[rows], self.past, self.whole_rows_waste)
-                self.ready[buf].record(side)
-        self.holds[buf] = (self.passes, layer)
-        self.copied_bytes += n
-
-    def _allocate(self) -> None:
-        """The two buffer pairs, zeroed (rows past a row's own positions are read masked: never NaN)."""
-        k = self.stores[0].k
-        self.k = torch.zeros((2, *k.shape), dtype=k.dtype, device=self.transfer.device)  # [2, B, H_kv, L, D]
-        self.v = torch.zeros_like(self.k)
-        if self.cuda:  # the side stream writes them: after the zero fill, and never freed under a copy
-            current = torch.cuda.current_stream(self.transfer.device)
-            for event in self.free:
-                event.record(current)
-            self.k.record_stream(self.transfer.stream)
-            self.v.record_stream(self.transfer.stream)
-
-    def stats(self) -> dict:
-        """--json: mean bytes copied per verification, and the share of layers whose copy had completed
-        when their attention needed it (CUDA); None where the store is read in place."""
-        return {"verify_copy_bytes": self.copied_bytes // self.passes if self.passes else None,
-                "verify_overlap_share": round(self.ready_in_time / self.waits, 4) if self.waits else None}
-
-
-def copy_prefix(dst: torch.Tensor, src: torch.Tensor, n: int, whole_rows_waste: float) -> int:
-    """dst[:, :, :n] = src[:, :, :n] for contiguous [b, H_kv, L, D] tensors (non_blocking), as copies of
-    contiguous memory: all of src at once when the positions past n are at most whole_rows_waste of L
-    (fewer copies for a few more bytes), else one copy per (row, KV head). -> bytes copied."""
-    b, h, length, d = src.shape
-    if n == 0:
-        return 0
-    if length - n <= whole_rows_waste * length:
-        dst.copy_(src, non_blocking=True)
-        return src.numel() * src.element_size()
-    flat_dst, flat_src = dst.view(b * h, length, d), src.view(b * h, length, d)
-    for i in range(b * h):
-        flat_dst[i, :n].copy_(flat_src[i, :n], non_blocking=True)
-    return b * h * n * d * src.element_size()
-
-
-class HostMapping(mmap.mmap):
-    """Anonymous private memory (as malloc's) that CUDA may pin in place (cudaHostRegister, mapped:
-    asynchronous copies, and kernels may read it). Unpinned before it is unmapped, also when dropped
-    without unpin() (a registration outliving its mapping would refuse the next one at that address)."""
-
-    address = nbytes = 0
-    pinned = False
-
-    def pin(self) -> bool:
-        """Page-lock it. -> whether CUDA did."""
-        if not self.pinned:
-            err = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
-            self.pinned = int(err) == 0
-        return self.pinned
-
-    def unpin(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            self.pinned = False
-
-    def __del__(self) -> None:
-        if self.pinned:
-            torch.cuda.synchronize()  # no copy from or to it is in flight
-            self.unpin()
-
-
-def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, HostMapping | None]:
-    """A zero CPU tensor in memory of its own mapping (anonymous mmap: page-aligned, the system's zero
-    pages until written, returned to the system when the tensor is freed), and that mapping (None for
-    an empty tensor). torch.zeros writes every byte, so a store planned for prompt + max_tokens would be
-    resident in full from the start; this one costs resident memory only for the positions a run writes."""
-    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype), None
-    mapping = HostMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
-    mapping.address, mapping.nbytes = t.data_ptr(), nbytes
-    return t, mapping
-
-
-def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """mapped_zeros' tensor."""
-    return mapped_zeros(shape, dtype)[0]
-
-
-def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
-    """out[b, h, j] = src[b, h, idx[b, h, j]]: whole D-vectors, copied as rows (index_select) rather
-    than element by element (gather). src [b, H_kv, L, D], idx [b, H_kv, k], out [b, H_kv, k, D]."""
-    b, h, length, d = src.shape
-    base = torch.arange(b * h, device=idx.device).view(b, h, 1) * length
-    flat = (idx + base).reshape(-1)
-    if src.is_contiguous() and out.is_contiguous():
-        torch.index_select(src.view(-1, d), 0, flat, out=out.view(-1, d))
-    else:
-        out.copy_(src.reshape(-1, d).index_select(0, flat).view(out.shape))
-
-
-def corrected_rows_fixed(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
-                         idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor):
-    """corrected_rows at fixed shapes and without a host read (a recorded pass, Step.fixed): each slot of idx
-    [b, H_kv, k] matched against the k fetched positions old_idx (valid where old_valid) pairwise, the
-    matches taken from fk/fv [b, H_kv, k, D], every other slot read from the host store host_k/v: on CUDA by
-    the in-place gather for those slots only (the mapped store read over the bus), elsewhere gathered whole
-    and chosen by torch.where. -> (k rows, v rows, reused [b, H_kv, k] bool)."""
-    d = fk.shape[-1]
-    eq = (idx[..., :, None] == old_idx[..., None, :]) & old_valid[..., None, :]  # [b, H_kv, k, k]
-    reused = eq.any(-1)
-    rows = eq.to(torch.uint8).argmax(-1)[..., None].expand(-1, -1, -1, d)
-    k, v = fk.gather(2, rows), fv.gather(2, rows)
-    missing = ~reused
-    if k.is_cuda and guide_triton.gather_rows(host_k, host_v, idx, k, v, only=missing):
-        return k, v, reused
-    got_k = torch.empty(*idx.shape, d, dtype=host_k.dtype, device=host_k.device)
-    got_v = torch.empty_like(got_k)
-    gather_rows(host_k, idx.to(host_k.device), got_k)
-    gather_rows(host_v, idx.to(host_k.device), got_v)
-    miss = missing[..., None]
-    return torch.where(miss, got_k.to(k.device), k), torch.where(miss, got_v.to(v.device), v), reused
-
-
-def corrected_rows(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor, idx: torch.Tensor,
-                   old_idx: torch.Tensor, old_valid: torch.Tensor, bound: int | None = None):
-    """The exact K/V rows at positions idx [b, H_kv, k]: from the fetched rows fk/fv [b, H_kv, k, D] (of
-    positions old_idx where old_valid) where they hold the position, else from the host store host_k/v
-    [b, H_kv, L, D], only those crossing to the fetched rows' device (compacted: missing slots first,
-    as many as the most of any head); bound: above every position of idx and old_idx (else read from them).
-    -> (k rows, v rows [b, H_kv, k, D], reused [b, H_kv, k] bool)."""
-    b, h, n = idx.shape
-    d, dev = fk.shape[-1], fk.device
-    top = bound if bound is not None else int(max(int(idx.max()), int(old_idx.max()))) + 1  # a trash column there
-    slot = torch.full((b, h, top + 1), -1, dtype=torch.long, device=dev)  # position -> slot holding it
-    slot.scatter_(-1, torch.where(old_valid, old_idx, top), torch.arange(old_idx.shape[-1], device=dev).expand(b, h, -1))
-    where = slot.gather(-1, idx)  # [b, H_kv, k]
-    reused = where >= 0
-    rows = where.clamp(min=0)[..., None].expand(-1, -1, -1, d)
-    k, v = fk.gather(2, rows), fv.gather(2, rows)
-    missing = ~reused
-    m = int(missing.sum(-1).max())
-    if m:
-        order = torch.argsort(missing.to(torch.int8), dim=-1, descending=True, stable=True)[..., :m]  # [b, H_kv, m]
-        pos = idx.gather(-1, order).to(host_k.device)
-        got_k = torch.empty(b, h, m, d, dtype=host_k.dtype, device=host_k.device)
-        got_v = torch.empty_like(got_k)
-        gather_rows(host_k, pos, got_k)
-        gather_rows(host_v, pos, got_v)
-        at = order[..., None].expand(-1, -1, -1, d)
-        k.scatter_(2, at, got_k.to(dev, non_blocking=True))
-        v.scatter_(2, at, got_v.to(dev, non_blocking=True))
-    return k, v, reused
-
-
-class PrefetchWorker:
-    """One daemon thread running prefetch jobs in order (torch ops release the GIL); close() ends it."""
-
-    def __init__(self):
-        self.jobs: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="specache-prefetch", daemon=True)
-        self.thread.start()
-
-    def submit(self, job) -> None:
-        self.jobs.put(job)
-
-    def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            job()
 
 
 def overlap_share(stores: list[HostStore]) -> float | None:

@@ -228,6 +228,26 @@ static void *scratch_alloc(size_t floats) {
     return aligned_alloc(ALIGN, bytes);
 }
 
+/* parallel_items(items, floats, nthreads, fn, ctx): fn(ctx, it, scratch) for it < items, spread over
+ * nthreads OpenMP threads (static schedule; one thread when nthreads <= 1 or items <= 1), each thread
+ * with its own scratch of `floats` floats (ALIGN-aligned). Returns 0, or -1 when a scratch could not
+ * be allocated (the items of that thread are then skipped). */
+typedef void (*item_fn)(const void *ctx, int64_t it, float *scratch);
+
+static int parallel_items(int64_t items, size_t floats, int64_t nthreads, item_fn fn, const void *ctx) {
+    int failed = 0;
+#pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
+    {
+        float *scratch = scratch_alloc(floats);
+        if (!scratch) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++)
+            if (scratch) fn(ctx, it, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
 /* ------------------------------------------------------------------- bit gathering */
 
 #define MAX_WORDS 16 /* head_dim <= 1024 */
@@ -668,6 +688,50 @@ static uint64_t *keys_words(float *scratch, int64_t D, int64_t g) {
     return (uint64_t *)(scratch + keys_scratch_floats(D, g));
 }
 
+/* The arguments of specache_guide_scores and specache_guide_weighted_values (below) and their split into
+ * work items: item it is the query block (it / split) % nqb of (b, h) = it / split / nqb, and part it % split
+ * of its `blocks` (key groups, or value blocks). x: the queries (scores) or the probabilities (values);
+ * out: the scores, or the items' partial sums (part_floats floats each). */
+typedef struct {
+    const float *x;
+    int64_t x_sb, x_sh, x_sq;
+    const uint8_t *codes;
+    int64_t c_sb, c_sh;
+    const uint16_t *scale, *zero;
+    int64_t s_sb, s_sh;
+    float *out;
+    size_t part_floats;
+    int64_t H, Q, D, n, g, bits, blocks, nqb, split;
+} GuideRun;
+
+/* A work item's (b, h), first query q0 and query count nl, and its blocks [k0, k1). */
+typedef struct {
+    int64_t b, h, q0, k0, k1;
+    int nl;
+} GuideItem;
+
+static GuideItem guide_item(const GuideRun *a, int64_t it) {
+    const int64_t part = it % a->split, bhq = it / a->split, qb = bhq % a->nqb, bh = bhq / a->nqb, q0 = qb * LANES;
+    return (GuideItem){bh / a->H, bh % a->H, q0, a->blocks * part / a->split, a->blocks * (part + 1) / a->split,
+                       (int)(a->Q - q0 < LANES ? a->Q - q0 : LANES)};
+}
+
+/* Parts per (b, h, query block): ~4 work items per thread over the `base` ones, at most one per block. */
+static int64_t guide_split(int64_t base, int64_t blocks, int64_t nthreads) {
+    int64_t split = 1;
+    if (nthreads > 1) split = (4 * nthreads + base - 1) / base;
+    return split > blocks ? blocks : split;
+}
+
+static void scores_item(const void *ctx, int64_t it, float *scratch) {
+    const GuideRun *a = ctx;
+    const GuideItem w = guide_item(a, it);
+    keys_item(a->x + w.b * a->x_sb + w.h * a->x_sh + w.q0 * a->x_sq, a->x_sq, w.nl,
+              a->codes + w.b * a->c_sb + w.h * a->c_sh, a->scale + w.b * a->s_sb + w.h * a->s_sh,
+              a->zero + w.b * a->s_sb + w.h * a->s_sh, a->out + ((w.b * a->H + w.h) * a->Q + w.q0) * a->n, a->n,
+              w.k0, w.k1, (int)a->D, (int)a->g, (int)a->bits, scratch, keys_words(scratch, a->D, a->g));
+}
+
 /* scores[b, h, q, l] = sum_d q[b, h, q, d] * K[b, h, l, d] for l < n (n % g == 0).
  * q: fp32, element (b, h, i, d) at q + b*q_sb + h*q_sh + i*q_sq + d.
  * codes: (b, h) block at codes + b*c_sb + h*c_sh, groups contiguous [J][bits][g][D/8].
@@ -680,32 +744,11 @@ EXPORT int specache_guide_scores(const float *q, int64_t q_sb, int64_t q_sh, int
     if (B <= 0 || H <= 0 || Q <= 0 || n <= 0) return 0;
     if (D <= 0 || D % 8 || D > 64 * MAX_WORDS || g <= 0 || g % 8 || n % g || (bits != 1 && bits != 2)) return -1;
     const int64_t J = n / g, nqb = (Q + LANES - 1) / LANES, base = B * H * nqb;
-    int64_t split = 1;
-    if (nthreads > 1) split = (4 * nthreads + base - 1) / base; /* ~4 items per thread */
-    if (split > J) split = J;
-    const int64_t items = base * split;
-    const size_t sfloats = keys_scratch_floats(D, g) + keys_words_floats(D, g, bits);
-    int failed = 0;
-#pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
-    {
-        float *scratch = scratch_alloc(sfloats);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            if (!scratch) continue;
-            const int64_t part = it % split, bhq = it / split, qb = bhq % nqb, bh = bhq / nqb;
-            const int64_t b = bh / H, h = bh % H;
-            const int64_t j0 = J * part / split, j1 = J * (part + 1) / split;
-            const int64_t q0 = qb * LANES;
-            const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
-            keys_item(q + b * q_sb + h * q_sh + q0 * q_sq, q_sq, nl, codes + b * c_sb + h * c_sh,
-                      scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh,
-                      out + ((b * H + h) * Q + q0) * n, n, j0, j1, (int)D, (int)g, (int)bits, scratch,
-                      keys_words(scratch, D, g));
-        }
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    const int64_t split = guide_split(base, J, nthreads);
+    const GuideRun a = {q, q_sb, q_sh, q_sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, out, 0,
+                        H, Q, D, n, g, bits, J, nqb, split};
+    return parallel_items(base * split, keys_scratch_floats(D, g) + keys_words_floats(D, g, bits), nthreads,
+                          scores_item, &a);
 }
 
 /* ------------------------------------------------------------------------- values */
@@ -1006,6 +1049,18 @@ static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const u
     }
 }
 
+/* Work item it of specache_guide_weighted_values (GuideRun): its value blocks summed into its own part of
+ * `out` (part_floats floats: D channels, then D / gv zero terms, LANES queries each). */
+static void weighted_item(const void *ctx, int64_t it, float *scratch) {
+    const GuideRun *a = ctx;
+    const GuideItem w = guide_item(a, it);
+    float *acc = a->out + (size_t)it * a->part_floats;
+    values_item(a->x + w.b * a->x_sb + w.h * a->x_sh + w.q0 * a->x_sq, a->x_sq, w.nl, a->n,
+                a->codes + w.b * a->c_sb + w.h * a->c_sh, a->scale + w.b * a->s_sb + w.h * a->s_sh,
+                a->zero + w.b * a->s_sb + w.h * a->s_sh, w.k0, w.k1, (int)a->D, (int)a->g, (int)a->bits, acc,
+                acc + (size_t)a->D * LANES, scratch, values_words(scratch, a->D / a->g));
+}
+
 /* out[b, h, q, d] = sum_{l < n} p[b, h, q, l] * V[b, h, l, d].
  * p: fp32, element (b, h, i, l) at p + b*p_sb + h*p_sh + i*p_sq + l.
  * codes: (b, h) block at codes + b*c_sb + h*c_sh, blocks contiguous [nb][bits][D][8].
@@ -1023,34 +1078,13 @@ EXPORT int specache_guide_weighted_values(const float *p, int64_t p_sb, int64_t 
         return 0;
     }
     const int64_t nb = (n + VB - 1) / VB, nqb = (Q + LANES - 1) / LANES, base = B * H * nqb, ng = D / gv;
-    int64_t split = 1;
-    if (nthreads > 1) split = (4 * nthreads + base - 1) / base;
-    if (split > nb) split = nb;
-    const int64_t items = base * split;
+    const int64_t split = guide_split(base, nb, nthreads), items = base * split;
     const size_t part_floats = (size_t)(D + ng) * LANES;
     float *parts = scratch_alloc(part_floats * (size_t)items);
     if (!parts) return -1;
-    const size_t sfloats = values_scratch_floats(ng) + 4 * (size_t)D;
-    int failed = 0;
-#pragma omp parallel num_threads((int)nthreads) if (nthreads > 1 && items > 1) reduction(| : failed)
-    {
-        float *scratch = scratch_alloc(sfloats);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            if (!scratch) continue;
-            const int64_t part = it % split, bhq = it / split, qb = bhq % nqb, bh = bhq / nqb;
-            const int64_t b = bh / H, h = bh % H;
-            const int64_t k0 = nb * part / split, k1 = nb * (part + 1) / split;
-            const int64_t q0 = qb * LANES;
-            const int nl = (int)(Q - q0 < LANES ? Q - q0 : LANES);
-            float *acc = parts + (size_t)it * part_floats;
-            values_item(p + b * p_sb + h * p_sh + q0 * p_sq, p_sq, nl, n, codes + b * c_sb + h * c_sh,
-                        scale + b * s_sb + h * s_sh, zero + b * s_sb + h * s_sh, k0, k1, (int)D, (int)gv, (int)bits,
-                        acc, acc + (size_t)D * LANES, scratch, values_words(scratch, ng));
-        }
-        free(scratch);
-    }
+    const GuideRun a = {p, p_sb, p_sh, p_sq, codes, c_sb, c_sh, scale, zero, s_sb, s_sh, parts, part_floats,
+                        H, Q, D, n, gv, bits, nb, nqb, split};
+    const int failed = parallel_items(items, values_scratch_floats(ng) + 4 * (size_t)D, nthreads, weighted_item, &a);
     if (!failed) {
         for (int64_t bhq = 0; bhq < base; bhq++) {
             const int64_t qb = bhq % nqb, bh = bhq / nqb, q0 = qb * LANES;
@@ -1621,6 +1655,16 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     }
 }
 
+typedef struct {
+    const DecodeArgs *a;
+    int64_t Lmax;
+} DecodeRun;
+
+static void decode_run_item(const void *ctx, int64_t it, float *scratch) {
+    const DecodeRun *run = ctx;
+    decode_item(run->a, it / run->a->H, it % run->a->H, scratch, run->Lmax);
+}
+
 /* Returns 0, or -1 for bad arguments / out of memory. */
 EXPORT int specache_decode_attention(const DecodeArgs *a) {
     if (a->B <= 0 || a->H <= 0) return 0;
@@ -1634,19 +1678,8 @@ EXPORT int specache_decode_attention(const DecodeArgs *a) {
         Lmax = L > Lmax ? L : Lmax;
     }
     Lmax = (Lmax + 15) / 16 * 16;
-    const size_t floats = decode_scratch_floats(a, Lmax);
-    const int64_t items = a->B * a->H;
-    int failed = 0;
-#pragma omp parallel num_threads((int)a->nthreads) if (a->nthreads > 1 && items > 1) reduction(| : failed)
-    {
-        float *scratch = scratch_alloc(floats);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++)
-            if (scratch) decode_item(a, it / a->H, it % a->H, scratch, Lmax);
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    const DecodeRun run = {a, Lmax};
+    return parallel_items(a->B * a->H, decode_scratch_floats(a, Lmax), a->nthreads, decode_run_item, &run);
 }
 
 /* ------------------------------------------------------- sliding-window decode attention */
@@ -1678,23 +1711,25 @@ static void sliding_item(const SlidingArgs *a, int64_t b, int64_t h, int64_t i, 
     add_weighted_gather(o, 1, v, idx, row, m, m, D);
 }
 
+typedef struct {
+    const SlidingArgs *a;
+    int64_t Q, cpad;
+} SlidingRun;
+
+static void sliding_run_item(const void *ctx, int64_t it, float *scratch) {
+    const SlidingRun *run = ctx;
+    const SlidingArgs *a = run->a;
+    const int64_t Q = run->Q;
+    sliding_item(a, it / (a->H * Q), it / Q % a->H, it % Q, scratch, scratch + 2 * run->cpad,
+                 (int32_t *)(scratch + run->cpad));
+}
+
 EXPORT int specache_sliding_attention(const SlidingArgs *a) {
     if (a->B <= 0 || a->H <= 0 || a->C <= 0) return 0;
     if (a->D % 8 || a->D <= 0 || a->G < 1 || a->T < 1 || a->W < 1) return -1;
     const int64_t Q = a->G * a->T, items = a->B * a->H * Q;
     const int64_t cpad = (a->C + 15) / 16 * 16;
     const size_t floats = (size_t)(2 * cpad + a->D); /* scores, slot indices, the scaled query */
-    int failed = 0;
-#pragma omp parallel num_threads((int)a->nthreads) if (a->nthreads > 1 && items > 1) reduction(| : failed)
-    {
-        float *scratch = scratch_alloc(floats);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < items; it++)
-            if (scratch)
-                sliding_item(a, it / (a->H * Q), it / Q % a->H, it % Q, scratch, scratch + 2 * cpad,
-                             (int32_t *)(scratch + cpad));
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    const SlidingRun run = {a, Q, cpad};
+    return parallel_items(items, floats, a->nthreads, sliding_run_item, &run);
 }
