@@ -91,10 +91,24 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(size))
 
+    _scale: tuple | None = None  # (weight, its version, 1 + weight in fp32): computed once per weight
+
+    def scale(self) -> torch.Tensor:
+        """1 + weight in fp32 (the same floats as computing it on each call), kept until the weight changes."""
+        w = self.weight
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor keeps no version: computed every call
+            return 1.0 + w.float()
+        if self._scale is None or self._scale[0] is not w or self._scale[1] != version:
+            self._scale = (w, version, 1.0 + w.float())
+        return self._scale[2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x.float()
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        out = out * self.scale()
+        return out if out.dtype == x.dtype else out.type_as(x)
 
 
 class GemmaAttention(nn.Module):

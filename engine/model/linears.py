@@ -26,6 +26,7 @@ import torch
 from engine import native
 from engine.native import calibrate
 from engine.native.calibrate import skinny_torch_linear
+from engine.model.decode_kernels import DecodeCall, decode_call
 
 ENV_PACK = "SPECACHE_PACK_WEIGHTS"  # 0/false/no/off: never pack (A/B runs)
 BLOCK = 32
@@ -320,9 +321,16 @@ class SkinnyLinear(torch.nn.Linear):
     _prefill_weight: torch.Tensor | None = None  # the weight in prefill_dtype, made on the first prefill call
 
     held: HeldWeight | None = None  # the only copy of the weight (self.weight is None): read from a GGUF
+    # decode rows (1-8, outside prefill_pass) of a held block weight: the chosen native kernel, bound once
+    # (engine.model.decode_kernels; set by use_skinny_linears)
+    decoder: DecodeCall | None = None
     TILE_ELEMENTS = 1 << 20  # weights rebuilt at a time for many rows (4 MiB in fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decoder is not None and not _IN_PREFILL.get():  # a decode step's held linear: the lean path
+            y = self.decoder(x)
+            if y is not None:
+                return y
         rows = x.numel() // x.shape[-1]
         if self.weight is None:  # held in its blocks only: the native kernel on them, or tiles rebuilt
             return self.held_forward(x.reshape(rows, -1)).reshape(*x.shape[:-1], -1)
@@ -344,11 +352,13 @@ class SkinnyLinear(torch.nn.Linear):
         """flat [R, K] @ W^T (+ bias) for a weight held only in its blocks: decode rows by the native
         kernel on the blocks (bit for bit the fp32 kernel's result), else a tile of output rows at a
         time rebuilt in fp32 and multiplied (in prefill_dtype within a prefill pass)."""
-        fast = self.prefill_dtype is not None and _IN_PREFILL.get()
+        prefill = _IN_PREFILL.get()
+        fast = self.prefill_dtype is not None and prefill
         if not fast and flat.shape[0] <= self.NATIVE_ROWS:
-            parts = []
+            parts, dec = [], self.decoder if not prefill else None  # prefill chunks: the exact kernel
             for s in range(0, flat.shape[0], self.SKINNY_ROWS):
-                y = self.held.decode(flat[s : s + self.SKINNY_ROWS], self.bias)
+                rows = flat[s : s + self.SKINNY_ROWS]
+                y = dec(rows) if dec is not None else self.held.decode(rows, self.bias)
                 if y is None:
                     break
                 parts.append(y)
@@ -465,17 +475,22 @@ def packing_enabled() -> bool:
     return raw is None or raw.strip().lower() not in ("0", "false", "no", "off")
 
 
-def use_skinny_linears(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None) -> None:
+def use_skinny_linears(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None,
+                       decode_linear: str = "exact") -> None:
     """Make every plain nn.Linear of the model a SkinnyLinear (same parameters, new forward) and
     pack the weights that pack exactly (unless $SPECACHE_PACK_WEIGHTS is 0). prefill_dtype: compute
-    the linears of many rows (prefill chunks) in this dtype (bf16; None: the weight's own, exact)."""
+    the linears of many rows (prefill chunks) in this dtype (bf16; None: the weight's own, exact).
+    decode_linear: the native kernel of held block weights' decode rows (engine.model.decode_kernels:
+    exact, int8)."""
     pack = packing_enabled()
     for module in model.modules():
         if type(module) in (torch.nn.Linear, SkinnyLinear):  # again: packs the weights anew
             module.__class__ = SkinnyLinear
             if module.weight is None:  # held in its blocks only (a GGUF model): nothing to pack
                 module.prefill_dtype = prefill_dtype
+                module.decoder = decode_call(module.held, module.bias, decode_linear)
                 continue
+            module.decoder = None
             module.packed = pack_weight(module.weight.detach()) if pack else None
             fast = prefill_dtype is not None and prefill_dtype != module.weight.dtype
             module.prefill_dtype = prefill_dtype if fast else None
@@ -501,6 +516,9 @@ class HeldEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = held.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() == 1:  # a decode step's token
+            i = int(ids.reshape(()))
+            return self.held.rows(i, i + 1).reshape(*ids.shape, self.embedding_dim).to(ids.device)
         uniq, inverse = torch.unique(ids.reshape(-1).cpu(), return_inverse=True)
         table = torch.cat([self.held.rows(int(i), int(i) + 1) for i in uniq.tolist()])
         return table[inverse].reshape(*ids.shape, self.embedding_dim).to(ids.device)

@@ -135,10 +135,13 @@ def rope_inverse_frequencies(config) -> tuple[torch.Tensor, float]:
 
 
 def rope_tables(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype):
-    """positions [b, T] -> (cos, sin) [b, T, D] in dtype."""
+    """positions [b, T] -> (cos, signed sin) [b, 1, T, D] in dtype, as apply_rope takes them: transformers'
+    cos and sin tables, the first half of sin negated (made once per forward, not per layer)."""
     freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -147,9 +150,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, H, T, D], cos/sin [b, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x * cos) + (rotate_half(x) * sin)
+    """x [b, H, T, D], cos and signed sin [b, 1, T, D] (rope_tables) -> transformers' x cos + rotate_half(x) sin,
+    bit for bit: rotate_half(x) sin = (-x2 sin1, x1 sin2) = (x2 (-sin1), x1 sin2), the halves of x swapped
+    (a roll by D / 2) times the signed sin (negation is exact), in 4 operations instead of 9."""
+    return (x * cos) + (torch.roll(x, x.shape[-1] // 2, -1) * sin)
 
 
 class RMSNorm(nn.Module):

@@ -24,6 +24,7 @@ from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the
 from engine.model.file_checks import check_folder_before_planning, check_folder_weights
 from engine.model.filling import load_folder_model, load_gguf_model, own_config, transformers_model
 from engine.model.gguf_files import HELD_ARCHITECTURES, ensure_converted, estimate_held_bytes, read_header, take_fresh
+from engine.model import decode_kernels
 from engine.model.linears import cpu_has_native_bf16, use_skinny_linears
 from engine.model.llama import CausalLM
 from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
@@ -199,17 +200,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, torch.
     return getattr(torch, dtype), (fast if dtype == "bfloat16" else None)
 
 
-def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = None,
+                  decode_linear: str | None = None) -> torch.nn.Module:
     """Switch an already built model (e.g. a test's random one) to the engine's attention function
     and, on the CPU, to linears that are fast for decode steps (engine/model/linears.py). prefill_dtype:
     prefill chunks' linears and attention compute in that dtype (bf16, resolve_dtype); None: in
-    the model's own (exact). Called again, it replaces the previous choice. Raises UnsupportedModel
+    the model's own (exact). decode_linear: the native kernel of held block weights' decode rows (exact,
+    int8; None: $SPECACHE_DECODE_LINEAR, else this machine's default: engine.model.decode_kernels.choose),
+    recorded as model.specache_decode_linear. Called again, it replaces the previous choice. Raises UnsupportedModel
     (engine.model.support) for a model whose attention the engine does not reproduce."""
     check_supported(model)
     if not isinstance(model, CausalLM):
         register_with_transformers()
     model.set_attn_implementation(ATTENTION_NAME)
-    use_skinny_linears(model, prefill_dtype)
+    model.specache_decode_linear = decode_kernels.choose(decode_linear)  # held weights' decode kernel (declared)
+    use_skinny_linears(model, prefill_dtype, model.specache_decode_linear)
     model.specache_prefill_dtype = prefill_dtype  # read by the Engine: it keys the document store
     for module in attention_modules(model):  # prefill attention's compute dtype (Step.compute)
         module.specache_prefill_dtype = prefill_dtype

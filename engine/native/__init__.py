@@ -1,5 +1,6 @@
 """Native CPU kernels, compiled once per machine and loaded with ctypes: the guide kernels
-(``guide_kernels.c``), the decode-step linear (``linear_kernels.c``) and the bf16 prefill
+(``guide_kernels.c``), the decode-step linears (``linear_kernels.c``, exact; ``int8_linear.c``, int8
+activations: engine.model.decode_kernels chooses) and the bf16 prefill
 attention (``attention_kernels.c``, AVX512-BF16 only).
 
 The C sources are compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``)
@@ -37,8 +38,9 @@ from engine.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
-           Path(__file__).with_name("attention_kernels.c"))
-HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("decode_args.h"))
+           Path(__file__).with_name("attention_kernels.c"), Path(__file__).with_name("int8_linear.c"))
+HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("decode_args.h"),
+           Path(__file__).with_name("block_codes.h"))
 ABI_VERSION = 10
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
@@ -295,6 +297,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.specache_skinny_linear.restype = ctypes.c_int
     lib.specache_packed_linear.argtypes = _PACKED_LINEAR_ARGS
     lib.specache_packed_linear.restype = ctypes.c_int
+    lib.specache_int8_linear.argtypes = _PACKED_LINEAR_ARGS + [_I64]  # (..., bits): int8_linear.c
+    lib.specache_int8_linear.restype = ctypes.c_int
+    lib.specache_int8_quantize_row.argtypes = [_P, _I64, _I64, _P, _P, _P]  # (x, K, bits, q, d, s)
+    lib.specache_int8_quantize_row.restype = ctypes.c_int
     for name in ("specache_pack_affine4", "specache_pack_scaled8"):  # (W, N, K, out)
         fn = getattr(lib, name)
         fn.argtypes = [_P, _I64, _I64, _P]

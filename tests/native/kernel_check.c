@@ -47,6 +47,9 @@ int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const uint8_t
 int specache_pack_affine4(const float *W, int64_t N, int64_t K, uint8_t *out);
 int specache_pack_scaled8(const float *W, int64_t N, int64_t K, uint8_t *out);
 int specache_unpack(const uint8_t *P, int64_t fmt, int64_t n0, int64_t n1, int64_t K, float *W);
+int specache_int8_linear(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int64_t fmt, int64_t N,
+                         int64_t K, const float *bias, float *y, int64_t y_s, int64_t nthreads, int64_t bits);
+int specache_int8_quantize_row(const float *x, int64_t K, int64_t bits, void *q, float *d, float *s);
 int specache_prefill_attention_available(void);
 int specache_prefill_attention(const void *a);
 
@@ -327,6 +330,76 @@ static void check_unpack(const char *cas, const Blob *w, const Blob *P, int64_t 
     free(wb);
 }
 
+/* ------------------------------------------------------------ integer-activation linears (int8_linear.c) */
+
+static float half_f(const uint8_t *h) { /* an fp16 value as a float (normal and subnormal, no inf / NaN) */
+    const uint16_t v = (uint16_t)(h[0] | h[1] << 8);
+    const int e = (v >> 10) & 31, m = v & 1023;
+    const float f = e ? ldexpf((float)(1024 + m), e - 25) : ldexpf((float)m, -24);
+    return v >> 15 ? -f : f;
+}
+
+/* m[K / 32] of weight row n: each block of 32 weights is d q + m (engine/model/decode_kernels.py block_minus). */
+static void block_minus(const uint8_t *P, int64_t fmt, int64_t n, int64_t K, float *m) {
+    const int64_t nb = K / 32;
+    if (fmt == 5 || fmt == 7) { /* Q5_K / Q4_K: -(dmin * mn) per chunk */
+        const int64_t size = fmt == 7 ? 144 : 176;
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t *p = P + n * (K / 256) * size + sb * size, *s = p + 4;
+            for (int j = 0; j < 8; j++) {
+                const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+                m[sb * 8 + j] = -(half_f(p + 2) * (float)mn);
+            }
+        }
+        return;
+    }
+    const int64_t code = fmt == 9 ? 32 : fmt == 10 || fmt == 11 ? 20 : 16, size = fmt == 2 ? 18 : fmt == 3 ? 20
+                       : fmt == 9 ? 34 : fmt == 10 ? 22 : 24;
+    const uint8_t *row = P + n * nb * size, *dh = row + nb * code;
+    for (int64_t b = 0; b < nb; b++)
+        m[b] = fmt == 2 ? -8.0f * half_f(dh + 2 * b) : fmt == 10 ? -16.0f * half_f(dh + 2 * b)
+             : fmt == 3 || fmt == 11 ? half_f(dh + 2 * nb + 2 * b) : 0.0f;
+}
+
+/* The integer kernel (bits 8 and 16) on GGUF blocks P against its reference in double: the activations as
+ * specache_int8_quantize_row gives them, sum over blocks of (w - m) . (q dx) + m sum(x), w the fp32 weights;
+ * rtol 1e-5 of the sum of the terms' magnitudes. Each row of an R-row call == the 1-row call, 2 threads == 1,
+ * bit for bit. */
+static void check_int_linear(const char *cas, const float *x, int64_t X, const float *w, const uint8_t *P,
+                             int64_t fmt, const float *bias, int64_t N, int64_t K) {
+    const int64_t nb = K / 32, R = X < 8 ? X : 8;
+    float *m = malloc((size_t)(N * nb) * sizeof(float)), *d = malloc((size_t)nb * sizeof(float)),
+          *s = malloc((size_t)nb * sizeof(float));
+    int16_t *q = malloc((size_t)K * sizeof(int16_t));
+    for (int64_t n = 0; n < N; n++) block_minus(P, fmt, n, K, m + n * nb);
+    for (int bits = 8; bits <= 16; bits += 8) {
+        float *y = linear_out(R, N), *y2 = linear_out(R, N), *y1 = linear_out(1, N);
+        int rc = specache_int8_linear(x, K, R, P, fmt, N, K, bias, y, N + 3, 1, bits);
+        rc |= specache_int8_linear(x, K, R, P, fmt, N, K, bias, y2, N + 3, 2, bits);
+        int near = rc == 0, same = rc == 0, threads = rc == 0 && diff_at(y, y2, (size_t)(R * (N + 3)) * 4) < 0;
+        for (int64_t r = 0; r < R && rc == 0; r++) {
+            rc |= specache_int8_quantize_row(x + r * K, K, bits, q, d, s);
+            rc |= specache_int8_linear(x + r * K, K, 1, P, fmt, N, K, bias, y1, N + 3, 1, bits);
+            same &= rc == 0 && diff_at(y1, y + r * (N + 3), (size_t)N * 4) < 0;
+            for (int64_t n = 0; n < N; n++) {
+                double want = bias ? bias[n] : 0.0, mag = fabs(want);
+                for (int64_t k = 0; k < K; k++) {
+                    const double xq = (bits == 8 ? (double)((int8_t *)q)[k] : (double)q[k]) * d[k / 32];
+                    const double t = ((double)w[n * K + k] - m[n * nb + k / 32]) * xq;
+                    want += t, mag += fabs(t);
+                }
+                for (int64_t b = 0; b < nb; b++) want += (double)m[n * nb + b] * s[b], mag += fabs((double)m[n * nb + b] * s[b]);
+                near &= fabs(y[r * (N + 3) + n] - want) <= 1e-5 * mag + 1e-6;
+            }
+        }
+        check(rc == 0 && near && gaps_ok(y, R, N), "%s int8_linear bits %d rows %lld%s vs its double reference%s", cas,
+              bits, (long long)R, bias ? " +bias" : "", rc ? ": returned nonzero" : near ? "" : ": too far");
+        check(same && threads, "%s int8_linear bits %d: each row == its 1-row call, 2 threads == 1, bit for bit", cas, bits);
+        free(y), free(y2), free(y1);
+    }
+    free(m), free(d), free(s), free(q);
+}
+
 static void check_packed(const char *cas) {
     const Blob *w = get(cas, "w", 'f', 2), *P = get(cas, "packed", 'B', 2), *x = get(cas, "x", 'f', 2),
                *bias = get(cas, "bias", 'f', 1);
@@ -342,6 +415,7 @@ static void check_packed(const char *cas) {
               (long long)size, (long long)per);
         check_unpack(cas, w, P, fmt);
         linear_refs(cas, F32(x), F32(w), P->data, fmt, F32(bias), N, K);
+        if (fmt != 12 && fmt != 13) check_int_linear(cas, F32(x), x->shape[0], F32(w), P->data, fmt, F32(bias), N, K);
         return;
     }
     const char *pname = fmt == 4 ? "pack_affine4" : "pack_scaled8";
