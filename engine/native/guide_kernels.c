@@ -1688,48 +1688,84 @@ EXPORT int specache_decode_attention(const DecodeArgs *a) {
  * is the reference): per cache row b, KV head h and grouped query i (query head i / T of the group, new token
  * t = i % T at position p = start[b] + t), the slots c of the ring whose position pos[c] lies in (p - W, p]
  * are attended (only those: a ring holds up to W + a chunk): scores q . k * scaling (softcapped when
- * softcap > 0), one softmax, the values weighted.
- * A query that sees no slot gets zeros. One work item per query: a batch-1 model with one KV head still
- * spreads over the threads. Returns 0, or -1 for bad arguments / out of memory. */
-static void sliding_item(const SlidingArgs *a, int64_t b, int64_t h, int64_t i, float *row, float *q, int32_t *idx) {
-    const int64_t D = a->D, C = a->C, r = a->row0 + b, p = a->start[b] + i % a->T;
-    const float *qi = a->q + b * a->q_sb + h * a->q_sh + i * D;
-    const float *k = a->k + r * a->k_sb + h * a->k_sh, *v = a->v + r * a->k_sb + h * a->k_sh;
-    const int64_t *pos = a->pos + r * a->pos_sb;
-    float *o = a->out + ((b * a->H + h) * a->G * a->T + i) * D;
-    for (int64_t d = 0; d < D; d++) q[d] = qi[d] * a->scaling;
-    int64_t m = 0; /* the visible slots, compacted: scores row[0, m), slots idx[0, m) */
-    for (int64_t c = 0; c < C; c++)
-        if (pos[c] >= 0 && pos[c] <= p && pos[c] > p - a->W) {
-            idx[m] = (int32_t)c;
-            row[m++] = dot(q, k + c * D, D);
+ * softcap > 0), one softmax, the values weighted. A query that sees no slot gets zeros.
+ * One work item is a block of the query heads of one new token (they see the same slots): each visible key
+ * and value row is read once for the block (a ring of Gemma 3 270M is ~1 MiB of fp32 keys: read once per
+ * query it left L2 for every one of the 4 heads). The block is the whole group where the rows and KV heads
+ * give every thread an item, else a share of it, so a batch-1 model with one KV head still spreads over the
+ * threads. Each query's floats are the same whatever its block (its own scores, softmax and sums, in order).
+ * Returns 0, or -1 for bad arguments / out of memory. */
+/* out[j * ld] = q_j . k for the nq queries q [nq, D] (D % 8 == 0): up to 4 queries a pass over k, two vector
+ * accumulators each (8 independent FMA chains where `dot` has one), so one key row feeds every head of a group. */
+static void dots_block(const float *q, int64_t nq, const float *k, int64_t D, float *out, int64_t ld) {
+    if (D % (2 * VW)) {
+        for (int64_t j = 0; j < nq; j++) out[j * ld] = dot(q + j * D, k, D);
+        return;
+    }
+    for (int64_t j0 = 0; j0 < nq; j0 += 4) {
+        const int64_t nj = nq - j0 < 4 ? nq - j0 : 4;
+        vf acc[4][2];
+        for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = vf_zero();
+        for (int64_t d = 0; d < D; d += 2 * VW) {
+            const vf k0 = vf_load(k + d), k1 = vf_load(k + d + VW);
+            for (int64_t j = 0; j < nj; j++) {
+                const float *qj = q + (j0 + j) * D + d;
+                acc[j][0] = vf_fma(vf_load(qj), k0, acc[j][0]);
+                acc[j][1] = vf_fma(vf_load(qj + VW), k1, acc[j][1]);
+            }
         }
-    memset(o, 0, (size_t)D * sizeof(float));
-    if (!m) return;
-    if (a->softcap > 0.0f) softcap_row(row, m, a->softcap);
-    softmax_row(row, m);
-    add_weighted_gather(o, 1, v, idx, row, m, m, D);
+        for (int64_t j = 0; j < nj; j++) out[(j0 + j) * ld] = vf_hsum(vf_add(acc[j][0], acc[j][1]));
+    }
 }
 
 typedef struct {
     const SlidingArgs *a;
-    int64_t Q, cpad;
+    int64_t qb, blocks, cpad; /* query heads per item, items per (row, KV head, token), padded slots */
 } SlidingRun;
 
 static void sliding_run_item(const void *ctx, int64_t it, float *scratch) {
     const SlidingRun *run = ctx;
     const SlidingArgs *a = run->a;
-    const int64_t Q = run->Q;
-    sliding_item(a, it / (a->H * Q), it / Q % a->H, it % Q, scratch, scratch + 2 * run->cpad,
-                 (int32_t *)(scratch + run->cpad));
+    const int64_t D = a->D, C = a->C, T = a->T, cpad = run->cpad;
+    const int64_t blk = it % run->blocks, t = it / run->blocks % T, h = it / (run->blocks * T) % a->H;
+    const int64_t b = it / (run->blocks * T * a->H), r = a->row0 + b, p = a->start[b] + t;
+    const int64_t g0 = blk * run->qb, nq = a->G - g0 < run->qb ? a->G - g0 : run->qb;
+    const float *k = a->k + r * a->k_sb + h * a->k_sh, *v = a->v + r * a->k_sb + h * a->k_sh;
+    const int64_t *pos = a->pos + r * a->pos_sb;
+    float *rows = scratch, *q = scratch + run->qb * cpad + cpad, *o = q + run->qb * D;
+    int32_t *idx = (int32_t *)(scratch + run->qb * cpad);
+    for (int64_t j = 0; j < nq; j++) {
+        const float *qi = a->q + b * a->q_sb + h * a->q_sh + ((g0 + j) * T + t) * D;
+        for (int64_t d = 0; d < D; d++) q[j * D + d] = qi[d] * a->scaling;
+    }
+    int64_t m = 0; /* the visible slots, compacted: scores rows[j * cpad + 0, m), slots idx[0, m) */
+    for (int64_t c = 0; c < C; c++)
+        if (pos[c] >= 0 && pos[c] <= p && pos[c] > p - a->W) {
+            idx[m] = (int32_t)c;
+            dots_block(q, nq, k + c * D, D, rows + m, cpad);
+            m++;
+        }
+    memset(o, 0, (size_t)(nq * D) * sizeof(float));
+    if (m) {
+        for (int64_t j = 0; j < nq; j++) {
+            if (a->softcap > 0.0f) softcap_row(rows + j * cpad, m, a->softcap);
+            softmax_row(rows + j * cpad, m);
+        }
+        add_weighted_gather(o, nq, v, idx, rows, cpad, m, D);
+    }
+    for (int64_t j = 0; j < nq; j++) /* query i = (g0 + j) * T + t of out [B, H, G*T, D] */
+        memcpy(a->out + ((b * a->H + h) * a->G * T + (g0 + j) * T + t) * D, o + j * D, (size_t)D * sizeof(float));
 }
 
 EXPORT int specache_sliding_attention(const SlidingArgs *a) {
     if (a->B <= 0 || a->H <= 0 || a->C <= 0) return 0;
     if (a->D % 8 || a->D <= 0 || a->G < 1 || a->T < 1 || a->W < 1) return -1;
-    const int64_t Q = a->G * a->T, items = a->B * a->H * Q;
-    const int64_t cpad = (a->C + 15) / 16 * 16;
-    const size_t floats = (size_t)(2 * cpad + a->D); /* scores, slot indices, the scaled query */
-    const SlidingRun run = {a, Q, cpad};
-    return parallel_items(items, floats, a->nthreads, sliding_run_item, &run);
+    const int64_t base = a->B * a->H * a->T, nthreads = a->nthreads > 1 ? a->nthreads : 1;
+    const int64_t want = base >= nthreads ? 1 : (nthreads + base - 1) / base; /* blocks per group */
+    const int64_t qb = (a->G + (want < a->G ? want : a->G) - 1) / (want < a->G ? want : a->G);
+    const int64_t blocks = (a->G + qb - 1) / qb, cpad = (a->C + 15) / 16 * 16;
+    const SlidingRun run = {a, qb, blocks, cpad};
+    /* scores (qb rows of cpad), slot indices (cpad), the scaled queries and their outputs (qb x D each) */
+    const size_t floats = (size_t)(qb * cpad + cpad + 2 * qb * a->D);
+    return parallel_items(base * blocks, floats, a->nthreads, sliding_run_item, &run);
 }
