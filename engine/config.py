@@ -29,6 +29,15 @@ DEFAULT_OUTLIERS = {1: 4, 2: 2}
 RESIDUAL = 64  # newest tokens kept exact on the device (the residual window R)
 SINKS = 4  # first tokens kept exact on the device (the attention sinks S)
 CHUNK_SIZE = 512  # prefill chunk, tokens
+# With the current prefetch (a CPU: the fetched set is read in place from RAM, nothing crosses a bus), a k left to
+# the model profile's default adapts (CacheConfig.k_grows, fetch_k): doubled for a 1-bit guide (ONE_BIT_K), and at
+# least the cache's length / K_SHARE in whole 32s. Measured (bench-results/fidelity-models.md, 64 forced tokens):
+# SmolLM2-135M 1 bit, k 128 -> 256: report.pdf 0.922 -> 0.953, federalist 0.938 -> 0.984 (KL 0.0093 -> 0.0035,
+# 0.0110 -> 0.0053) for 32.2 against 26.6 MiB of device bytes; K_SHARE 64 on Qwen2.5-Coder-1.5B's 16.9k-token
+# federalist: k 128 -> 288, top-1 0.969 -> 0.984, KL 0.0008 -> 0.0005, 16-bit device fraction 0.170 -> 0.180 (k 512:
+# 1.000 / 0.0003 / 0.193); documents under K_SHARE x k tokens (8k at k 128) keep the profile's k.
+ONE_BIT_K = 2
+K_SHARE = 64
 
 
 def outliers_for(bits: int, outliers: int | None) -> int:
@@ -118,6 +127,9 @@ class CacheConfig:
                          label="g{}", plan=1)
     k: int = setting(256, "Exact positions fetched per layer and KV head each step", default_rule="the model profile's",
                      low=0, tokens=True, label="k{}", plan=4)
+    k_grows: bool = setting(False, "specache: k is the profile's default with the current prefetch: x ONE_BIT_K at "
+                            "1 bit and at least the cache's length / K_SHARE (a k given sets it off)",
+                            default_rule="on with the current prefetch when k is the profile's", cli=False)
     residual: int = setting(RESIDUAL, "Newest tokens R kept exact on the device", default_rule=str(RESIDUAL), low=1,
                             tokens=True, label="r{}", plan=2)
     sinks: int = setting(SINKS, "First tokens S kept exact on the device", default_rule=str(SINKS), low=0, tokens=True,
@@ -168,9 +180,20 @@ class CacheConfig:
         """The guide's outlier key channels: the number set, else the default for the bits."""
         return outliers_for(self.bits, self.outliers)
 
+    def fetch_k(self, length: int) -> int:
+        """The k a cache of `length` tokens fetches: k as set, or where it grows (k_grows) ONE_BIT_K times k
+        for a 1-bit guide and at least length / K_SHARE in whole 32s; a k of 0 (kivi) stays 0."""
+        if not self.k_grows or not self.k:
+            return self.k
+        return max(self.k * (ONE_BIT_K if self.bits == 1 else 1), -(-length // (K_SHARE * 32)) * 32)
+
     def with_overrides(self, **overrides) -> "CacheConfig":
-        """A copy with the given fields replaced (None values are ignored)."""
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        """A copy with the given fields replaced (None values are ignored); a k given is the k (k_grows off)
+        unless k_grows is given with it."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "k" in given:
+            given.setdefault("k_grows", False)
+        return replace(self, **given)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from engine.bench.common import (
 from engine.config import PREFETCH
 from engine.errors import BadArgument
 from engine.model.loading import load_model
-from engine.plan.profiles import loaded_model_profile, model_defaults
+from engine.plan.profiles import loaded_model_profile, model_defaults, profile_k
 from specache_cli.console import err_console
 from specache_cli.options import MODEL_HELP
 
@@ -76,7 +76,7 @@ def with_model_defaults(specs: list, lm) -> list:
     what `summarize` and `ask` would use for it."""
     profile = loaded_model_profile(lm)
     defaults = model_defaults(lm, profile=profile)
-    defaults["k_for"] = {p: profile.k_for(p) for p in PREFETCH}
+    defaults["k_for"] = {p: profile_k(profile, p) for p in PREFETCH}
     return [parse_mode(spec.label, defaults) for spec in specs]
 
 

@@ -220,7 +220,7 @@ def test_default_k_per_prefetch():
     assert smol.k_for("current") == smol.default_k_current and smol.k_for("speculative") == smol.default_k
     cpu = SimpleNamespace(name=EMBEDDED_NAME, device=torch.device("cpu"))
     assert model_defaults(cpu) == {"bits": smol.default_bits, "group": smol.default_group,
-                                   "k": smol.default_k_current, "prefetch": "current"}
+                                   "k": smol.default_k_current, "k_grows": True, "prefetch": "current"}
     assert model_defaults(cpu, "speculative")["k"] == smol.default_k
     gpu = SimpleNamespace(name=EMBEDDED_NAME, device=torch.device("cuda"))
     assert (model_defaults(gpu)["prefetch"], model_defaults(gpu)["k"]) == ("speculative", smol.default_k)
@@ -234,6 +234,50 @@ def test_plan_takes_the_k_of_the_devices_prefetch(a6000):
     assert P.plan(load_hardware("cpu"), smol, 4096).k == smol.default_k_current
     assert P.plan(a6000, smol, 4096).k == smol.default_k
     assert P.plan(load_hardware("cpu"), smol, 4096, P.cache_for(smol, load_hardware("cpu"), k=300)).k == 300
+
+
+def test_a_default_k_grows_on_a_cpu_only(a6000):
+    """With the current prefetch (a CPU) the profile's k doubles at 1 bit and is at least the context / K_SHARE
+    in whole 32s; a k given is the k; the speculative prefetch (a GPU, where k is what the PCIe hides) keeps the
+    profile's."""
+    from engine.config import K_SHARE, ONE_BIT_K, CacheConfig
+
+    smol, cpu = load_model_profile("smollm2-135m"), load_hardware("cpu")
+    k = smol.default_k_current
+    assert P.cache_for(smol, cpu).k_grows and not P.cache_for(smol, a6000).k_grows
+    assert P.plan(cpu, smol, k * K_SHARE).k == k  # up to k * K_SHARE tokens: the profile's k
+    assert P.plan(cpu, smol, k * K_SHARE + 1).k == k + 32
+    assert P.plan(cpu, smol, 8000, P.cache_for(smol, cpu, bits=1)).k == ONE_BIT_K * k
+    assert P.plan(cpu, smol, 32768, P.cache_for(smol, cpu, k=100)).k == 100  # --k pins it
+    assert P.plan(a6000, smol, 32768).k == smol.default_k
+    config = CacheConfig(k=128, k_grows=True)
+    assert [config.fetch_k(n) for n in (100, K_SHARE * 128, K_SHARE * 128 + 1)] == [128, 128, 160]
+    assert config.with_overrides(bits=1).fetch_k(100) == ONE_BIT_K * 128
+    assert config.with_overrides(k=24).fetch_k(10**6) == 24 and config.with_overrides(bits=1).k_grows
+    assert CacheConfig(k=0, k_grows=True).fetch_k(10**6) == 0  # kivi's k = 0 stays 0
+
+
+def test_the_cache_fetches_the_grown_k_and_the_window_matches_it():
+    """make_cache builds the specache layers with fetch_k of the cache's length; window mode's default W
+    matches specache's device bytes at that k."""
+    import torch
+
+    from engine.config import K_SHARE, CacheConfig
+    from engine.kvcache import ModelShape, make_cache
+    from engine.kvcache.sizes import window_tokens
+    from tests.conftest import tiny_config
+
+    cfg, length = tiny_config(), K_SHARE * 32 * 4 + 1  # fetch_k: 5 x 32
+    for mode in ("specache", "window"):
+        config = CacheConfig(mode=mode, k=32, k_grows=True, group=32)
+        with make_cache(cfg, config, 1, length, torch.float32, torch.device("cpu")) as cache:
+            layer = cache.policy_layers[0]
+            if mode == "specache":
+                assert layer.topk == 160
+            else:
+                shape = ModelShape.from_config(cfg)
+                assert layer.residual == window_tokens(shape, length, 2, 32, 160, config.residual, 4)
+                assert layer.residual != window_tokens(shape, length, 2, 32, 32, config.residual, 4)
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:

@@ -120,8 +120,9 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
         fields.setdefault(name, value)
     policy_fields(label, POLICIES[mode], fields)
     base = CacheConfig(mode=mode).with_overrides(**defaults)
-    if k_for and "k" not in fields:
-        fields["k"] = k_for[fields.get("prefetch", base.prefetch)]
+    if k_for and "k" not in fields:  # (an int, or the fields profile_k gives)
+        chosen = k_for[fields.get("prefetch", base.prefetch)]
+        fields.update(chosen if isinstance(chosen, dict) else {"k": chosen})
     return ModeSpec(label, mode, base.with_overrides(**fields), tuple(parts[1:]), POLICIES[mode])
 
 

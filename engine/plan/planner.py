@@ -95,6 +95,7 @@ def plan(hardware: HardwareProfile, model: ModelProfile, context: int, cache: Ca
     notes: list[str] = []
     if context > model.max_context:
         notes.append(f"context {context} exceeds {model.display_name}'s maximum of {model.max_context} tokens")
+    cache = replace(cache, k=cache.fetch_k(context), k_grows=False)  # (a default k grows: at 1 bit, with the context)
     if cache.k > context:
         notes.append(f"k = {cache.k} exceeds the context; every position is fetched (k = {context})")
     cache = replace(cache, k=min(cache.k, context), outliers=cache.guide_outliers)

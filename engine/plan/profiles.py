@@ -230,8 +230,14 @@ def profile_defaults(profile: ModelProfile, device_kind: str, prefetch: str | No
     for instead (k follows it: the profile keeps one k per prefetch). The one place these defaults
     are chosen: for a run (model_defaults), a plan and a bench."""
     prefetch = prefetch or device_prefetch(device_kind)
-    return {"bits": profile.default_bits, "group": profile.default_group, "k": profile.k_for(prefetch),
+    return {"bits": profile.default_bits, "group": profile.default_group, **profile_k(profile, prefetch),
             "prefetch": prefetch}
+
+
+def profile_k(profile: ModelProfile, prefetch: str) -> dict:
+    """k by default for a prefetch: the profile's; with the current prefetch (a CPU: the set is read in place) it
+    grows at 1 bit and with the context (CacheConfig.k_grows)."""
+    return {"k": profile.k_for(prefetch), "k_grows": prefetch == "current"}
 
 
 def model_defaults(lm, prefetch: str | None = None, profile: ModelProfile | None = None) -> dict:

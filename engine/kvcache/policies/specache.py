@@ -58,8 +58,8 @@ class SpecacheLayer(GuidedLayer):
 
     @classmethod
     def layout(cls, shape: ModelShape, config: CacheConfig, max_len: int, dtype: torch.dtype) -> Layout:
-        """kivi's, and k exact positions fetched."""
-        return replace(super().layout(shape, config, max_len, dtype), topk=config.k)
+        """kivi's, and k exact positions fetched (config.fetch_k: a default k grows with the cache's length)."""
+        return replace(super().layout(shape, config, max_len, dtype), topk=config.fetch_k(max_len))
 
     def __init__(self, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device, transfer: Transfer):

@@ -21,6 +21,6 @@ class WindowLayer(GuidedLayer):
     @classmethod
     def layout(cls, shape: ModelShape, config: CacheConfig, max_len: int, dtype: torch.dtype) -> Layout:
         """No guide: the window is exact (its width, W, is the residual), one token at a time."""
-        window = config.window or window_tokens(shape, max_len, config.bits, config.group, config.k, config.residual,
-                                                torch.finfo(dtype).bits // 8)
+        window = config.window or window_tokens(shape, max_len, config.bits, config.group, config.fetch_k(max_len),
+                                                config.residual, torch.finfo(dtype).bits // 8)
         return Layout(topk=0, use_guide=False, residual=window, group=1)
