@@ -11,7 +11,7 @@ once at this machine's read bandwidth, measured as torch.sum over 512 MiB on the
 
 With --superblocks N (--q6k N) it times instead one decode call of a random GGUF weight [N, 4096] of
 --kind Q6_K (the default; an output layer: N 128256 for a Llama 3 vocabulary), Q5_K, Q4_K, Q4_0, Q4_1,
-Q8_0, Q5_0 or Q5_1 (N 14336: a Llama-3-8B MLP projection) held in the file's own blocks (engine.model.linears.Q6KWeight,
+Q8_0, Q5_0 or Q5_1 (N 14336: a Llama-3-8B MLP projection) held in the file's own blocks (engine.model.kquant_weights.Q6KWeight,
 KQuantWeight, PackedWeight fmt 2 / 3 / 9 / 10 / 11), or F16 / BF16 held as they are (DenseWeight, fmt 13 / 12), three ways: the tiles rebuilt by torch and multiplied (the path without the native library), the
 tiles rebuilt by the native specache_unpack and multiplied, and the native decode kernel on the
 blocks; medians in ms and GB/s of block bytes, and whether the kernel gives the fp32 kernel's floats.
@@ -36,14 +36,9 @@ from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.make_random_gguf import random_blocks  # noqa: E402
-from engine.model.gguf_files import held_from_raw  # noqa: E402
-from engine.model.linears import (  # noqa: E402
-    PackedWeight,
-    SkinnyLinear,
-    native_linear,
-    packed_linear,
-    packed_summary,
-)
+from engine.model.gguf_tensors import held_from_raw  # noqa: E402
+from engine.model.held_weights import PackedWeight, native_linear, packed_linear  # noqa: E402
+from engine.model.linears import SkinnyLinear, packed_summary  # noqa: E402
 from engine.model.loading import load_model  # noqa: E402
 from engine.native import calibrate  # noqa: E402
 

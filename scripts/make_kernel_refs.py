@@ -62,9 +62,11 @@ from engine.kvcache.fused import FusedDecode
 from engine.kvcache.sliding import SlidingWindowLayer
 from engine.kvcache.transfer import Transfer
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
-from engine.model.gguf_files import split_block_rows
-from engine.model.linears import (BF16_FMT, F16_FMT, FORMATS, MIN_FMTS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT, Q51_FMT,
-                                  Q5K_FMT, Q6K_FMT, Q80_FMT, SUPERBLOCK_BYTES, KQuantWeight, PackedWeight, Q6KWeight)
+from engine.model.block_formats import (BF16_FMT, F16_FMT, FORMATS, MIN_FMTS, Q40_FMT, Q41_FMT, Q4K_FMT, Q50_FMT,
+                                        Q51_FMT, Q5K_FMT, Q6K_FMT, Q80_FMT, SUPERBLOCK_BYTES)
+from engine.model.gguf_tensors import split_block_rows
+from engine.model.held_weights import PackedWeight
+from engine.model.kquant_weights import KQuantWeight, Q6KWeight
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "kernels"

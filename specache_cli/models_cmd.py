@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.errors import SpecacheError
-from engine.model.gguf_files import file_type, read_header
+from engine.model.gguf_header import file_type, read_header
 from engine.model.loading import estimate_weight_bytes
 from engine.model.sources import ModelSource, hf_hub_cache, list_models, ollama_models_dir
 from specache_cli.cache_cmd import human

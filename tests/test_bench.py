@@ -332,7 +332,8 @@ def test_the_hf_baseline_runs_a_model_whose_weights_are_held_in_blocks(tiny_mode
     """A GGUF model keeps no fp32 weight (engine/model/linears.py); the stock-transformers baseline
     gives it the fp32 weight transformers would hold, and takes it away after."""
     from engine.bench.common import stock_transformers
-    from engine.model.linears import SkinnyLinear, pack_weight
+    from engine.model.held_weights import pack_weight
+    from engine.model.linears import SkinnyLinear
     from tests.test_linears import affine4_weight
 
     lin = next(m for m in tiny_model.modules() if isinstance(m, SkinnyLinear) and m.in_features % 32 == 0)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import native
-from engine.model.linears import SkinnyLinear, pack_weight
+from engine.model.held_weights import pack_weight
+from engine.model.linears import SkinnyLinear
 from engine.native import calibrate
 
 needs_native = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")

@@ -10,8 +10,9 @@ from gguf import GGMLQuantizationType as Q
 
 from engine import native
 from engine.model import decode_kernels as dk
-from engine.model.gguf_files import held_from_raw
-from engine.model.linears import SkinnyLinear, prefill_pass, use_skinny_linears
+from engine.model.gguf_tensors import held_from_raw
+from engine.model.linear_passes import prefill_pass
+from engine.model.linears import SkinnyLinear, use_skinny_linears
 from tests.test_gguf import random_tensor
 
 pytestmark = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")

@@ -12,7 +12,8 @@ from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
 from engine.generate.steps import greedy
 from engine.kvcache import make_cache
-from engine.model.linears import SkinnyLinear, native_linear
+from engine.model.held_weights import native_linear
+from engine.model.linears import SkinnyLinear
 
 needs_native = pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
 

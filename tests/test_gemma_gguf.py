@@ -247,14 +247,14 @@ def converted_files(folder: Path) -> dict:
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2", "phi3"])
 def test_the_conversion_writes_what_transformers_gguf_readers_give(tmp_path, monkeypatch, arch):
     """The config, generation config and tokenizer a held architecture's GGUF is converted to from its header
-    (gguf_files.config_dict, gguf_tokenizer: seconds for Gemma 3's 262k tokens) are, byte for byte, what
+    (gguf_config.config_dict, gguf_tokenizer: seconds for Gemma 3's 262k tokens) are, byte for byte, what
     transformers' own GGUF readers give (the conversion with them: ~25 s on the real file)."""
-    from engine.model import gguf_files
-    from engine.model.gguf_files import converted_dir, ensure_converted
+    from engine.model import gguf_convert
+    from engine.model.gguf_convert import converted_dir, ensure_converted
 
     path = write_gemma_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
     fast = converted_files(ensure_converted(path, "tiny"))
-    monkeypatch.setattr(gguf_files, "FAST_CONVERSION", ())
+    monkeypatch.setattr(gguf_convert, "FAST_CONVERSION", ())
     monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "slow"))
     slow_dir = ensure_converted(path, "tiny")
     assert slow_dir == converted_dir(path, "tiny") and "slow" in str(slow_dir)
@@ -265,7 +265,7 @@ def test_gemma_merges_are_transformers_generate_merges():
     """A vocabulary with a token twice, several splits of one token and characters beyond ASCII."""
     from transformers.tokenization_utils_base import generate_merges
 
-    from engine.model.gguf_files import gemma_merges
+    from engine.model.gguf_config import gemma_merges
 
     tokens = ["<pad>", "a", "b", "ab", "c", "abc", "bc", "é", "éa", "▁", "▁é", "▁éa", "ab", "ca", "abca", "x"]
     want = generate_merges({t: i for i, t in enumerate(tokens)}, {t: -i for i, t in enumerate(tokens)})
@@ -277,14 +277,14 @@ def test_gemma_merges_are_transformers_generate_merges():
 def test_the_first_load_takes_the_converted_backend(tmp_path, monkeypatch):
     """The process that converts a Gemma GGUF builds its first tokenizer from the backend it converted (not the
     tokenizer.json it wrote, parsed again), once; the same ids, text and special tokens as the file's."""
-    from engine.model import gguf_files
+    from engine.model import gguf_convert
     from engine.model.loading import load_tokenizer, resolve_model_dir
 
-    monkeypatch.setattr(gguf_files, "FRESH", {})
+    monkeypatch.setattr(gguf_convert, "FRESH", {})
     folder = resolve_model_dir(str(write_gemma_gguf(tmp_path / "tiny.gguf", "gemma3")))[1]
-    assert set(gguf_files.FRESH) == {folder}
+    assert set(gguf_convert.FRESH) == {folder}
     first = load_tokenizer(folder)
-    assert not gguf_files.FRESH
+    assert not gguf_convert.FRESH
     again = load_tokenizer(folder)
     for text in ["a cab bad dab", "  two  spaces <bos> é", ""]:
         assert first(text).input_ids == again(text).input_ids
@@ -297,10 +297,10 @@ def test_the_first_load_takes_the_converted_backend(tmp_path, monkeypatch):
 @pytest.mark.skipif(not REAL.is_file(), reason="$SPECACHE_GEMMA3_GGUF does not name the real Gemma 3 270M GGUF")
 def test_the_real_gemma3_conversion_writes_what_transformers_gguf_readers_give(tmp_path, monkeypatch):
     """The same on the real file (its 262k tokens, ~515k derived merges; ~1 minute for transformers' readers)."""
-    from engine.model import gguf_files
-    from engine.model.gguf_files import ensure_converted
+    from engine.model import gguf_convert
+    from engine.model.gguf_convert import ensure_converted
 
     fast = converted_files(ensure_converted(REAL, "real"))
-    monkeypatch.setattr(gguf_files, "FAST_CONVERSION", ())
+    monkeypatch.setattr(gguf_convert, "FAST_CONVERSION", ())
     monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "slow"))
     assert fast == converted_files(ensure_converted(REAL, "real"))

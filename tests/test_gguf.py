@@ -1,5 +1,6 @@
-"""GGUF models (engine/model/gguf_files.py, sources.py): every block format the engine holds rebuilds
-gguf.quants.dequantize's weights bit for bit, and the kernels on them agree with the fp32 ones."""
+"""GGUF models (engine/model/gguf_header.py, gguf_tensors.py, gguf_convert.py, sources.py): every block format
+the engine holds rebuilds gguf.quants.dequantize's weights bit for bit, and the kernels on them agree with the
+fp32 ones."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,9 @@ import gguf
 from gguf import GGMLQuantizationType as Q
 
 from engine import native
-from engine.model.gguf_files import held_from_raw
-from engine.model.linears import SkinnyLinear, native_linear
+from engine.model.gguf_tensors import held_from_raw
+from engine.model.held_weights import native_linear
+from engine.model.linears import SkinnyLinear
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ALL = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, *K_QUANTS, Q.F16, Q.BF16, Q.F32)
@@ -220,27 +222,27 @@ def write_tensors(path, tensors: dict) -> None:
 
 
 def test_header_reader_agrees_with_the_gguf_package_and_chunks_rebuild_whole(tmp_path, monkeypatch):
-    from engine.model import gguf_files
+    from engine.model import gguf_tensors
 
     tensors = {f"t.{kind.name}": (kind, random_tensor(kind, 40, 512, seed=i))
                for i, kind in enumerate((Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q8_0, Q.F16))}
     path = tmp_path / "t.gguf"
     write_tensors(path, tensors)
     ref = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    tf = gguf_files.TensorFile(path)
-    monkeypatch.setattr(gguf_files, "CHUNK_BYTES", 3000)  # a few rows at a time
+    tf = gguf_tensors.TensorFile(path)
+    monkeypatch.setattr(gguf_tensors, "CHUNK_BYTES", 3000)  # a few rows at a time
     for name, (kind, raw) in tensors.items():
         info = tf.tensors[name]
         assert (info.kind, info.ne, info.offset, info.n_bytes) == \
             (kind, tuple(int(x) for x in ref[name].shape), ref[name].data_offset, ref[name].n_bytes)
         assert np.array_equal(tf.raw(name), raw)
-        whole = gguf_files.held_from_file(tf, name)
+        whole = gguf_tensors.held_from_file(tf, name)
         assert torch.equal(whole.unpack(), torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32)))
         if native.native_available() and kind in NATIVE:  # the decode kernel reads the whole, joined buffers
             x = torch.randn(2, 512)
             assert torch.equal(whole.decode(x, None), native_linear(x, whole.unpack(), None))
         order = np.arange(40)[::-1].copy()
-        assert torch.equal(gguf_files.held_from_file(tf, name, order).unpack(), whole.unpack()[order])
+        assert torch.equal(gguf_tensors.held_from_file(tf, name, order).unpack(), whole.unpack()[order])
 
 
 @pytest.mark.parametrize("kind", NATIVE, ids=lambda k: k.name)

@@ -1,20 +1,15 @@
-"""Packed weights (engine/model/linears.py): a weight that is exactly a block format is packed, rebuilds
-bit for bit, and the packed kernel gives the fp32 kernel's result bit for bit; anything else is
-left alone."""
+"""Packed weights (engine/model/held_weights.py, linears.py): a weight that is exactly a block format is
+packed, rebuilds bit for bit, and the packed kernel gives the fp32 kernel's result bit for bit; anything
+else is left alone."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine import native
-from engine.model.linears import (
-    SkinnyLinear,
-    native_linear,
-    pack_weight,
-    packed_linear,
-    prefill_pass,
-    use_skinny_linears,
-)
+from engine.model.held_weights import native_linear, pack_weight, packed_linear
+from engine.model.linear_passes import prefill_pass
+from engine.model.linears import SkinnyLinear, use_skinny_linears
 
 pytestmark = [pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here"),
               pytest.mark.kernels]
@@ -86,7 +81,7 @@ def test_16bit_weights_decode_natively_as_the_fp32_kernel_on_their_floats(dtype,
     """A bf16 / fp16 weight held as it is (a GGUF's F16 / BF16 tensor, a folder's 16-bit safetensors): the
     native kernel reads its 2-byte weights (fmt 12 / 13) and gives the fp32 kernel's result on the converted
     weight bit for bit, subnormals and the extremes of the range included; K % 32 != 0 declines (tiles)."""
-    from engine.model.linears import DenseWeight
+    from engine.model.held_weights import DenseWeight
 
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(300, 576, generator=g) * 0.05).to(dtype)
@@ -182,7 +177,7 @@ def test_exact_mode_takes_the_one_row_kernel_for_every_row_count(monkeypatch):
     """Where the calibration keeps the native kernel for one row only, a 12-row pass inside row_invariant()
     (exact mode's drafts and verification) still takes it, in calls of 8: each row is the one-row step's
     result bit for bit; outside, the 12 rows take torch's GEMM as calibrated."""
-    from engine.model.linears import row_invariant
+    from engine.model.linear_passes import row_invariant
     from engine.native import calibrate
 
     monkeypatch.setattr(calibrate, "use_native", lambda form, rows: rows == 1)
@@ -251,19 +246,19 @@ def test_dtype_rule(monkeypatch):
 def test_native_bf16_needs_the_flags_and_a_torch_allowed_to_use_them(monkeypatch):
     """bf16 prefill only where the CPU has the instructions and torch is not held below AVX-512 (the
     AVX2 stand-in: ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 emulate bf16 in a scalar loop)."""
-    from engine.model import linears
+    from engine.model import linear_passes
 
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-    monkeypatch.setattr(linears.native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(linear_passes.native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert linears.cpu_has_native_bf16()
+    assert linear_passes.cpu_has_native_bf16()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert not linears.cpu_has_native_bf16()
+    assert not linear_passes.cpu_has_native_bf16()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_amx")
-    assert linears.cpu_has_native_bf16()
+    assert linear_passes.cpu_has_native_bf16()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert not linears.cpu_has_native_bf16()
+    assert not linear_passes.cpu_has_native_bf16()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(linears.native, "cpu_flags", lambda: {"avx2", "avx512f"})
-    assert not linears.cpu_has_native_bf16()
+    monkeypatch.setattr(linear_passes.native, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert not linear_passes.cpu_has_native_bf16()

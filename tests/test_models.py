@@ -162,7 +162,7 @@ def test_the_embedded_gguf_named_by_path_or_ollama_gives_the_default_output(tmp_
 
 
 def test_planner_counts_a_gguf_as_held():
-    from engine.model.linears import held_bytes
+    from engine.model.held_model import held_bytes
     from engine.model.loading import load_model
     from engine.plan.planner import weight_bytes
 
@@ -188,7 +188,8 @@ def test_a_16bit_folder_is_held_as_it_is_and_gives_the_fp32_output(tmp_path, emb
     from conftest import make_tiny_model
     from engine.config import CacheConfig, GenerationConfig
     from engine.generate.engine import Engine, Finished
-    from engine.model.linears import SkinnyLinear, held_bytes
+    from engine.model.held_model import held_bytes
+    from engine.model.linears import SkinnyLinear
     from engine.model.llama import CausalLM
     from engine.model.loading import estimate_weight_bytes, load_model, prepare_model
 
@@ -226,8 +227,8 @@ def test_a_converted_folder_follows_its_gguf_to_a_new_path(tmp_path):
     """A converted folder is keyed by its GGUF's content: found again at another path (a new venv's copy of
     the wheel) while the path it recorded is gone, the folder names the new path, so it still loads as
     --model; a recorded path that still exists is kept."""
-    from engine.model.gguf_files import GGUF_POINTER, repoint
-    from engine.model.sources import gguf_of_converted
+    from engine.model.gguf_convert import repoint
+    from engine.model.sources import GGUF_POINTER, gguf_of_converted
 
     folder = tmp_path / "gguf-m-key"
     folder.mkdir()

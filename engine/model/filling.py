@@ -18,9 +18,11 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, Gemma2Te
 from engine.errors import ModelLoadError
 from engine.model.file_checks import check_folder_weights, check_tensors_fit
 from engine.model.attention import ATTENTION_NAME, register_with_transformers
-from engine.model.gguf_files import HELD_ARCHITECTURES, MappedRows, TensorFile, check_architecture, dense_from_raw, \
-    held_from_file
-from engine.model.linears import DenseWeight, HeldEmbedding, SkinnyLinear
+from engine.model.gguf_header import HELD_ARCHITECTURES, check_architecture
+from engine.model.gguf_tensors import MappedRows, TensorFile, dense_from_raw, held_from_file
+from engine.model.held_model import HeldEmbedding
+from engine.model.held_weights import DenseWeight
+from engine.model.linears import SkinnyLinear
 from engine.model.gemma import GEMMA_FAMILIES, GemmaCausalLM, own_gemma_config
 from engine.model.llama import FAMILIES, CausalLM, family_config, why_not_own
 from engine.native import release_freed_memory
@@ -115,7 +117,7 @@ def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: boo
                     config=None) -> torch.nn.Module:
     """The model of a GGUF file: built without weights, then filled tensor by tensor from the file;
     held=True keeps the linears and the embedding in their blocks (no fp32 copy). Architectures outside
-    gguf_files.HELD_ARCHITECTURES load through transformers (dequantized). config: own_config's, to
+    gguf_header.HELD_ARCHITECTURES load through transformers (dequantized). config: own_config's, to
     build engine.model.llama's model; None: transformers' class."""
     tensors = TensorFile(gguf_path)
     if tensors.arch not in HELD_ARCHITECTURES:

@@ -23,9 +23,11 @@ from engine.model.attention import ATTENTION_NAME, register_with_transformers
 from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
 from engine.model.file_checks import check_folder_before_planning, check_folder_weights
 from engine.model.filling import load_folder_model, load_gguf_model, own_config, transformers_model
-from engine.model.gguf_files import HELD_ARCHITECTURES, ensure_converted, estimate_held_bytes, read_header, take_fresh
+from engine.model.gguf_convert import ensure_converted, take_fresh
+from engine.model.gguf_header import HELD_ARCHITECTURES, estimate_held_bytes, read_header
 from engine.model import decode_kernels
-from engine.model.linears import cpu_has_native_bf16, use_skinny_linears
+from engine.model.linear_passes import cpu_has_native_bf16
+from engine.model.linears import use_skinny_linears
 from engine.model.llama import CausalLM
 from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
 from engine.model.support import attention_modules, check_supported
@@ -134,7 +136,7 @@ def load_tokenizer(path: Path, own=None):
     own: AutoTokenizer's class for it (GemmaTokenizer, ...) re-reads tokenizer.json in Python to rebuild its
     vocabulary and merges (Gemma 3's 262k tokens: 4.8 s, 270 MB kept against 1.5 s and ~100 MB; the same
     ids, text and special tokens: tests/test_gemma_gguf.py); the first load after this process converted the
-    folder takes the backend the conversion built (gguf_files.take_fresh). Other folders: AutoTokenizer."""
+    folder takes the backend the conversion built (gguf_convert.take_fresh). Other folders: AutoTokenizer."""
     if (path / GGUF_POINTER).is_file() and (path / "tokenizer.json").is_file():
         from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
         from transformers.tokenization_utils_tokenizers import TokenizersBackend

@@ -2,7 +2,7 @@
 
 Four ways to name a model (and the embedded default):
   - a `.gguf` file (llama.cpp, LM Studio, an ollama blob): its config, tokenizer and chat template are
-    converted once into a cached folder keyed by the file's identity (engine.model.gguf_files); the
+    converted once into a cached folder keyed by the file's identity (engine.model.gguf_convert); the
     weights stay in the file and are read from it at load time;
   - a Hugging Face id (`Qwen/Qwen2.5-0.5B-Instruct`), looked up in the local Hugging Face cache
     ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub); nothing is downloaded;

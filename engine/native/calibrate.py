@@ -7,7 +7,7 @@ thread, the two paths taking turns, best of 5) times a weight bigger than the ca
 what a decode step streams from memory) both ways, once per built library: its result is stored
 beside the library (``guide-<hash>.calib.json``, written atomically) and read by every later
 process. A packed weight's torch path is torch's GEMM on the fp32 weight it stands for; a weight held
-only in its blocks (a GGUF model, engine/model/linears.py HeldWeight) has no such path and always
+only in its blocks (a GGUF model, engine/model/held_weights.py HeldWeight) has no such path and always
 decodes on the native kernel (torch would first rebuild it).
 
 ``$SPECACHE_NATIVE_CALIBRATE=0`` skips the measurement and takes the native kernel everywhere (the

@@ -22,8 +22,9 @@ from typing import Any, Iterator
 from engine.errors import BadArgument, ProfileError
 from engine.kvcache.passes import sliding_windows
 from engine.model.embedded import EMBEDDED_NAME
-from engine.model.gguf_files import ensure_converted, estimate_held_bytes, read_header
-from engine.model.linears import held_bytes, held_parameters
+from engine.model.gguf_convert import ensure_converted
+from engine.model.gguf_header import estimate_held_bytes, read_header
+from engine.model.held_model import held_bytes, held_parameters
 from engine.model.sources import OLLAMA_PREFIX, is_gguf_file, resolve_source
 from engine.plan.profile_types import (  # noqa: F401  (the types are part of this module's API)
     UNPROFILED_DEFAULTS,
@@ -190,7 +191,7 @@ def load_model_profile(name_or_path: str) -> ModelProfile:
 
 def model_from_gguf(path: Path) -> ModelProfile:
     """A GGUF file's profile: its config (converted once), its parameters counted from the tensor table
-    and its weights' bytes as held on the CPU (engine.model.gguf_files.estimate_held_bytes)."""
+    and its weights' bytes as held on the CPU (engine.model.gguf_header.estimate_held_bytes)."""
     folder = ensure_converted(path, path.stem)
     header = read_header(path)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
