@@ -264,7 +264,7 @@ def test_mode_labels():
     assert parse_mode("specache-k64", model).config.k == 64 and parse_mode("kivi", model).config.k == 0
     assert parse_mode("specache-1b", {**model, "bits": 2}).config.bits == 1
     # a label that names (or implies) the other prefetch gets that mode's k; an explicit k wins
-    per_mode = {**model, "k": 128, "prefetch": "current", "k_for": {"current": 128, "speculative": 512}}
+    per_mode = {**model, "k": 128, "prefetch": "current", "k_for": {"current": {"k": 128}, "speculative": {"k": 512}}}
     assert parse_mode("specache", per_mode).config.k == 128
     assert parse_mode("specache-speculative", per_mode).config.k == 512
     assert parse_mode("specache-noresync", per_mode).config.k == 512

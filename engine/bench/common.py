@@ -90,7 +90,8 @@ class ModeSpec:
 
 def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
     """``specache-1b-k128`` -> ModeSpec (see the module docstring); defaults: bits/group/k/prefetch of
-    the model, and optionally k_for: its k for each prefetch (a label that names a prefetch gets its k)."""
+    the model, and optionally k_for: for each prefetch, the k fields it takes by default (engine.plan.profiles.profile_k:
+    k and k_grows; a label that names a prefetch gets its fields)."""
     label = label.strip()
     defaults = dict(defaults or {})
     k_for = defaults.pop("k_for", None)
@@ -120,9 +121,8 @@ def parse_mode(label: str, defaults: dict | None = None) -> ModeSpec:
         fields.setdefault(name, value)
     policy_fields(label, POLICIES[mode], fields)
     base = CacheConfig(mode=mode).with_overrides(**defaults)
-    if k_for and "k" not in fields:  # (an int, or the fields profile_k gives)
-        chosen = k_for[fields.get("prefetch", base.prefetch)]
-        fields.update(chosen if isinstance(chosen, dict) else {"k": chosen})
+    if k_for and "k" not in fields:
+        fields.update(k_for[fields.get("prefetch", base.prefetch)])
     return ModeSpec(label, mode, base.with_overrides(**fields), tuple(parts[1:]), POLICIES[mode])
 
 
