@@ -1761,8 +1761,8 @@ EXPORT int specache_sliding_attention(const SlidingArgs *a) {
     if (a->B <= 0 || a->H <= 0 || a->C <= 0) return 0;
     if (a->D % 8 || a->D <= 0 || a->G < 1 || a->T < 1 || a->W < 1) return -1;
     const int64_t base = a->B * a->H * a->T, nthreads = a->nthreads > 1 ? a->nthreads : 1;
-    const int64_t want = base >= nthreads ? 1 : (nthreads + base - 1) / base; /* blocks per group */
-    const int64_t qb = (a->G + (want < a->G ? want : a->G) - 1) / (want < a->G ? want : a->G);
+    const int64_t want = base >= nthreads ? 1 : (nthreads + base - 1) / base; /* blocks per group wanted */
+    const int64_t split = want < a->G ? want : a->G, qb = (a->G + split - 1) / split;
     const int64_t blocks = (a->G + qb - 1) / qb, cpad = (a->C + 15) / 16 * 16;
     const SlidingRun run = {a, qb, blocks, cpad};
     /* scores (qb rows of cpad), slot indices (cpad), the scaled queries and their outputs (qb x D each) */
