@@ -35,9 +35,11 @@ CHUNK_SIZE = 512  # prefill chunk, tokens
 # SmolLM2-135M 1 bit, k 128 -> 256: report.pdf 0.922 -> 0.953, federalist 0.938 -> 0.984 (KL 0.0093 -> 0.0035,
 # 0.0110 -> 0.0053) for 32.2 against 26.6 MiB of device bytes; K_SHARE 64 on Qwen2.5-Coder-1.5B's 16.9k-token
 # federalist: k 128 -> 288, top-1 0.969 -> 0.984, KL 0.0008 -> 0.0005, 16-bit device fraction 0.170 -> 0.180 (k 512:
-# 1.000 / 0.0003 / 0.193); documents under K_SHARE x k tokens (8k at k 128) keep the profile's k.
+# 1.000 / 0.0003 / 0.193); K_SHARE 64 left SmolLM2's 2-bit federalist (8.1k tokens) at k 128, 0.953 / KL 0.0012,
+# K_SHARE 32 takes it to k 256, 0.984 / 0.0004 (report.pdf, 6.4k: k 224, KL 0.0012 -> 0.0004); documents under
+# K_SHARE x k tokens (4k at k 128) keep the profile's k.
 ONE_BIT_K = 2
-K_SHARE = 64
+K_SHARE = 32
 
 
 def outliers_for(bits: int, outliers: int | None) -> int:
