@@ -145,8 +145,7 @@ def test_parameter_formula_matches_every_profile():
     for m in list_models():
         tied = m.name.startswith(("smollm2", "gemma"))  # Gemma ties its embeddings
         bias = m.name.startswith("qwen")
-        assert estimate_parameters(m.layers, m.heads, m.kv_heads, m.head_dim, m.hidden_size, m.intermediate_size,
-                                   m.vocab_size, tied, bias) == m.parameters, m.name
+        assert estimate_parameters(m, tied, bias) == m.parameters, m.name
 
 
 # --- profiles ------------------------------------------------------------------------------------

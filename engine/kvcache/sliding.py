@@ -47,28 +47,6 @@ def sliding_kernel(device: torch.device) -> str:
     return "torch"
 
 
-def native_sliding_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                             start: torch.Tensor, rows: slice, window: int, scaling: float,
-                             softcap: float | None, group: int, t: int) -> torch.Tensor:
-    """The C kernel's attention of grouped queries qg [b, H_kv, G*T, D] (fp32) over the ring k / v
-    [B, H_kv, C, D] of the cache rows `rows`, slot positions pos [B, C], each row's first new position
-    start [b] -> [b, H_kv, G*T, D] (the same as attend_torch's, to float rounding)."""
-    if qg.stride(3) != 1 or qg.stride(2) != qg.shape[3]:
-        qg = qg.contiguous()
-    start = start.to(torch.long).contiguous()
-    b, h, nq, d = qg.shape
-    out = torch.empty(b, h, nq, d, dtype=torch.float32)
-    a = native.SlidingArgs(B=b, H=h, G=group, T=t, D=d, C=k.shape[2], W=window, row0=rows.start,
-                           nthreads=native.threads(), scaling=scaling, softcap=softcap or 0.0,
-                           q=qg.data_ptr(), q_sb=qg.stride(0), q_sh=qg.stride(1), k=k.data_ptr(), v=v.data_ptr(),
-                           k_sb=k.stride(0), k_sh=k.stride(1), pos=pos.data_ptr(), pos_sb=pos.stride(0),
-                           start=start.data_ptr(), out=out.data_ptr())
-    rc = native.lib().specache_sliding_attention(ctypes.byref(a))
-    if rc != 0:
-        raise RuntimeError(f"native sliding-window attention failed (rc {rc})")
-    return out
-
-
 class SlidingWindowLayer(CacheLayer):
     """Exact K/V of the last `capacity` positions per row in a ring; attention masked to the window.
     Not a `--cache` policy (not registered): the model chooses it per layer (make_cache)."""
@@ -117,11 +95,29 @@ class SlidingWindowLayer(CacheLayer):
         decode pass (fp32) takes the device's kernel (sliding_kernel), else the torch reference."""
         if not step.prefill and not step.fixed and q.dtype == torch.float32 and self.k.dtype == torch.float32 \
                 and sliding_kernel(q.device) == "native":
-            qg = grouped_query(q, self.shape.kv_heads)
-            out = native_sliding_attention(qg, self.k, self.v, self.pos, step.start, step.rows, self.window, scaling,
-                                           softcap, self.shape.group, step.n_new)
-            return ungroup_output(out, self.shape.heads, step.n_new)
+            return self.attend_native(q, scaling, step, softcap)
         return self.attend_torch(q, scaling, step, softcap)
+
+    def attend_native(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> torch.Tensor:
+        """attend by the C kernel (engine/native/attention_kernels.c): q [b, H, T, D] fp32 over the ring of the
+        rows step.rows, each row's first new position step.start -> [b, T, H, D] (attend_torch's, to float
+        rounding)."""
+        qg = grouped_query(q, self.shape.kv_heads)  # [b, H_kv, G*T, D]
+        if qg.stride(3) != 1 or qg.stride(2) != qg.shape[3]:
+            qg = qg.contiguous()
+        start = step.start.to(torch.long).contiguous()
+        b, h, nq, d = qg.shape
+        out = torch.empty(b, h, nq, d, dtype=torch.float32)
+        k, v, pos = self.k, self.v, self.pos
+        a = native.SlidingArgs(B=b, H=h, G=self.shape.group, T=step.n_new, D=d, C=k.shape[2], W=self.window,
+                               row0=step.rows.start, nthreads=native.threads(), scaling=scaling,
+                               softcap=softcap or 0.0, q=qg.data_ptr(), q_sb=qg.stride(0), q_sh=qg.stride(1),
+                               k=k.data_ptr(), v=v.data_ptr(), k_sb=k.stride(0), k_sh=k.stride(1), pos=pos.data_ptr(),
+                               pos_sb=pos.stride(0), start=start.data_ptr(), out=out.data_ptr())
+        rc = native.lib().specache_sliding_attention(ctypes.byref(a))
+        if rc != 0:
+            raise RuntimeError(f"native sliding-window attention failed (rc {rc})")
+        return ungroup_output(out, self.shape.heads, step.n_new)
 
     def attend_torch(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """The torch reference of attend (every device, prefill chunks, the kernel's tests). The mask is the

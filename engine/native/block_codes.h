@@ -1,4 +1,4 @@
-/* The block formats of the decode linears (engine/model/linears.py) and their decoders, shared by the
+/* The block formats of the decode linears (numbered as engine/model/block_formats.py numbers them) and their decoders, shared by the
  * fp32-exact kernel (linear_kernels.c) and the int8-activation kernel (int8_linear.c): format numbers, byte
  * layouts, fp16 scales, and the codes of Q6_K, Q4_K / Q5_K superblocks and Q5_0 / Q5_1 blocks. */
 #ifndef SPECACHE_BLOCK_CODES_H

@@ -35,16 +35,15 @@ from engine.plan.profile_types import (  # noqa: F401  (the types are part of th
 )
 
 
-def estimate_parameters(layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
-                        intermediate: int, vocab: int, tied: bool, qkv_bias: bool = False) -> int:
-    """Parameter count of a Llama-style decoder: embeddings (+ untied head), attention, gated MLP, norms."""
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    if qkv_bias:
-        attn += (heads + 2 * kv_heads) * head_dim
-    mlp = 3 * hidden * intermediate
-    per_layer = attn + mlp + 2 * hidden
-    embed = vocab * hidden * (1 if tied else 2)
-    return layers * per_layer + embed + hidden
+def estimate_parameters(shape, tied: bool, qkv_bias: bool = False) -> int:
+    """Parameter count of a Llama-style decoder (embeddings (+ untied head), attention, gated MLP, norms) of a
+    shape with ModelProfile's fields layers, heads, kv_heads, head_dim, hidden_size, intermediate_size and
+    vocab_size (a ModelProfile, or the namespace model_profile_from_config builds it from)."""
+    hidden, q, kv = shape.hidden_size, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attn = hidden * q * 2 + hidden * kv * 2 + ((q + 2 * kv) if qkv_bias else 0)
+    per_layer = attn + 3 * hidden * shape.intermediate_size + 2 * hidden
+    embed = shape.vocab_size * hidden * (1 if tied else 2)
+    return shape.layers * per_layer + embed + hidden
 
 
 def model_profile_from_config(config: Any, name: str | None = None, source: str = "<config>",
@@ -67,17 +66,16 @@ def model_profile_from_config(config: Any, name: str | None = None, source: str 
         raise ProfileError(f"{source}: a shape field is not an integer ({exc})") from None
     if heads <= 0 or hidden <= 0:
         raise ProfileError(f"{source}: field 'num_attention_heads' must be > 0, not {heads}")
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    shape = SimpleNamespace(layers=layers, heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                            head_dim=int(cfg.get("head_dim") or hidden // heads), hidden_size=hidden,
+                            intermediate_size=intermediate, vocab_size=vocab)
     if parameters is None:
-        parameters = estimate_parameters(layers, heads, kv_heads, head_dim, hidden, intermediate, vocab,
-                                         bool(cfg.get("tie_word_embeddings", False)),
+        parameters = estimate_parameters(shape, bool(cfg.get("tie_word_embeddings", False)),
                                          bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
     label = name or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model"
     window, window_layers = sliding_layers(cfg, layers)
     return ModelProfile(
-        name=str(label), display_name=str(label), layers=layers, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, hidden_size=hidden, intermediate_size=intermediate, vocab_size=vocab,
+        name=str(label), display_name=str(label), **vars(shape),
         max_context=int(cfg.get("max_position_embeddings") or 2048), parameters=int(parameters),
         **UNPROFILED_DEFAULTS, sliding_window=window,
         sliding_window_layers=window_layers, source=source)
