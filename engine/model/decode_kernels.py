@@ -18,9 +18,10 @@ $SPECACHE_DECODE_LINEAR says exact or int8; prepare_model records it on the mode
 It applies to decode passes only: a prefill chunk's linears (prefill_pass) keep the exact kernel (or the
 prefill dtype), so the K/V a document store keeps do not depend on it. Each row of a several-row call is
 computed alone in both kernels, so exact mode's verification reproduces the one-row steps either way.
-Measured on Gemma 3 270M Q4_K_M (2-core Zen 4, AVX-512 VNNI, 1 thread, CPU time; a [2048, 1024] weight in
-cache): Q5_0 10.5 G weights/s exact, 20.9 int8, 16.2 int16; Q8_0 18.0 / 28.8 / 24.0; Q4_K 7.5 / 14.6 / 14.3.
-A whole decode forward: exact ~34.5 ms, int8 ~29 ms, int16 ~33 ms (bench-results/gemma3-llama-cpp.md).
+Measured with scripts/bench_decode_kernels.py (2-core Zen 4, 1 thread, a [2048, 1024] weight, G weights/s exact /
+int16 / int8): AVX-512 Q5_0 10.4 / 16.2 / 21.3, Q8_0 17.7 / 21.2 / 27.7, Q4_K 7.3 / 13.7 / 14.3, Q6_K 11.0 / 13.3 /
+15.0; AVX2 (-march=x86-64-v3) Q5_0 8.7 / 14.5 / 17.3, Q8_0 14.6 / 23.3 / 24.9, Q4_K 7.1 / 11.1 / 15.7, Q6_K 9.6 /
+12.4 / 11.9 (bench-results/decode-kernels.md).
 """
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ from engine import native
 ENV = "SPECACHE_DECODE_LINEAR"
 CHOICES = ("exact", "int8", "int16")
 BITS = {"int8": 8, "int16": 16}  # the activations' width in the integer kernels
-# the native library's instruction set -> the decode kernel taken by default. Exact everywhere for now: int8
-# activations ran Gemma 3 270M's decode ~15% faster here but its greedy tokens left transformers' at the
-# 6th token (Gemma's outlier channels); int16 kept them and measured within noise of exact end to end
-# (bench-results/gemma3-llama-cpp.md). $SPECACHE_DECODE_LINEAR=int8 / int16 opts in.
-DEFAULT_BY_ISA = {"avx512": "exact", "avx2": "exact", "neon": "exact", "generic": "exact", "torch": "exact"}
+# the native library's instruction set -> the decode kernel taken by default. int16 on x86 (AVX-512, AVX2): on
+# Gemma 3 270M Q4_K_M its 64 greedy tokens were the exact kernel's on all six windows checked (three documents,
+# start and end; bench-results/gemma3-int16-tokens.md), and per weight it ran 1.2-1.9x the exact kernel's speed
+# on Zen 4 at both levels (scripts/bench_decode_kernels.py). int8 stays opt-in: its tokens left the exact ones
+# after 6-25 tokens on four of those windows (Gemma's outlier channels). NEON keeps exact: int16 is not measured
+# there yet. $SPECACHE_DECODE_LINEAR=exact gives the de-quantized fp32 model's products bit for bit.
+DEFAULT_BY_ISA = {"avx512": "int16", "avx2": "int16", "neon": "exact", "generic": "exact", "torch": "exact"}
 INT8_FMTS = frozenset({2, 3, 9, 10, 11, 5, 6, 7})  # Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q4_K
 BLOCK = 32
 
