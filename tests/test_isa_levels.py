@@ -46,7 +46,7 @@ def test_kernel_tests_pass_at_level(level):
     assert probe.stdout.split()[0] == native.LEVEL_ISA[level], probe.stdout + probe.stderr
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kernels",
                           "tests/test_linears.py", "tests/test_quant.py", "tests/test_fused.py",
-                          "tests/test_sliding.py"],
+                          "tests/test_sliding.py", "tests/test_decode_norms.py"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-1000:]

@@ -69,11 +69,15 @@ class SlidingWindowLayer(CacheLayer):
         self.pos = torch.full((batch, self.capacity), -1, dtype=torch.long, device=device)  # [B, C] position per slot
 
     def _slots(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows [b, 1], positions [b, T], their slots [b, T]) of the pass's new tokens."""
-        b = step.start.shape[0]
-        rows = torch.arange(step.rows.start, step.rows.start + b, device=self.k.device)[:, None]
-        pos = step.positions()
-        return rows, pos, pos % self.capacity
+        """(rows [b, 1], positions [b, T], their slots [b, T]) of the pass's new tokens: the same in every sliding
+        layer of a pass (same capacity), built once."""
+        def build():
+            b = step.start.shape[0]
+            rows = torch.arange(step.rows.start, step.rows.start + b, device=self.k.device)[:, None]
+            pos = step.positions()
+            return rows, pos, pos % self.capacity
+
+        return step.shared_value(("slots", self.capacity, self.k.device), build)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
         """Write the new tokens' K/V [b, H_kv, T, D] into their ring slots (over the oldest positions)."""

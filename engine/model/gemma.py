@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
 
+from engine.model import decode_norms
 from engine.model.attention import ATTENTION_NAME
 from engine.model.llama import (DYNAMIC_ROPE, CausalLM, Output, apply_rope, attention_function, meta_embedding,
                                 rope_tables)
@@ -104,11 +105,21 @@ class GemmaRMSNorm(nn.Module):
             self._scale = (w, version, 1.0 + w.float())
         return self._scale[2]
 
+    native_decode = False  # decode steps by engine.model.decode_norms' native call (set by use_decode_norms)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_decode and (y := decode_norms.rms_norm(x, self.scale(), self.eps)) is not None:
+            return y
         out = x.float()
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         out = out * self.scale()
         return out if out.dtype == x.dtype else out.type_as(x)
+
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x + self(h): a residual stream plus its branch's post-norm (one native call in a decode step)."""
+        if self.native_decode and (y := decode_norms.rms_norm(h, self.scale(), self.eps, res=x)) is not None:
+            return y
+        return x + self(h)
 
 
 class GemmaAttention(nn.Module):
@@ -130,14 +141,20 @@ class GemmaAttention(nn.Module):
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
+    native_decode = False  # q/k norms and ropes of a decode step by one native call each (use_decode_norms)
+
     def forward(self, x: torch.Tensor, mask, cos: torch.Tensor, sin: torch.Tensor, cache, kwargs: dict):
         shape = (*x.shape[:-1], -1, self.head_dim)  # x [b, T, hidden] -> q/k/v [b, H, T, D]
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
+        q, k = self.q_proj(x), self.k_proj(x)
+        norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else (None, None)
+        parts = tuple((y, n.scale() if n is not None else None) for y, n in zip((q, k), norms))
+        done = self.native_decode and decode_norms.norm_rope(parts, self.head_dim, self.config.rms_norm_eps, cos, sin)
+        q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not done:
+            if norms[0] is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attend = gemma_attention_function(self.config._attn_implementation)
@@ -169,8 +186,8 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(self, x, mask, cos, sin, cache, kwargs: dict) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cos, sin, cache, kwargs))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), mask, cos, sin, cache, kwargs))
+        return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class GemmaModel(nn.Module):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
 
+from engine.model import decode_norms
 from engine.model.attention import ATTENTION_NAME, specache_attention
 
 # rope types whose tables depend on the sequence (transformers' dynamic_rope_update rewrites them)
@@ -162,7 +163,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
+    native_decode = False  # decode steps by engine.model.decode_norms' native call (set by use_decode_norms)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_decode and (y := decode_norms.rms_norm(x, self.weight, self.variance_epsilon)) is not None:
+            return y
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -191,17 +196,25 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
+    native_decode = False  # (q/k norms and) ropes of a decode step by one native call each (use_decode_norms)
+
     def forward(self, x: torch.Tensor, mask, cos: torch.Tensor, sin: torch.Tensor, cache, kwargs: dict) -> torch.Tensor:
         shape = (*x.shape[:-1], -1, self.head_dim)  # x [b, T, hidden] -> q/k/v [b, T, H, D] -> [b, H, T, D]
         if hasattr(self, "qkv_proj"):
             qkv, (nq, nk) = self.qkv_proj(x), self.split
-            q, k, v = qkv[..., :nq].view(shape), qkv[..., nq : nq + nk].view(shape), qkv[..., nq + nk :].view(shape)
+            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
         else:
-            q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
-        if hasattr(self, "q_norm"):
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else (None, None)
+        done = self.native_decode and decode_norms.norm_rope(
+            tuple((y, n.weight if n is not None else None) for y, n in zip((q, k), norms)), self.head_dim,
+            norms[0].variance_epsilon if norms[0] is not None else 0.0, cos, sin)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        if not done and norms[0] is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not done:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attend = attention_function(self.config._attn_implementation)

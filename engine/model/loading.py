@@ -25,7 +25,9 @@ from engine.model.file_checks import check_folder_before_planning, check_folder_
 from engine.model.filling import load_folder_model, load_gguf_model, own_config, transformers_model
 from engine.model.gguf_convert import ensure_converted, take_fresh
 from engine.model.gguf_header import HELD_ARCHITECTURES, estimate_held_bytes, read_header
+from engine import native
 from engine.model import decode_kernels
+from engine.model.decode_norms import use_decode_norms
 from engine.model.linear_passes import cpu_has_native_bf16
 from engine.model.linears import use_skinny_linears
 from engine.model.llama import CausalLM
@@ -217,6 +219,9 @@ def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = No
     model.set_attn_implementation(ATTENTION_NAME)
     model.specache_decode_linear = decode_kernels.choose(decode_linear)  # held weights' decode kernel (declared)
     use_skinny_linears(model, prefill_dtype, model.specache_decode_linear)
+    # the fast decode path's norms and ropes go with its linears: held weights, an integer kernel
+    use_decode_norms(model, getattr(model, "specache_held", False) and model.specache_decode_linear in decode_kernels.BITS
+                     and native.lib() is not None)
     model.specache_prefill_dtype = prefill_dtype  # read by the Engine: it keys the document store
     for module in attention_modules(model):  # prefill attention's compute dtype (Step.compute)
         module.specache_prefill_dtype = prefill_dtype

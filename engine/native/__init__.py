@@ -38,10 +38,11 @@ from engine.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
-           Path(__file__).with_name("attention_kernels.c"), Path(__file__).with_name("int8_linear.c"))
+           Path(__file__).with_name("attention_kernels.c"), Path(__file__).with_name("int8_linear.c"),
+           Path(__file__).with_name("norm_kernels.c"))
 HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("decode_args.h"),
            Path(__file__).with_name("block_codes.h"))
-ABI_VERSION = 10
+ABI_VERSION = 11
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_ARCH = "SPECACHE_NATIVE_ARCH"
@@ -310,6 +311,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.specache_prefill_attention.argtypes = [ctypes.POINTER(PrefillArgs)]
     lib.specache_prefill_attention.restype = ctypes.c_int
     lib.specache_prefill_attention_available.restype = ctypes.c_int
+    lib.specache_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float]  # (x, w, res, out, rows, n, eps)
+    lib.specache_rms_norm.restype = ctypes.c_int
+    # (x, rows, heads, d, w, eps, cos, sin, cs_rows): norm_kernels.c
+    lib.specache_norm_rope.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_float, _P, _P, _I64]
+    lib.specache_norm_rope.restype = ctypes.c_int
     return lib
 
 

@@ -58,7 +58,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 10; }
+EXPORT int specache_guide_abi_version(void) { return 11; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
