@@ -246,3 +246,24 @@ def test_a_converted_folder_follows_its_gguf_to_a_new_path(tmp_path):
     other.write_bytes(b"GGUF" + bytes(60))
     repoint(pointer, other)
     assert gguf_of_converted(pointer) == new.resolve()  # the recorded file exists: kept
+
+
+def test_a_first_compile_of_the_native_kernels_is_announced(tmp_path, monkeypatch, tiny_model_dir):
+    """A first run on a machine compiles the native library (up to a minute on a busy laptop): load_model says so
+    before it starts, and only then."""
+    from engine import native
+    from engine.model.loading import load_model
+
+    native.lib()
+    for name in ("_lib", "_error"):  # restored after the test, with _tried: the process keeps its library
+        monkeypatch.setattr(native, name, getattr(native, name))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "empty"))
+    assert native.needs_build() == (native.compiler() is not None)
+    monkeypatch.setenv(native.ENV_DISABLE, "0")
+    assert not native.needs_build()
+    for first in (True, False):
+        monkeypatch.setattr(native, "needs_build", lambda: first)
+        said = []
+        load_model(str(tiny_model_dir), device="cpu", on_status=said.append)
+        assert any("compiling the native CPU kernels" in s for s in said) == first

@@ -36,7 +36,7 @@ CHOICES = ("exact", "int8", "int16")
 BITS = {"int8": 8, "int16": 16}  # the activations' width in the integer kernels
 # the native library's instruction set -> the decode kernel taken by default. int16 on x86 (AVX-512, AVX2): on
 # Gemma 3 270M Q4_K_M its 64 greedy tokens were the exact kernel's on all six windows checked (three documents,
-# start and end; bench-results/gemma3-int16-tokens.md), and per weight it ran 1.2-1.9x the exact kernel's speed
+# start and end; bench-results/decode-kernels.md), and per weight it ran 1.2-1.9x the exact kernel's speed
 # on Zen 4 at both levels (scripts/bench_decode_kernels.py). int8 stays opt-in: its tokens left the exact ones
 # after 6-25 tokens on four of those windows (Gemma's outlier channels). NEON keeps exact: int16 is not measured
 # there yet. $SPECACHE_DECODE_LINEAR=exact gives the de-quantized fp32 model's products bit for bit.

@@ -147,8 +147,9 @@ class GemmaAttention(nn.Module):
         shape = (*x.shape[:-1], -1, self.head_dim)  # x [b, T, hidden] -> q/k/v [b, H, T, D]
         q, k = self.q_proj(x), self.k_proj(x)
         norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else (None, None)
-        parts = tuple((y, n.scale() if n is not None else None) for y, n in zip((q, k), norms))
-        done = self.native_decode and decode_norms.norm_rope(parts, self.head_dim, self.config.rms_norm_eps, cos, sin)
+        done = self.native_decode and decode_norms.norm_rope(
+            tuple((y, n.scale() if n is not None else None) for y, n in zip((q, k), norms)), self.head_dim,
+            self.config.rms_norm_eps, cos, sin)  # (the q/k norms' eps)
         q, k = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         if not done:

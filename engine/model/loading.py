@@ -110,6 +110,9 @@ def load_model(
     dev = pick_device(device)
     torch_dtype, prefill_dtype = resolve_dtype(dtype, dev)
     path = source.folder if source.gguf is None else ensure_converted(source.gguf, source.name, on_status)
+    if on_status is not None and dev.type == "cpu" and native.needs_build():
+        on_status("compiling the native CPU kernels once for this machine (up to a minute)")
+        native.lib()
     if source.gguf is None:
         check_folder_weights(path)  # every safetensors header against its file, before anything reads one
     own = own_config(path, gguf=source.gguf is not None) if classes == "auto" else None

@@ -243,6 +243,17 @@ def library_path(cc: str | None = None, march: str | None = None) -> Path:
     return cache_root() / "native" / f"guide-{h.hexdigest()[:20]}.so"
 
 
+def needs_build() -> bool:
+    """Whether the first lib() of this process will compile the library (seconds to a minute: worth a word to
+    the user), rather than load it or do without."""
+    if _tried or disabled():
+        return False
+    try:
+        return compiler() is not None and not library_path().exists()
+    except (OSError, RuntimeError):
+        return False
+
+
 def build(force: bool = False, march: str | None = None) -> Path:
     """Compile the kernels for one instruction set (default: arch()) unless already cached, and
     return the library's path. Raises on failure.
