@@ -38,7 +38,7 @@ BITS = {"int8": 8, "int16": 16}  # the activations' width in the integer kernels
 # Gemma 3 270M Q4_K_M its 64 greedy tokens were the exact kernel's on all six windows checked (three documents,
 # start and end; bench-results/decode-kernels.md), and per weight it ran 1.2-1.9x the exact kernel's speed
 # on Zen 4 at both levels (scripts/bench_decode_kernels.py). int8 stays opt-in: its tokens left the exact ones
-# after 6-25 tokens on four of those windows (Gemma's outlier channels). NEON keeps exact: int16 is not measured
+# after 6-25 tokens on five of those six windows (Gemma's outlier channels). NEON keeps exact: int16 is not measured
 # there yet. $SPECACHE_DECODE_LINEAR=exact gives the de-quantized fp32 model's products bit for bit.
 DEFAULT_BY_ISA = {"avx512": "int16", "avx2": "int16", "neon": "exact", "generic": "exact", "torch": "exact"}
 INT8_FMTS = frozenset({2, 3, 9, 10, 11, 5, 6, 7})  # Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q4_K
