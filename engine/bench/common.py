@@ -41,6 +41,7 @@ from engine.config import CacheConfig, settings
 from engine.errors import BadArgument
 from engine.inputs.documents import load_document
 from engine.kvcache.registry import POLICIES, names
+from engine.model import decode_kernels
 from engine.model.linears import SkinnyLinear
 from engine.native import calibrate
 
@@ -227,6 +228,7 @@ def environment(lm=None) -> dict:
         "cpu": _cpu_model(),
     }
     env["kernels"] = calibrate.describe()
+    env["kernels"]["held_decode_linear"] = decode_kernels.choose()  # a GGUF's decode linears: exact, int16 or int8 (and its norms)
     if lm is not None:
         env["model"] = {"name": lm.name, "path": str(lm.path), "fingerprint": lm.fingerprint,
                         "max_context": lm.max_context, "dtype": str(lm.dtype).removeprefix("torch."),

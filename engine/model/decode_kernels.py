@@ -14,14 +14,16 @@ Two kernels, one declared choice (never a silent one):
             smaller activation error, integer products still (vpdpwssd / vpmaddwd / smull).
 
 The choice is per machine, from one table (DEFAULT_BY_ISA: the native library's instruction set), unless
-$SPECACHE_DECODE_LINEAR says exact or int8; prepare_model records it on the model (specache_decode_linear).
+$SPECACHE_DECODE_LINEAR says exact, int8 or int16; prepare_model records it on the model (specache_decode_linear),
+and with an integer kernel it also turns on the native norms and ropes of the decode step (engine.model.decode_norms):
+the fast path is one choice, the exact path the other.
 It applies to decode passes only: a prefill chunk's linears (prefill_pass) keep the exact kernel (or the
 prefill dtype), so the K/V a document store keeps do not depend on it. Each row of a several-row call is
 computed alone in both kernels, so exact mode's verification reproduces the one-row steps either way.
 Measured with scripts/bench_decode_kernels.py (2-core Zen 4, 1 thread, a [2048, 1024] weight, G weights/s exact /
-int16 / int8): AVX-512 Q5_0 10.4 / 16.2 / 21.3, Q8_0 17.7 / 21.2 / 27.7, Q4_K 7.3 / 13.7 / 14.3, Q6_K 11.0 / 13.3 /
-15.0; AVX2 (-march=x86-64-v3) Q5_0 8.7 / 14.5 / 17.3, Q8_0 14.6 / 23.3 / 24.9, Q4_K 7.1 / 11.1 / 15.7, Q6_K 9.6 /
-12.4 / 11.9 (bench-results/decode-kernels.md).
+int16 / int8): AVX-512 Q4_0 17.1 / 19.2 / 25.0, Q5_0 10.4 / 15.4 / 20.3, Q8_0 16.2 / 18.3 / 22.0, Q4_K 7.0 / 12.2 /
+13.3, Q6_K 11.2 / 13.9 / 15.3; AVX2 (-march=x86-64-v3) Q4_0 13.0 / 19.2 / 23.6, Q5_0 8.7 / 14.5 / 17.6, Q8_0 14.0 /
+21.5 / 26.0, Q4_K 7.1 / 11.0 / 15.5, Q6_K 9.4 / 12.3 / 11.8 (bench-results/decode-kernels.md).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ CHOICES = ("exact", "int8", "int16")
 BITS = {"int8": 8, "int16": 16}  # the activations' width in the integer kernels
 # the native library's instruction set -> the decode kernel taken by default. int16 on x86 (AVX-512, AVX2): on
 # Gemma 3 270M Q4_K_M its 64 greedy tokens were the exact kernel's on all six windows checked (three documents,
-# start and end; bench-results/decode-kernels.md), and per weight it ran 1.2-1.9x the exact kernel's speed
+# start and end; bench-results/decode-kernels.md), and per weight it ran 1.1-2.0x the exact kernel's speed
 # on Zen 4 at both levels (scripts/bench_decode_kernels.py). int8 stays opt-in: its tokens left the exact ones
 # after 6-25 tokens on five of those six windows (Gemma's outlier channels). NEON keeps exact: int16 is not measured
 # there yet. $SPECACHE_DECODE_LINEAR=exact gives the de-quantized fp32 model's products bit for bit.

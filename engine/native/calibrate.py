@@ -222,6 +222,7 @@ def describe_line(d: dict | None = None) -> str:
     torches = [k for k, v in lin.items() if v == "torch"]
     parts = [f"native kernels {d['isa']} (-march={d['arch']})", f"torch CPU capability {d['torch_cpu_capability']}",
              f"decode attention {d['decode_attention']}",
+             *([f"GGUF decode path {d['held_decode_linear']}"] if d.get("held_decode_linear") else []),
              "decode linears native for " + (", ".join(natives) or "none")
              + ("; torch for " + ", ".join(torches) if torches else "")]
     return "; ".join(parts)
