@@ -109,25 +109,23 @@ def load_model(
     source = resolve_source(spec)
     dev = pick_device(device)
     torch_dtype, prefill_dtype = resolve_dtype(dtype, dev)
-    path = source.folder if source.gguf is None else ensure_converted(source.gguf, source.name, on_status)
-    if on_status is not None and dev.type == "cpu" and native.needs_build():
-        on_status("compiling the native CPU kernels once for this machine (up to a minute)")
-        native.lib()
-    if source.gguf is None:
-        check_folder_weights(path)  # every safetensors header against its file, before anything reads one
-    own = own_config(path, gguf=source.gguf is not None) if classes == "auto" else None
-    try:  # given our config, AutoTokenizer does not build transformers' (engine.model.llama: why)
-        tokenizer = load_tokenizer(path, own)
-        if source.gguf is not None:
-            model = load_gguf_model(source.gguf, path, torch_dtype, held=holds_blocks(dev, dtype), config=own)
-        else:
-            model = load_folder_model(path, own, torch_dtype, holds_blocks(dev, dtype)) if own else None
-        if model is None:
-            model = transformers_model(path, torch_dtype)
-    except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as exc:  # (the last: a config.json
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # its class refuses)
-        raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
-    prepare_model(model.to(dev), prefill_dtype)
+    with native.announcing(on_status):  # a first-use compile of the native kernels is said on on_status
+        path = source.folder if source.gguf is None else ensure_converted(source.gguf, source.name, on_status)
+        if source.gguf is None:
+            check_folder_weights(path)  # every safetensors header against its file, before anything reads one
+        own = own_config(path, gguf=source.gguf is not None) if classes == "auto" else None
+        try:  # given our config, AutoTokenizer does not build transformers' (engine.model.llama: why)
+            tokenizer = load_tokenizer(path, own)
+            if source.gguf is not None:
+                model = load_gguf_model(source.gguf, path, torch_dtype, held=holds_blocks(dev, dtype), config=own)
+            else:
+                model = load_folder_model(path, own, torch_dtype, holds_blocks(dev, dtype)) if own else None
+            if model is None:
+                model = transformers_model(path, torch_dtype)
+        except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as exc:  # (the last: a config.json
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # its class refuses)
+            raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
+        prepare_model(model.to(dev), prefill_dtype)
     config = json.loads((path / "config.json").read_text())
     max_context = int(config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 4096))
     fp = fingerprint(path) + ("-held" if getattr(model, "specache_held", False) else "")

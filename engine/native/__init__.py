@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from engine.paths import cache_root
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name("linear_kernels.c"),
            Path(__file__).with_name("attention_kernels.c"), Path(__file__).with_name("int8_linear.c"),
-           Path(__file__).with_name("norm_kernels.c"))
+           Path(__file__).with_name("norm_kernels.c"), Path(__file__).with_name("pack_kernels.c"))
 HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("decode_args.h"),
            Path(__file__).with_name("block_codes.h"))
 ABI_VERSION = 11
@@ -53,6 +54,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
 _threads: int | None = None
+_announce = None  # told before lib() compiles the library (announcing(): load_model's on_status)
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -243,6 +245,17 @@ def library_path(cc: str | None = None, march: str | None = None) -> Path:
     return cache_root() / "native" / f"guide-{h.hexdigest()[:20]}.so"
 
 
+@contextmanager
+def announcing(on_status):
+    """Within it, a first use of lib() that compiles the library says so first on on_status (None: silent)."""
+    global _announce
+    before, _announce = _announce, on_status
+    try:
+        yield
+    finally:
+        _announce = before
+
+
 def needs_build() -> bool:
     """Whether the first lib() of this process will compile the library (seconds to a minute: worth a word to
     the user), rather than load it or do without."""
@@ -342,6 +355,8 @@ def lib() -> ctypes.CDLL | None:
             try:
                 import torch  # noqa: F401  (load torch's OpenMP runtime first: the kernels then share it)
 
+                if _announce is not None and needs_build():
+                    _announce("compiling the native CPU kernels once for this machine (up to a minute)")
                 _lib = _load(build())
             except Exception as exc:  # any failure: fall back to the torch kernels
                 _lib, _error = None, f"{type(exc).__name__}: {exc}"
