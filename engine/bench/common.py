@@ -228,7 +228,7 @@ def environment(lm=None) -> dict:
         "cpu": _cpu_model(),
     }
     env["kernels"] = calibrate.describe()
-    env["kernels"]["held_decode_linear"] = decode_kernels.choose()  # a GGUF's decode linears: exact, int16 or int8 (and its norms)
+    env["kernels"]["held_decode_linear"] = decode_kernels.choose()  # a GGUF's decode path: exact, int16 or int8
     if lm is not None:
         env["model"] = {"name": lm.name, "path": str(lm.path), "fingerprint": lm.fingerprint,
                         "max_context": lm.max_context, "dtype": str(lm.dtype).removeprefix("torch."),

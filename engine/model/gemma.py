@@ -187,7 +187,8 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(self, x, mask, cos, sin, cache, kwargs: dict) -> torch.Tensor:
-        x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), mask, cos, sin, cache, kwargs))
+        h = self.self_attn(self.input_layernorm(x), mask, cos, sin, cache, kwargs)
+        x = self.post_attention_layernorm.add_to(x, h)
         return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 
 

@@ -221,8 +221,8 @@ def prepare_model(model: torch.nn.Module, prefill_dtype: torch.dtype | None = No
     model.specache_decode_linear = decode_kernels.choose(decode_linear)  # held weights' decode kernel (declared)
     use_skinny_linears(model, prefill_dtype, model.specache_decode_linear)
     # the fast decode path's norms and ropes go with its linears: held weights, an integer kernel
-    use_decode_norms(model, getattr(model, "specache_held", False) and model.specache_decode_linear in decode_kernels.BITS
-                     and native.lib() is not None)
+    integer = model.specache_decode_linear in decode_kernels.BITS
+    use_decode_norms(model, getattr(model, "specache_held", False) and integer and native.lib() is not None)
     model.specache_prefill_dtype = prefill_dtype  # read by the Engine: it keys the document store
     for module in attention_modules(model):  # prefill attention's compute dtype (Step.compute)
         module.specache_prefill_dtype = prefill_dtype

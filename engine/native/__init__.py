@@ -54,7 +54,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
 _threads: int | None = None
-_announce = None  # told before lib() compiles the library (announcing(): load_model's on_status)
+_announce = None  # told before build() compiles the library (announcing(): load_model's on_status)
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -247,24 +247,14 @@ def library_path(cc: str | None = None, march: str | None = None) -> Path:
 
 @contextmanager
 def announcing(on_status):
-    """Within it, a first use of lib() that compiles the library says so first on on_status (None: silent)."""
+    """Within it, a build() that compiles (not one that finds the library built) says so first on on_status
+    (None: silent)."""
     global _announce
     before, _announce = _announce, on_status
     try:
         yield
     finally:
         _announce = before
-
-
-def needs_build() -> bool:
-    """Whether the first lib() of this process will compile the library (seconds to a minute: worth a word to
-    the user), rather than load it or do without."""
-    if _tried or disabled():
-        return False
-    try:
-        return compiler() is not None and not library_path().exists()
-    except (OSError, RuntimeError):
-        return False
 
 
 def build(force: bool = False, march: str | None = None) -> Path:
@@ -282,6 +272,8 @@ def build(force: bool = False, march: str | None = None) -> Path:
     path = library_path(cc, march)
     if path.exists() and not force:
         return path
+    if _announce is not None:  # (within announcing(): a first run's load_model)
+        _announce("compiling the native CPU kernels once for this machine (up to a minute)")
     path.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     full = flags(march)
@@ -355,8 +347,6 @@ def lib() -> ctypes.CDLL | None:
             try:
                 import torch  # noqa: F401  (load torch's OpenMP runtime first: the kernels then share it)
 
-                if _announce is not None and needs_build():
-                    _announce("compiling the native CPU kernels once for this machine (up to a minute)")
                 _lib = _load(build())
             except Exception as exc:  # any failure: fall back to the torch kernels
                 _lib, _error = None, f"{type(exc).__name__}: {exc}"
