@@ -22,7 +22,7 @@ CPU runs ops synchronously, so wall-clock timers are accurate there; on CUDA the
 would need synchronisation and are not meaningful. Prints a table (median over the repeats
 of each component's seconds) and, with --json PATH, writes every run.
 
-    python scripts/profile_prefill.py [--doc examples/report.pdf] [--mode specache] [--dtype auto]
+    python scripts/profile_prefill.py [--doc examples/report.pdf] [--model M] [--mode specache] [--dtype auto]
         [--threads N] [--repeats 3] [--tree PATH] [--json out.json]
 
 --tree PATH imports the engine from another checkout (e.g. `git worktree add /tmp/old fd1b9f2`)
@@ -42,6 +42,7 @@ from pathlib import Path
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--doc", default="examples/report.pdf")
+    p.add_argument("--model", default=None, help="what --model of the CLI takes (default: the embedded model)")
     p.add_argument("--mode", default=None, help="cache mode (default: the engine's default, specache)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     from engine.plan.profiles import model_defaults
 
     print(f"engine from {Path(engine.__file__).parent}", file=sys.stderr)
-    lm = load_model(None, device="cpu", dtype=args.dtype)
+    lm = load_model(args.model, device="cpu", dtype=args.dtype)
     if args.prefill != "auto":
         from engine.model.loading import prepare_model
 

@@ -47,6 +47,27 @@ def reference(tiny_model):
     return ps, [dynamic_cache_greedy(tiny_model, p) for p in ps]
 
 
+def test_a_prefill_computes_the_logits_of_its_last_chunk_only(tiny_model):
+    """The chunks before the last ask the lm_head for no position (an empty index, as transformers reads
+    logits_to_keep): Gemma 3's 262144-row lm_head was a quarter of its prefill. The last chunk's last
+    logits come out as before: those of one pass over the whole prompt, to float rounding."""
+    (p,) = prompts_of((150,))
+    seen = []
+    hook = tiny_model.lm_head.register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
+    try:
+        parts = {}
+        for chunk in (64, 256):
+            cache = make_cache(tiny_model.config, CacheConfig(mode="full", chunk_size=chunk), 1, 160, torch.float32,
+                               torch.device("cpu"))
+            *done, parts[chunk] = prefill(tiny_model, cache, p, 0, chunk)
+            assert done == [min(s + chunk, 150) for s in range(0, 150, chunk)]
+    finally:
+        hook.remove()
+    v = tiny_model.config.vocab_size
+    assert seen == [(1, 0, v), (1, 0, v), (1, 1, v), (1, 1, v)]  # chunks of 64: 64, 64, 22; then one chunk
+    torch.testing.assert_close(parts[64], parts[256], rtol=1e-4, atol=1e-4)
+
+
 def test_reference_is_not_trivial(reference):
     _, refs = reference
     assert all(len(set(r)) > 3 for r in refs), "the random model should not emit one token over and over"

@@ -210,6 +210,24 @@ def test_weightless_q6k_linear_takes_the_native_kernel_in_chunks_of_8(rows):
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+def test_a_bf16_prefill_takes_the_exact_kernel_for_a_few_rows_and_nothing_for_none():
+    """Within a bf16 prefill pass a held linear's 1-8 rows (the last chunk's lm_head row) take the exact native
+    kernel on the blocks, not a rebuild of every tile for one row; no rows (the lm_head of a chunk before the
+    last) read nothing and give [0, N]."""
+    from engine.model.linear_passes import prefill_pass
+
+    n, k = 200, 512
+    held = held_from_raw(random_tensor(Q.Q4_K, n, k, seed=3), Q.Q4_K, n, k)
+    lin = weightless_linear(held, torch.randn(n))
+    lin.prefill_dtype = torch.bfloat16
+    x = torch.randn(1, 3, k)
+    with torch.no_grad(), prefill_pass():
+        got, none = lin(x), lin(x[:, :0])
+    assert torch.equal(got[0], native_linear(x[0], held.unpack(), lin.bias))
+    assert none.shape == (1, 0, n)
+
+
 def write_tensors(path, tensors: dict) -> None:
     """A GGUF file holding the given raw tensors {name: (kind, raw bytes [n, row bytes])}."""
     w = gguf.GGUFWriter(str(path), "llama")

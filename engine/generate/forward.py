@@ -15,7 +15,8 @@ from engine.native import release_freed_memory
 @dataclass(frozen=True)
 class PassOptions:
     """How `forward` runs a pass against the cache rows: commit `keep` tokens and pick the positions to fetch
-    from query `select` (KVCache.begin); the logits of the last `logits_to_keep` positions; a prefill chunk,
+    from query `select` (KVCache.begin); the logits of the last `logits_to_keep` positions (0: none, a prefill
+    chunk before the last: its lm_head, 262144 x 640 weights on Gemma 3, was a quarter of the prefill); a prefill chunk,
     an exact pass (exact mode's verification), a draft (a draft commit, KVCache.commit); commit=False: the
     caller commits, e.g. per row after a verification; fixed: a fixed-shape pass, Step.fixed."""
 
@@ -36,8 +37,9 @@ PLAIN = PassOptions()  # one pass, its tokens committed
 def forward(model, cache: KVCache, ids: torch.Tensor, rows: slice, how: PassOptions = PLAIN) -> torch.Tensor:
     """Run ids [b, T] through the model against the cache rows, as `how` says. -> logits [b, n, V]."""
     step = cache.begin(rows, ids.shape[1], how.keep, how.select, how.is_prefill, how.exact, how.draft, how.fixed)
+    keep = how.logits_to_keep or torch.empty(0, dtype=torch.long, device=ids.device)  # no positions (transformers' 0 is all)
     out = model(input_ids=ids, position_ids=step.positions(), cache=cache, use_cache=True,
-                kv_cache=cache, logits_to_keep=how.logits_to_keep)
+                kv_cache=cache, logits_to_keep=keep)
     if how.commit:
         cache.commit(draft=how.draft)
     return out.logits
@@ -49,9 +51,10 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
     ids = torch.tensor(prompt, dtype=torch.long, device=device)[None]
     logits = None
     for s in range(0, len(prompt), chunk_size):
+        last = s + chunk_size >= len(prompt)
         with prefill_pass():  # the chunk's linears may compute in the model's prefill dtype (bf16)
             logits = forward(model, cache, ids[:, s : s + chunk_size], slice(row, row + 1),
-                             how=PassOptions(is_prefill=True))
+                             how=PassOptions(logits_to_keep=int(last), is_prefill=True))
         if device.type == "cpu":  # the chunk's transients, freed, back to the system (else they stay resident)
             release_freed_memory()
         yield min(s + chunk_size, len(prompt))

@@ -18,8 +18,8 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from engine.model import decode_norms
 from engine.model.attention import ATTENTION_NAME
-from engine.model.llama import (DYNAMIC_ROPE, CausalLM, Output, apply_rope, attention_function, meta_embedding,
-                                rope_tables)
+from engine.model.llama import (DYNAMIC_ROPE, CausalLM, Output, apply_rope, attention_function, kept_positions,
+                                meta_embedding, rope_tables)
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ class GemmaCausalLM(CausalLM):
         self.rope_of_layer = [t if family.rope_by_layer_type else None for t in config.layer_types]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache=None,
-                logits_to_keep: int = 0, use_cache: bool | None = None, attention_mask=None, **kwargs) -> Output:
+                logits_to_keep: int | torch.Tensor = 0, use_cache: bool | None = None, attention_mask=None, **kwargs) -> Output:
         x = self.model.embed_tokens(input_ids)
         x = x * self.embed_scale.to(x.dtype)  # [b, T, hidden]
         if position_ids is None:
@@ -239,7 +239,7 @@ class GemmaCausalLM(CausalLM):
             cos, sin = tables[self.rope_of_layer[i]]
             x = layer(x, masks[self.config.layer_types[i]], cos, sin, cache, kwargs)
         x = self.model.norm(x)
-        logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
+        logits = self.lm_head(kept_positions(x, logits_to_keep))
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -60,6 +60,8 @@ class SkinnyLinear(torch.nn.Linear):
     TILE_ELEMENTS = 1 << 20  # weights rebuilt at a time for many rows (4 MiB in fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.numel():  # no rows (a prefill chunk's lm_head before the last chunk): nothing to read
+            return x.new_empty(*x.shape[:-1], self.out_features)
         if self.decoder is not None and not IN_PREFILL.get():  # a decode step's held linear: the lean path
             y = self.decoder(x)
             if y is not None:
@@ -84,10 +86,11 @@ class SkinnyLinear(torch.nn.Linear):
     def held_forward(self, flat: torch.Tensor) -> torch.Tensor:
         """flat [R, K] @ W^T (+ bias) for a weight held only in its blocks: decode rows by the native
         kernel on the blocks (bit for bit the fp32 kernel's result), else a tile of output rows at a
-        time rebuilt in fp32 and multiplied (in prefill_dtype within a prefill pass)."""
+        time rebuilt in fp32 and multiplied (in prefill_dtype within a prefill pass, but for a few rows:
+        the last chunk's lm_head row would rebuild the whole 262144 x 640 weight of Gemma 3 for one row)."""
         prefill = IN_PREFILL.get()
         fast = self.prefill_dtype is not None and prefill
-        if not fast and flat.shape[0] <= self.NATIVE_ROWS:
+        if flat.shape[0] <= (self.SKINNY_ROWS if fast else self.NATIVE_ROWS):
             parts, dec = [], self.decoder if not prefill else None  # prefill chunks: the exact kernel
             for s in range(0, flat.shape[0], self.SKINNY_ROWS):
                 rows = flat[s : s + self.SKINNY_ROWS]

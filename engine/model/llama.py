@@ -275,6 +275,15 @@ class Output:
     logits: torch.Tensor
 
 
+def kept_positions(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """x [b, T, D] at the positions whose logits a pass asks for, as transformers reads logits_to_keep: the
+    last logits_to_keep (an int; 0: all) or the positions of an index tensor (empty: none, as a prefill
+    chunk before the last asks: engine.generate.forward)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return x[:, logits_to_keep]
+    return x[:, -logits_to_keep:] if logits_to_keep else x
+
+
 class CausalLM(nn.Module):
     """The causal LM of a FAMILIES model type: model.{embed_tokens, layers, norm} and lm_head, named as
     transformers names them; built on the meta device (`with torch.device("meta")`), its parameters then
@@ -302,7 +311,7 @@ class CausalLM(nn.Module):
         self.config._attn_implementation = name
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache=None,
-                logits_to_keep: int = 0, use_cache: bool | None = None, attention_mask=None, **kwargs) -> Output:
+                logits_to_keep: int | torch.Tensor = 0, use_cache: bool | None = None, attention_mask=None, **kwargs) -> Output:
         x = self.model.embed_tokens(input_ids)  # [b, T, hidden]
         if position_ids is None:
             start = cache.get_seq_length() if cache is not None else 0
@@ -321,4 +330,4 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, masks, cos, sin, cache, kwargs)
         x = self.model.norm(x)
-        return Output(self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x))
+        return Output(self.lm_head(kept_positions(x, logits_to_keep)))
