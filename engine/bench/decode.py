@@ -17,16 +17,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine.bench.common import (
-    HF_MODE,
-    BenchProgress,
-    BenchResult,
-    ModeSpec,
-    encode,
-    envelope,
-    stock_transformers,
-    target,
-)
+from engine.bench.common import (HF_MODE, BenchProgress, BenchResult, ModeSpec, encode, envelope, stock_transformers,
+                                 target)
 from engine.bench.speed import make_prompts
 from engine.config import GAMMA_MAX
 from engine.generate.engine import Engine

@@ -28,15 +28,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine.bench.common import (
-    BenchProgress,
-    BenchResult,
-    ModeSpec,
-    encode,
-    envelope,
-    mean,
-    target,
-)
+from engine.bench.common import BenchProgress, BenchResult, ModeSpec, encode, envelope, mean, target
 from engine.bench.selection import SELECTOR_HELP, SELECTORS, probing, selection_quality, selects
 from engine.config import CacheConfig
 from engine.errors import BadArgument

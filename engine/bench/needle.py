@@ -16,15 +16,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
-from engine.bench.common import (
-    BenchProgress,
-    BenchResult,
-    ModeSpec,
-    encode,
-    envelope,
-    mean,
-    target,
-)
+from engine.bench.common import BenchProgress, BenchResult, ModeSpec, encode, envelope, mean, target
 from engine.config import GenerationConfig
 from engine.errors import BadArgument
 from engine.generate.engine import Engine, Finished

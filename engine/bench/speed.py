@@ -28,18 +28,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from engine.bench.common import (
-    HF_MODE,
-    BenchProgress,
-    BenchResult,
-    ModeSpec,
-    encode,
-    envelope,
-    median,
-    parse_mode,
-    stock_transformers,
-    target,
-)
+from engine.bench.common import (HF_MODE, BenchProgress, BenchResult, ModeSpec, encode, envelope, median, parse_mode,
+                                 stock_transformers, target)
 from engine.config import CacheConfig
 from engine.errors import BadArgument, SpecacheError
 from engine.generate.engine import Engine

@@ -18,8 +18,8 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from engine.model import decode_norms
 from engine.model.attention import ATTENTION_NAME
-from engine.model.llama import (DYNAMIC_ROPE, CausalLM, Output, apply_rope, attention_function, kept_positions,
-                                meta_embedding, rope_tables)
+from engine.model.llama import (DYNAMIC_ROPE, CausalLM, DecoderModel, Output, apply_rope, attention_function,
+                                kept_positions, rope_tables)
 
 
 @dataclass(frozen=True)
@@ -192,14 +192,6 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, config, family: GemmaFamily):
-        super().__init__()
-        self.embed_tokens = meta_embedding(config)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, family, i) for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class GemmaCausalLM(CausalLM):
     """The causal LM of a GEMMA_FAMILIES model type, named as transformers names it (model.embed_tokens,
     model.layers, model.norm, lm_head); built on the meta device, filled by the loader; forward as
@@ -209,7 +201,7 @@ class GemmaCausalLM(CausalLM):
         nn.Module.__init__(self)
         config._attn_implementation = config._attn_implementation or ATTENTION_NAME
         self.config, family = config, GEMMA_FAMILIES[config.model_type]
-        self.model = GemmaModel(config, family)
+        self.model = DecoderModel(config, family, GemmaDecoderLayer, GemmaRMSNorm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         with torch.device("cpu"):  # also inside the loader's meta-device build: a value (fp32, as transformers')
             self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5), persistent=False)

@@ -263,11 +263,15 @@ def meta_embedding(config) -> nn.Embedding:
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, family: Family):
+    """model.{embed_tokens, layers, norm}, named as transformers names them: layer(config, family, i) per layer
+    and a final norm(size, eps) (Gemma's: engine.model.gemma)."""
+
+    def __init__(self, config, family, layer=None, norm=None):
         super().__init__()
+        layer, norm = layer or DecoderLayer, norm or RMSNorm
         self.embed_tokens = meta_embedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, family, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(config, family, i) for i in range(config.num_hidden_layers))
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 
 @dataclass

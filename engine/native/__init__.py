@@ -42,7 +42,7 @@ SOURCES = (Path(__file__).with_name("guide_kernels.c"), Path(__file__).with_name
            Path(__file__).with_name("attention_kernels.c"), Path(__file__).with_name("int8_linear.c"),
            Path(__file__).with_name("norm_kernels.c"), Path(__file__).with_name("pack_kernels.c"))
 HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("decode_args.h"),
-           Path(__file__).with_name("block_codes.h"))
+           Path(__file__).with_name("block_codes.h"), Path(__file__).with_name("columns.h"))
 ABI_VERSION = 11
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"

@@ -341,6 +341,20 @@ INLINE void scale_queries(const float *q, int64_t q_sq, int nl, const float *s, 
  * permute (vpermps: the low 4 bits of each 32-bit index lane pick an entry) looks up 16
  * outputs at once (16 tokens for keys, 16 channels for values); the index lanes hold 32
  * code bits each, shifted by 4 per run. Same sums as the tables above, in another order. */
+
+/* keys_item's signature over a table kernel's body, with the query count nl (1, 2, else 3) a constant: the
+ * compiler unrolls the lookups. */
+#define KEYS_BY_QUERIES(name, body) \
+    static void name(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc, \
+                     const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g, int bits, \
+                     float *scratch, uint64_t *wbuf) { \
+        switch (nl) { \
+        case 1: body(q, q_sq, 1, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break; \
+        case 2: body(q, q_sq, 2, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break; \
+        default: body(q, q_sq, 3, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break; \
+        } \
+    }
+
 #if defined(__AVX512F__)
 #define PERM_MAX 3 /* 4 queries cost more than the 8-lane tables (measured on Zen 4) */
 #define HAVE_PERM 1
@@ -453,15 +467,7 @@ INLINE void keys_perm_body(const float *q, int64_t q_sq, const int nl, const uin
     }
 }
 
-static void keys_item_perm(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
-                           const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
-                           int bits, float *scratch, uint64_t *wbuf) {
-    switch (nl) { /* a constant query count: the compiler unrolls the lookups */
-    case 1: keys_perm_body(q, q_sq, 1, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
-    case 2: keys_perm_body(q, q_sq, 2, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
-    default: keys_perm_body(q, q_sq, 3, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
-    }
-}
+KEYS_BY_QUERIES(keys_item_perm, keys_perm_body)
 #else
 #define HAVE_PERM 0
 #endif
@@ -550,15 +556,7 @@ INLINE void keys_perm8_body(const float *q, int64_t q_sq, const int nl, const ui
     }
 }
 
-static void keys_item_perm8(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
-                            const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
-                            int bits, float *scratch, uint64_t *wbuf) {
-    switch (nl) { /* a constant query count: the compiler unrolls the lookups */
-    case 1: keys_perm8_body(q, q_sq, 1, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
-    case 2: keys_perm8_body(q, q_sq, 2, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
-    default: keys_perm8_body(q, q_sq, 3, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
-    }
-}
+KEYS_BY_QUERIES(keys_item_perm8, keys_perm8_body)
 #else
 #define HAVE_PERM8 0
 #endif
@@ -815,6 +813,30 @@ INLINE void load_value_block(const float *p, int64_t p_sq, int nl, int64_t n, in
     for (int pl = 0; pl < bits; pl++) transpose_rows(ck + (size_t)pl * plane, D, words + (size_t)pl * D);
 }
 
+#if HAVE_PERM || HAVE_PERM8
+/* The per-query sums of the table kernels below, sum [nl][D] and zs [nl][ng], in values_item's layout:
+ * acc[d][lane], zacc[jv][lane] (lanes past nl zero). */
+static void write_value_sums(const float *sum, const float *zs, int nl, int D, int ng, float *acc, float *zacc) {
+    for (int d = 0; d < D; d++)
+        for (int l = 0; l < LANES; l++) acc[d * LANES + l] = l < nl ? sum[l * D + d] : 0.0f;
+    for (int jv = 0; jv < ng; jv++)
+        for (int l = 0; l < LANES; l++) zacc[jv * LANES + l] = l < nl ? zs[l * ng + jv] : 0.0f;
+}
+
+/* values_item's signature over a table kernel's body, with the query count nl (1, 2, else 3) a constant. */
+#define VALUES_BY_QUERIES(name, body) \
+    static void name(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes, const uint16_t *sc, \
+                     const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv, int bits, float *acc, float *zacc, \
+                     float *scratch, uint64_t *words) { \
+        switch (nl) { \
+        case 1: body(p, p_sq, 1, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break; \
+        case 2: body(p, p_sq, 2, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break; \
+        default: body(p, p_sq, 3, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break; \
+        } \
+    }
+
+#endif
+
 #if HAVE_PERM
 /* values_item for nl <= PERM_MAX queries and gv % 16 == 0 (same arguments and outputs). Tables
  * [16 runs][PERM_MAX][16] per channel group; the channels' code words come from transpose_rows
@@ -869,21 +891,10 @@ INLINE void values_perm_body(const float *p, int64_t p_sq, const int nl, int64_t
             }
         }
     }
-    for (int d = 0; d < D; d++)
-        for (int l = 0; l < LANES; l++) acc[d * LANES + l] = l < nl ? sum[l * D + d] : 0.0f;
-    for (int jv = 0; jv < ng; jv++)
-        for (int l = 0; l < LANES; l++) zacc[jv * LANES + l] = l < nl ? zs[l * ng + jv] : 0.0f;
+    write_value_sums(sum, zs, nl, D, ng, acc, zacc);
 }
 
-static void values_item_perm(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes,
-                             const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
-                             int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
-    switch (nl) {
-    case 1: values_perm_body(p, p_sq, 1, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
-    case 2: values_perm_body(p, p_sq, 2, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
-    default: values_perm_body(p, p_sq, 3, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
-    }
-}
+VALUES_BY_QUERIES(values_item_perm, values_perm_body)
 #endif
 
 #if HAVE_PERM8
@@ -948,21 +959,10 @@ INLINE void values_perm8_body(const float *p, int64_t p_sq, const int nl, int64_
             }
         }
     }
-    for (int d = 0; d < D; d++)
-        for (int l = 0; l < LANES; l++) acc[d * LANES + l] = l < nl ? sum[l * D + d] : 0.0f;
-    for (int jv = 0; jv < ng; jv++)
-        for (int l = 0; l < LANES; l++) zacc[jv * LANES + l] = l < nl ? zs[l * ng + jv] : 0.0f;
+    write_value_sums(sum, zs, nl, D, ng, acc, zacc);
 }
 
-static void values_item_perm8(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes,
-                              const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
-                              int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
-    switch (nl) {
-    case 1: values_perm8_body(p, p_sq, 1, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
-    case 2: values_perm8_body(p, p_sq, 2, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
-    default: values_perm8_body(p, p_sq, 3, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
-    }
-}
+VALUES_BY_QUERIES(values_item_perm8, values_perm8_body)
 #endif
 
 /* values_item's scratch: floats for its tables, transposed probabilities and scale/zero,

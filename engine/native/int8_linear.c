@@ -23,12 +23,9 @@
 #include <math.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "simd.h"
 #include "block_codes.h"
+#include "columns.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_ROWS 8
@@ -346,6 +343,23 @@ static void int8_columns(const QRow *xr, int64_t R, const uint8_t *W, int fmt, i
     }
 }
 
+typedef struct {  /* int8_columns' arguments but the columns (split_columns' ctx) */
+    const QRow *xr;
+    int64_t R;
+    const uint8_t *W;
+    int fmt;
+    int64_t K;
+    const float *bias;
+    float *y;
+    int64_t y_s;
+    int bits;
+} Int8Call;
+
+static void int8_call_columns(const void *ctx, int64_t n0, int64_t n1) {
+    const Int8Call *c = ctx;
+    int8_columns(c->xr, c->R, c->W, c->fmt, c->K, c->bias, c->y, c->y_s, n0, n1, c->bits);
+}
+
 /* y[r, n] = sum_k x[r, k] W[n, k] (+ bias[n]) for r < R <= 8, W a GGUF block weight (fmt, layout as
  * specache_packed_linear's), x quantized per row to int8 (bits 8) or int16 (bits 16) per 32 (above). Returns 0;
  * -1 for bad arguments; -2 where fmt is not one this kernel takes (nothing written: take
@@ -365,19 +379,8 @@ EXPORT int specache_int8_linear(const float *x, int64_t x_s, int64_t R, const ui
         quantize_row(x + r * x_s, K, (int)bits, q, f + 2 * r * nb, f + (2 * r + 1) * nb);
         xr[r] = (QRow){q, f + 2 * r * nb, f + (2 * r + 1) * nb};
     }
-    if (nthreads <= 1 || N < 256) {
-        int8_columns(xr, R, P, (int)fmt, K, bias, y, y_s, 0, N, (int)bits);
-    } else {
-#pragma omp parallel num_threads((int)nthreads)
-        {
-#ifdef _OPENMP
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-            const int64_t t = 0, nt = 1;
-#endif
-            int8_columns(xr, R, P, (int)fmt, K, bias, y, y_s, N * t / nt, N * (t + 1) / nt, (int)bits);
-        }
-    }
+    const Int8Call call = {xr, R, P, (int)fmt, K, bias, y, y_s, (int)bits};
+    split_columns(N, nthreads, int8_call_columns, &call);
     free(buf);
     return 0;
 }

@@ -26,12 +26,9 @@
 #include <math.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "simd.h"
 #include "block_codes.h"
+#include "columns.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
@@ -292,22 +289,12 @@ static void unpack_block(const uint8_t *row, int64_t nb, int64_t b, int fmt, flo
 static void linear_columns_of(const float *x, int64_t x_s, int64_t R, const void *W, int fmt, int64_t K,
                               const float *bias, float *y, int64_t y_s, int64_t n0, int64_t n1) {
     switch (R * 16 + fmt) {
-#define CASE(r) \
-    case r * 16 + 0: linear_rows(x, x_s, W, 0, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 4: linear_rows(x, x_s, W, 4, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 8: linear_rows(x, x_s, W, 8, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 6: linear_rows(x, x_s, W, 6, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 5: linear_rows(x, x_s, W, 5, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 7: linear_rows(x, x_s, W, 7, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 2: linear_rows(x, x_s, W, 2, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 3: linear_rows(x, x_s, W, 3, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 9: linear_rows(x, x_s, W, 9, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 10: linear_rows(x, x_s, W, 10, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 11: linear_rows(x, x_s, W, 11, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 12: linear_rows(x, x_s, W, 12, K, bias, y, y_s, n0, n1, r); break; \
-    case r * 16 + 13: linear_rows(x, x_s, W, 13, K, bias, y, y_s, n0, n1, r); break;
+#define CASE1(r, f) case r * 16 + f: linear_rows(x, x_s, W, f, K, bias, y, y_s, n0, n1, r); break;
+#define CASE(r) CASE1(r, 0) CASE1(r, 4) CASE1(r, 8) CASE1(r, 6) CASE1(r, 5) CASE1(r, 7) CASE1(r, 2) CASE1(r, 3) \
+    CASE1(r, 9) CASE1(r, 10) CASE1(r, 11) CASE1(r, 12) CASE1(r, 13)
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
+#undef CASE1
     default: break;
     }
 }
@@ -326,27 +313,14 @@ typedef struct {
     int64_t y_s;
 } Linear;
 
-static void linear_columns(const Linear *L, int64_t n0, int64_t n1) {
+static void linear_columns(const void *ctx, int64_t n0, int64_t n1) {
+    const Linear *L = ctx;
     linear_columns_of(L->x, L->x_s, L->R, L->fmt == 0 ? (const void *)L->W : (const void *)L->P, L->fmt, L->K,
                       L->bias, L->y, L->y_s, n0, n1);
 }
 
 /* Output columns [0, N), split evenly over the threads when there are enough of them. */
-static void run_linear(const Linear *L, int64_t N, int64_t nthreads) {
-    if (nthreads <= 1 || N < 256) {
-        linear_columns(L, 0, N);
-        return;
-    }
-#pragma omp parallel num_threads((int)nthreads)
-    {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        linear_columns(L, N * t / nt, N * (t + 1) / nt);
-    }
-}
+static void run_linear(const Linear *L, int64_t N, int64_t nthreads) { split_columns(N, nthreads, linear_columns, L); }
 
 /* y[r, n] = sum_k x[r, k] * W[n, k] (+ bias[n]) for r < R <= 8.
  * x: fp32, row r at x + r * x_s (contiguous along k); W: fp32 [N, K] contiguous;

@@ -20,18 +20,22 @@
 
 #define SIMD_INLINE static inline __attribute__((always_inline))
 
+/* The operations both x86 targets name alike but for the width prefix (_mm512 / _mm256). */
+#define X86_VF_OPS(mm) \
+    SIMD_INLINE vf vf_load(const float *p) { return mm##_loadu_ps(p); } \
+    SIMD_INLINE void vf_store(float *p, vf v) { mm##_storeu_ps(p, v); } \
+    SIMD_INLINE vf vf_zero(void) { return mm##_setzero_ps(); } \
+    SIMD_INLINE vf vf_set1(float x) { return mm##_set1_ps(x); } \
+    SIMD_INLINE vf vf_add(vf a, vf b) { return mm##_add_ps(a, b); } \
+    SIMD_INLINE vf vf_mul(vf a, vf b) { return mm##_mul_ps(a, b); } \
+    SIMD_INLINE vf vf_fma(vf a, vf b, vf c) { return mm##_fmadd_ps(a, b, c); }
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define SIMD_ISA "avx512"
 #define VW 16
 typedef __m512 vf;
-SIMD_INLINE vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
-SIMD_INLINE void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
-SIMD_INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
-SIMD_INLINE vf vf_set1(float x) { return _mm512_set1_ps(x); }
-SIMD_INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
-SIMD_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-SIMD_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+X86_VF_OPS(_mm512)
 SIMD_INLINE float vf_hsum(vf v) { return _mm512_reduce_add_ps(v); }
 #define vf_fmaf vf_fma
 /* lanes i of 16 consecutive int8 / uint8 at p, as floats */
@@ -43,13 +47,7 @@ SIMD_INLINE void simd_prefetch(const void *p) { _mm_prefetch((const char *)p, _M
 #define SIMD_ISA "avx2"
 #define VW 8
 typedef __m256 vf;
-SIMD_INLINE vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
-SIMD_INLINE void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
-SIMD_INLINE vf vf_zero(void) { return _mm256_setzero_ps(); }
-SIMD_INLINE vf vf_set1(float x) { return _mm256_set1_ps(x); }
-SIMD_INLINE vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
-SIMD_INLINE vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-SIMD_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+X86_VF_OPS(_mm256)
 SIMD_INLINE float vf_hsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
