@@ -534,6 +534,33 @@ def test_native_bf16_prefill_attention_is_close_to_the_exact_one(t, d, sizes, dt
     assert native_prefill_attention(q, pieces[:-1], 0.2, start) is None  # the pieces must hold every position
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("start,t,first,window", [(0, 70, 0, 0), (150, 37, 0, 0), (150, 37, 87, 64), (300, 100, 201, 100)])
+def test_the_bf16_prefill_kernels_are_close_to_the_exact_attention(kernel, start, t, first, window, monkeypatch):
+    """Both codes of a bf16 prefill chunk's attention (bf16_prefill_kernel: the native kernel, torch's flash kernel
+    on bf16) against the exact fp32 one over the same keys and mask, causal and within a window, the pieces split
+    anywhere: within bf16 rounding."""
+    from engine.kvcache import passes
+
+    if kernel == "native":
+        _native_attention_or_skip()
+    monkeypatch.setattr(passes, "bf16_prefill_kernel", lambda: kernel)
+    g = torch.Generator().manual_seed(start + t)
+    h, hk, d, n = 6, 2, 64, start + t - first
+    q = torch.randn(1, h, t, d, generator=g) * 2
+    k, v = torch.randn(1, hk, n, d, generator=g), torch.randn(1, hk, n, d, generator=g)
+    cut = n // 3
+    out = passes.bf16_prefill_attention(q, [(k[:, :, :cut], v[:, :, :cut]), (k[:, :, cut:], v[:, :, cut:])], 0.2,
+                                        start, first, window)
+    kpos, qpos = torch.arange(first, start + t), torch.arange(start, start + t)[:, None]
+    allowed = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+    ref = passes.grouped_query(torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1), attn_mask=allowed, scale=0.2), hk)
+    assert out is not None and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=4e-2)
+    assert (out - ref).abs().mean() < 4e-3
+
+
 def test_native_bf16_prefill_keeps_specache_equal_to_full(tiny_model, reference):
     """With the native bf16 prefill attention (what --dtype auto takes on such a CPU) the prefill is no
     longer exact, but k >= context still makes specache equal to the full cache: both prefill
@@ -564,7 +591,7 @@ def test_bf16_prefill_without_the_native_kernel_keeps_the_limits_equal_to_full(t
     from engine.model.loading import prepare_model
 
     for module in (full_module, guided):
-        monkeypatch.setattr(module, "native_prefill_attention", lambda *a, **k: None)
+        monkeypatch.setattr(module, "bf16_prefill_attention", lambda *a, **k: None)
     ps, refs = reference
     prepare_model(tiny_model, torch.bfloat16)
     try:

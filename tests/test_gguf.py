@@ -228,6 +228,29 @@ def test_a_bf16_prefill_takes_the_exact_kernel_for_a_few_rows_and_nothing_for_no
     assert none.shape == (1, 0, n)
 
 
+@pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
+@pytest.mark.parametrize("kind", (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0), ids=lambda k: k.name)
+@pytest.mark.parametrize("tile", (1 << 22, 64 * 512))
+def test_a_bf16_prefill_rebuilds_its_tiles_in_bf16_as_torch_rounds_them(kind, tile):
+    """Many rows in a bf16 prefill: the tiles come from the blocks straight in bf16 (native_rows), the same
+    values as the fp32 rebuild rounded by torch, so the product is torch's bf16 GEMM on those, bit for bit,
+    in one tile or several."""
+    from engine.model.linear_passes import prefill_pass
+
+    n, k = 200, 512
+    held = held_from_raw(random_tensor(kind, n, k, seed=5), kind, n, k)
+    assert torch.equal(held.rows(3, 70, torch.bfloat16), held.unpack()[3:70].to(torch.bfloat16))
+    lin = weightless_linear(held, torch.randn(n))
+    lin.prefill_dtype, lin.TILE_ELEMENTS = torch.bfloat16, tile
+    x = torch.randn(40, k)
+    with torch.no_grad(), prefill_pass():
+        got = lin(x)
+    w16 = held.unpack().to(torch.bfloat16)
+    parts = [torch.nn.functional.linear(x.to(torch.bfloat16), w16[s : s + 64]) for s in range(0, n, 64)]
+    want = (torch.nn.functional.linear(x.to(torch.bfloat16), w16) if tile > n * k else torch.cat(parts, 1)).float()
+    assert torch.equal(got, want + lin.bias)
+
+
 def write_tensors(path, tensors: dict) -> None:
     """A GGUF file holding the given raw tensors {name: (kind, raw bytes [n, row bytes])}."""
     w = gguf.GGUFWriter(str(path), "llama")

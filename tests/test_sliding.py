@@ -162,6 +162,49 @@ def test_the_native_sliding_kernel_equals_the_torch_reference(rows, new, softcap
     assert (ungroup_output(wide, 6, new) - want).abs().max() > 1e-2
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("window,chunks,head_dim", [(64, [100, 37, 100, 5, 64], 32), (96, [70, 70, 70], 64),
+                                                    (200, [50, 120, 120, 120, 60], 32)])
+def test_a_bf16_prefill_chunk_of_a_window_layer_takes_the_bf16_kernel_within_bf16_rounding(window, chunks, head_dim,
+                                                                                          kernel, monkeypatch):
+    """A bf16 prefill (what --dtype auto takes on a CPU with native bf16): the window layer's chunks go to the CPU's
+    bf16 kernel (the native one, or torch's flash kernel on bf16, AMX's) over the ring's slots in position order
+    (one or two pieces: the ring wraps), and land within bf16 rounding of the masked fp32 reference, for chunks
+    longer than the window, a 5-token chunk, a window longer than the first chunks, and head sizes 32 / 64. A
+    wrong window edge or slot is off by far more."""
+    from engine.kvcache import passes
+
+    lib = native.lib()
+    if kernel == "native" and (lib is None or not lib.specache_prefill_attention_available()):
+        pytest.skip("no native library with AVX512-BF16 on this machine")
+    monkeypatch.setattr(passes, "bf16_prefill_kernel", lambda: kernel)
+    g = torch.Generator().manual_seed(window)
+    shape = ModelShape(1, 6, 2, head_dim)
+    layer = SlidingWindowLayer.build(shape, CacheConfig(mode="full", chunk_size=max(chunks)), 1, 600, torch.float32,
+                                     torch.device("cpu"), Transfer(torch.device("cpu")), window=window)
+    at, took = 0, 0
+    for t in chunks:
+        step = Step(slice(0, 1), torch.tensor([at]), t, t, prefill=True, compute=torch.bfloat16)
+        layer.update(torch.randn(1, 2, t, head_dim, generator=g), torch.randn(1, 2, t, head_dim, generator=g), step)
+        q = torch.randn(1, 6, t, head_dim, generator=g) * 2
+        took += layer.attend_prefill_bf16(q, 0.2, step) is not None
+        got = layer.attend(q, 0.2, step)
+        want = layer.attend_torch(q, 0.2, step)
+        torch.testing.assert_close(got, want, rtol=0, atol=4e-2)
+        assert (got - want).abs().mean() < 4e-3
+        first = max(0, at - window + 1)
+        if at + t - window > first:  # the window matters here: causal attention over the same slots is far off
+            slots = torch.arange(first, at + t) % layer.capacity
+            allowed = torch.arange(first, at + t)[None, :] <= at + torch.arange(t)[:, None]  # [t, n]
+            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).repeat(3, 1)[None, None]
+            wide = masked_attention(grouped_query(q, 2), layer.k[:, :, slots], layer.v[:, :, slots], mask, 0.2)
+            assert (ungroup_output(wide, 6, t) - want).abs().max() > 0.1
+        at += t
+    assert took == len(chunks)
+    assert at > layer.capacity  # the ring wrapped
+
+
 def test_the_sliding_kernel_is_chosen_per_device_from_the_table(monkeypatch):
     """The table names the CPU's kernel; a device it does not name, and a CPU without the library, take torch."""
     assert sliding.sliding_kernel(torch.device("meta")) == "torch"

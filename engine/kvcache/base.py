@@ -19,6 +19,7 @@ from engine.kvcache.passes import (  # noqa: F401  (part of this module's API: t
     ModelShape,
     Step,
     additive_mask,
+    bf16_prefill_attention,
     causal_mask,
     flash_attention,
     grouped_query,

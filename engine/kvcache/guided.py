@@ -31,7 +31,7 @@ from engine.kvcache.base import (
     additive_mask,
     grouped_query,
     masked_attention,
-    native_prefill_attention,
+    bf16_prefill_attention,
     split_attention_applies,
     soft_cap,
     split_prefill_attention,
@@ -253,7 +253,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
             rk, rv = self.residual_kv(step.rows, recent + t)
             out = None
             if step.compute == torch.bfloat16 and qend == k_past.shape[2]:  # the pieces tile [0, start + t)
-                out = native_prefill_attention(q, [(k_past, v_past), (rk, rv)], scaling, start)
+                out = bf16_prefill_attention(q, [(k_past, v_past), (rk, rv)], scaling, start)
             if out is None:
                 if self.store is not None and (self.res_in_store or self.store_on_update):  # it holds every
                     # committed position, the residual ones too (else they enter it as they leave the window): the past

@@ -217,33 +217,35 @@ def split_prefill_attention(q: torch.Tensor, past: list[tuple[torch.Tensor, torc
 
 
 def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], scaling: float,
-                             start: int) -> torch.Tensor | None:
+                             start: int, first: int = 0, window: int = 0) -> torch.Tensor | None:
     """A prefill chunk's attention by the native bf16 kernel (engine/native/attention_kernels.c):
-    Q, K, P and V rounded to bf16, products accumulated in fp32, causal, GQA by stacking the query
-    heads of a KV head. Not exact: the exact path is split_prefill_attention in fp32.
+    Q, K, P and V rounded to bf16, products accumulated in fp32, causal (and within a sliding window W:
+    query position p sees keys (p - W, p]), GQA by stacking the query heads of a KV head. Not exact: the
+    exact path is split_prefill_attention (or the sliding layer's masked one) in fp32.
 
     q [1, H, T, D] (positions start..start+T-1); pieces: (k, v) [1, H_kv, n_i, D], fp32 or bf16 with
-    contiguous rows, holding every position 0..start+T-1 once, in order (the chunk's own last).
+    contiguous rows, holding every position first..start+T-1 once, in order (the chunk's own last).
     -> [1, H_kv, G*T, D] fp32, or None where the kernel does not apply (no native library or no
-    AVX512-BF16, other layouts): the caller then takes the exact path."""
+    AVX512-BF16, other layouts, a window under 64): the caller then takes the exact path."""
     lib = native.lib()
     pieces = [(k, v) for k, v in pieces if k.shape[2]]
     b, h, t, d = q.shape
-    if lib is None or b != 1 or not 1 <= len(pieces) <= 3 or d % 32 or d > 256 or \
-            not lib.specache_prefill_attention_available():
+    if lib is None or b != 1 or not 1 <= len(pieces) <= 3 or d % 32 or d > 256 or 0 < window < 64 or \
+            not 0 <= first <= start or not lib.specache_prefill_attention_available():
         return None
     dtype = pieces[0][0].dtype
     if dtype not in (torch.float32, torch.bfloat16) or any(x.dtype != dtype or x.stride(-1) != 1
                                                            for k, v in pieces for x in (k, v)) \
             or any(k.stride() != v.stride() for k, v in pieces):  # a piece's K and V: one layout (sr, sh)
         return None
-    if sum(k.shape[2] for k, _ in pieces) != start + t:
+    if sum(k.shape[2] for k, _ in pieces) != start + t - first:
         return None
     hk = pieces[0][0].shape[1]
     qg = grouped_query(q, hk).float().contiguous()  # [1, H_kv, G*T, D]
     out = torch.empty_like(qg)
     args = native.PrefillArgs(H=hk, G=h // hk, T=t, D=d, start=start, npieces=len(pieces),
-                              src_bf16=int(dtype == torch.bfloat16), nthreads=native.threads(), scaling=scaling,
+                              src_bf16=int(dtype == torch.bfloat16), nthreads=native.threads(), first=first,
+                              window=window, scaling=scaling,
                               q=qg.data_ptr(), q_sh=qg.stride(1), out=out.data_ptr())
     for i, (k, v) in enumerate(pieces):
         args.k[i], args.v[i] = k.data_ptr(), v.data_ptr()
@@ -251,6 +253,43 @@ def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, t
     if lib.specache_prefill_attention(args) != 0:
         return None
     return out
+
+
+# The code of a bf16 prefill chunk's attention (prepare_model's prefill dtype: where the CPU has native bf16), by
+# what the CPU has, first match: "torch", torch's flash kernel on bf16 Q, K and V, which runs on AMX tiles (Sapphire
+# Rapids, 2 threads, 4 query heads x 512 tokens over 1,023 keys of 256 channels: 2.1-2.5 ms, the native kernel 6.7 ms
+# with a window of 512, 9.1 without); "native", the AVX512-BF16 kernel below (Zen 4, no AMX: torch's flash kernel
+# computes in fp32 there, the native one ~4x its rate). Elsewhere None: the exact fp32 path.
+BF16_PREFILL_KERNELS = (("amx_bf16", "torch"), ("avx512_bf16", "native"))
+
+
+def bf16_prefill_kernel() -> str | None:
+    """Which code computes a bf16 prefill chunk's attention on this CPU (BF16_PREFILL_KERNELS): "torch", "native"
+    or None."""
+    flags = native.cpu_flags()
+    return next((kernel for flag, kernel in BF16_PREFILL_KERNELS if flag in flags), None)
+
+
+def bf16_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], scaling: float,
+                           start: int, first: int = 0, window: int = 0) -> torch.Tensor | None:
+    """A bf16 prefill chunk's attention, causal (and within a sliding window W: query position p sees keys (p - W,
+    p]), by the CPU's kernel (bf16_prefill_kernel): Q, K, P and V rounded to bf16, fp32 sums. q [1, H, T, D]
+    (positions start..start+T-1); pieces: (k, v) [1, H_kv, n_i, D] holding positions first..start+T-1 once, in
+    order. -> [1, H_kv, G*T, D] fp32, or None where no kernel applies (the caller takes the exact path)."""
+    kernel = bf16_prefill_kernel()
+    if kernel == "native":
+        return native_prefill_attention(q, pieces, scaling, start, first, window)
+    if kernel != "torch" or q.shape[0] != 1 or sum(k.shape[2] for k, _ in pieces) != start + q.shape[2] - first:
+        return None
+    k, v = (torch.cat([p[i] for p in pieces], 2).to(torch.bfloat16) for i in (0, 1))  # [1, H_kv, N, D]
+    q16, past = q.to(torch.bfloat16), start - first
+    if not window:  # first is 0: the past unmasked, the chunk's block causal
+        return split_prefill_attention(q16, [(k[:, :, :past], v[:, :, :past])], k[:, :, past:], v[:, :, past:],
+                                       scaling).float()
+    kpos, qpos = torch.arange(first, start + q.shape[2]), torch.arange(start, start + q.shape[2])[:, None]
+    allowed = (kpos <= qpos) & (kpos > qpos - window)  # [T, N]
+    mask = additive_mask(allowed.repeat(q.shape[1] // k.shape[1], 1)[None, None], torch.bfloat16)
+    return sdpa(grouped_query(q16, k.shape[1]), k, v, mask, scaling).float()
 
 
 def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:

@@ -1,10 +1,8 @@
 """The block formats of the decode linears' weights (engine/native/linear_kernels.c and block_codes.h): their
-format numbers, names and sizes, and the native rebuild of a block weight's rows in fp32 (native_rows).
+format numbers, names and sizes, and the native rebuild of a block weight's rows in fp32 or bf16 (native_rows).
 The weight types that hold them are engine.model.held_weights' and engine.model.kquant_weights'.
 """
 from __future__ import annotations
-
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -24,30 +22,18 @@ FORMAT_NAMES = {4: "affine4", 8: "scaled8", Q40_FMT: "q4_0", Q41_FMT: "q4_1", Q8
                 Q51_FMT: "q5_1", Q6K_FMT: "q6_k", Q4K_FMT: "q4_k", Q5K_FMT: "q5_k", BF16_FMT: "bfloat16",
                 F16_FMT: "float16"}
 SUPERBLOCK_BYTES = {Q6K_FMT: 210, Q4K_FMT: 144, Q5K_FMT: 176}  # bytes per 256 weights (linear_kernels.c)
-PARALLEL_UNPACK = 1 << 18  # weights from which a tile is rebuilt on several threads
-_pools: dict[int, ThreadPoolExecutor] = {}
 
 
-def native_rows(data: torch.Tensor, fmt: int, n0: int, n1: int, k: int) -> torch.Tensor:
-    """Rows [n0, n1) [n1 - n0, k] fp32 of the block weight data (uint8 [N, row bytes], format fmt)
-    rebuilt by the native specache_unpack (a large tile split over the native threads: the kernel is
-    single-threaded, ctypes frees the GIL). Needs the native library."""
-    out = torch.empty(n1 - n0, k, dtype=torch.float32)
-    unpack, threads = native.lib().specache_unpack, native.threads()
-
-    def part(a: int, b: int) -> int:
-        return unpack(data.data_ptr(), fmt, a, b, k, out[a - n0:].data_ptr())
-
-    if threads > 1 and (n1 - n0) * k >= PARALLEL_UNPACK and n1 - n0 >= threads:
-        cuts = [n0 + (n1 - n0) * t // threads for t in range(threads + 1)]
-        rcs = list(_pool(threads).map(part, cuts[:-1], cuts[1:]))
-    else:
-        rcs = [part(n0, n1)]
-    assert not any(rcs)
+def native_rows(data: torch.Tensor, fmt: int, n0: int, n1: int, k: int,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows [n0, n1) [n1 - n0, k] of the block weight data (uint8 [N, row bytes], format fmt) rebuilt by the
+    native specache_unpack over the native threads: fp32, bit for bit the blocks' values, or bf16, those
+    rounded to nearest even as .to(torch.bfloat16) rounds them (a bf16 prefill's tile, with no fp32 copy
+    on the way). Needs the native library."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native_rows rebuilds fp32 or bf16, not {dtype}")
+    out = torch.empty(n1 - n0, k, dtype=dtype)
+    rc = native.lib().specache_unpack(data.data_ptr(), fmt, n0, n1, k, out.data_ptr(), int(dtype == torch.bfloat16),
+                                      native.threads())
+    assert rc == 0, f"specache_unpack: rc {rc}"
     return out
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    if threads not in _pools:
-        _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="specache-unpack")
-    return _pools[threads]

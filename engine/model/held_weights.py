@@ -57,11 +57,12 @@ class PackedWeight:
     def decode(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         return self(x, bias)
 
-    def rows(self, n0: int, n1: int) -> torch.Tensor:
-        """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel."""
+    def rows(self, n0: int, n1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows [n0, n1) of the fp32 weight it stands for, rebuilt bit for bit by the native kernel (in bf16:
+        those floats rounded to nearest even, as .to(torch.bfloat16) rounds them)."""
         if self._kernel is None:
-            return self.torch_rows(n0, n1)
-        return native_rows(self.data, self.fmt, n0, n1, self.shape[1])
+            return self.torch_rows(n0, n1).to(dtype)
+        return native_rows(self.data, self.fmt, n0, n1, self.shape[1], dtype)
 
     def torch_rows(self, n0: int, n1: int) -> torch.Tensor:
         """rows() by torch (without the native library): the same floats, d * q being exact in both
@@ -136,8 +137,8 @@ class DenseWeight:
             return self._half(x, bias)
         return native_linear(x, self.w, bias) if self.w.dtype == torch.float32 else None
 
-    def rows(self, n0: int, n1: int) -> torch.Tensor:
-        return self.w[n0:n1].to(torch.float32)
+    def rows(self, n0: int, n1: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.w[n0:n1].to(dtype)
 
     torch_rows = rows  # torch's rebuild is its only one (PackedWeight's name for it)
 

@@ -57,7 +57,7 @@ class SkinnyLinear(torch.nn.Linear):
     # decode rows (1-8, outside prefill_pass) of a held block weight: the chosen native kernel, bound once
     # (engine.model.decode_kernels; set by use_skinny_linears)
     decoder: DecodeCall | None = None
-    TILE_ELEMENTS = 1 << 20  # weights rebuilt at a time for many rows (4 MiB in fp32)
+    TILE_ELEMENTS = 1 << 22  # weights rebuilt at a time for many rows (16 MiB in fp32, 8 MiB in a bf16 prefill)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.numel():  # no rows (a prefill chunk's lm_head before the last chunk): nothing to read
@@ -103,23 +103,23 @@ class SkinnyLinear(torch.nn.Linear):
         return self.tiled_forward(flat, self.prefill_dtype if fast else None)
 
     def tiled_forward(self, flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        """flat [R, K] @ W^T (+ bias), W rebuilt TILE_ELEMENTS weights at a time (never whole); a weight
-        held in the prefill dtype itself (a bf16 folder's) multiplies as it is, as prefill_forward does."""
+        """flat [R, K] @ W^T (+ bias), W rebuilt in `dtype` (the prefill dtype; None: fp32) TILE_ELEMENTS weights at
+        a time (never whole, but a layer's weight of up to that size is one tile and one GEMM); a weight held
+        in the prefill dtype itself (a bf16 folder's) multiplies as it is, as prefill_forward does."""
         w16 = getattr(self.held, "w", None)
         if dtype is not None and w16 is not None and w16.dtype == dtype:
             y = torch.nn.functional.linear(flat.to(dtype), w16).to(flat.dtype)
             return y + self.bias if self.bias is not None else y
         n, k = self.held.shape
         step = max(16, self.TILE_ELEMENTS // k // 16 * 16)
-        x = flat.to(dtype) if dtype is not None else flat
-        y = torch.empty(flat.shape[0], n, dtype=flat.dtype)
-        tile = torch.empty(min(step, n), k, dtype=dtype) if dtype is not None else None
-        for n0 in range(0, n, step):
-            n1 = min(n, n0 + step)
-            w = self.held.rows(n0, n1)
-            if tile is not None:
-                w = tile[: n1 - n0].copy_(w)
-            torch.matmul(x, w.T, out=y[:, n0:n1]) if y.dtype == w.dtype else y[:, n0:n1].copy_(x @ w.T)
+        x = flat.to(dtype or flat.dtype)
+        if step >= n:
+            y = torch.nn.functional.linear(x, self.held.rows(0, n, x.dtype)).to(flat.dtype)
+        else:
+            y = torch.empty(flat.shape[0], n, dtype=flat.dtype)
+            for n0 in range(0, n, step):
+                n1 = min(n, n0 + step)
+                y[:, n0:n1] = x @ self.held.rows(n0, n1, x.dtype).T
         return y.add_(self.bias) if self.bias is not None else y
 
     def native(self, flat: torch.Tensor) -> torch.Tensor | None:

@@ -97,7 +97,8 @@ class SlidingArgs(ctypes.Structure):
 class PrefillArgs(ctypes.Structure):
     """Mirror of the C struct PrefillArgs (attention_kernels.c, prefill attention in bf16)."""
 
-    _fields_ = ([(n, _I64) for n in ("H", "G", "T", "D", "start", "npieces", "src_bf16", "nthreads")]
+    _fields_ = ([(n, _I64) for n in ("H", "G", "T", "D", "start", "npieces", "src_bf16", "nthreads", "first",
+                                     "window")]
                 + [("scaling", ctypes.c_float), ("q", _P), ("q_sh", _I64), ("k", _P * 3), ("v", _P * 3),
                    ("n", _I64 * 3), ("sr", _I64 * 3), ("sh", _I64 * 3), ("out", _P)])
 
@@ -322,7 +323,7 @@ def _load(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [_P, _I64, _I64, _P]
         fn.restype = ctypes.c_int
-    lib.specache_unpack.argtypes = [_P, _I64, _I64, _I64, _I64, _P]  # (packed, fmt, n0, n1, K, W)
+    lib.specache_unpack.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64]  # (packed, fmt, n0, n1, K, W, bf16, threads)
     lib.specache_unpack.restype = ctypes.c_int
     lib.specache_prefill_attention.argtypes = [ctypes.POINTER(PrefillArgs)]
     lib.specache_prefill_attention.restype = ctypes.c_int

@@ -15,7 +15,9 @@
  * hold positions 0..N-1 in order: the exact store, the residual window) are converted once per
  * call into bf16 scratch rows (K) and key-pair-interleaved rows (V).
  *
- * Causal rule: query t of the chunk (position start + t) sees keys 0..start + t; N = start + T.
+ * Causal rule: query t of the chunk (position start + t) sees keys first..start + t, and with a
+ * sliding window W (> 0) only those past start + t - W; the pieces hold positions first..start+T-1
+ * (first > 0: a sliding layer's ring from its oldest needed slot), N = start + T - first.
  * Queries are grouped (GQA): row g*T + t of a KV head's Q is query head g's token t.
  * Not bit-exact against fp32 (bf16 rounding of Q, K, P, V): the exact path is torch's fp32 one.
  */
@@ -33,6 +35,7 @@
 
 typedef struct {
     int64_t H, G, T, D, start, npieces, src_bf16, nthreads;
+    int64_t first, window;  /* position of the pieces' first key; sliding window (0: none, else >= BK) */
     float scaling;
     const void *q;      /* fp32 [H][G*T][D] rows contiguous */
     int64_t q_sh;       /* elements between KV heads */
@@ -145,10 +148,14 @@ static void query_block(const PrefillArgs *a, int64_t h, int64_t g, int64_t t0, 
                                            | ((uint32_t)bf16_of(q[i * D + 2 * d2 + 1] * scale) << 16) : 0;
     memset(ot, 0, (size_t)D * BM * sizeof(float));
     __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, l0 = _mm512_setzero_ps(), l1 = l0;
-    const int64_t last = a->start + t0 + BM - 1;     /* the block's latest query position */
-    const int64_t kend = a->start + T < last + 1 ? a->start + T : last + 1;  /* keys [0, kend) matter */
+    const int64_t p0 = a->start + t0 - a->first;     /* the block's first query, as a key index */
+    const int64_t kend = T - t0 < BM ? a->start + T - a->first : p0 + BM;  /* keys [kbeg, kend) matter */
+    /* with a window, keys before the first query's oldest visible one are skipped (an even index: keys go
+     * in pairs); since W >= BK every query still sees a key of the first block */
+    const int64_t kbeg = a->window > 0 && p0 - a->window + 1 > 0 ? (p0 - a->window + 1) & ~1LL : 0;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int64_t j0 = 0; j0 < kend; j0 += BK) {
+    const __m512i lane16 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+    for (int64_t j0 = kbeg; j0 < kend; j0 += BK) {
         const int64_t nk = kend - j0 < BK ? (kend - j0 + 1) & ~1LL : BK;  /* even: keys go in pairs */
         for (int64_t u0 = 0; u0 < nk; u0 += KU) {
             __m512 acc[KU][2];
@@ -165,12 +172,15 @@ static void query_block(const PrefillArgs *a, int64_t h, int64_t g, int64_t t0, 
             for (int u = 0; u < KU && u0 + u < nk; u++) {
                 int64_t j = j0 + u0 + u;
                 __m512 s0 = acc[u][0], s1 = acc[u][1];
-                if (j > a->start + t0) {  /* causal part: query t0 + i sees key j iff j <= start + t0 + i */
-                    __m512i need = _mm512_set1_epi32((int)(j - a->start - t0));
-                    __mmask16 v0 = _mm512_cmp_epi32_mask(lane, need, _MM_CMPINT_NLT);
-                    __mmask16 v1 = _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), need, _MM_CMPINT_NLT);
-                    s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v0, s0);
-                    s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), v1, s1);
+                if (j > p0) {  /* causal part: query t0 + i sees key j iff j <= p0 + i */
+                    __m512i need = _mm512_set1_epi32((int)(j - p0));
+                    s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmp_epi32_mask(lane, need, _MM_CMPINT_NLT), s0);
+                    s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmp_epi32_mask(lane16, need, _MM_CMPINT_NLT), s1);
+                }
+                if (a->window > 0 && j <= p0 + BM - 1 - a->window) {  /* window: ... and j > p0 + i - W */
+                    __m512i below = _mm512_set1_epi32((int)(j - p0 + a->window));
+                    s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmp_epi32_mask(lane, below, _MM_CMPINT_LT), s0);
+                    s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmp_epi32_mask(lane16, below, _MM_CMPINT_LT), s1);
                 }
                 _mm512_storeu_ps(st + (u0 + u) * BM, s0);
                 _mm512_storeu_ps(st + (u0 + u) * BM + 16, s1);
@@ -181,9 +191,9 @@ static void query_block(const PrefillArgs *a, int64_t h, int64_t g, int64_t t0, 
             b0 = _mm512_max_ps(b0, _mm512_loadu_ps(st + j * BM));
             b1 = _mm512_max_ps(b1, _mm512_loadu_ps(st + j * BM + 16));
         }
-        /* every query sees key 0, so after the first block no maximum is -inf */
+        /* every query sees a key of the first block, so after it no maximum is -inf */
         __m512 al0 = exp2_ps(_mm512_sub_ps(m0, b0)), al1 = exp2_ps(_mm512_sub_ps(m1, b1));
-        if (j0 == 0) al0 = al1 = _mm512_setzero_ps();
+        if (j0 == kbeg) al0 = al1 = _mm512_setzero_ps();
         m0 = b0, m1 = b1;
         __m512 s0 = _mm512_setzero_ps(), s1 = s0;
         for (int64_t j = 0; j < nk; j += 2) {
@@ -232,9 +242,10 @@ static void query_block(const PrefillArgs *a, int64_t h, int64_t g, int64_t t0, 
 EXPORT int specache_prefill_attention(const PrefillArgs *a) {
     const int64_t H = a->H, G = a->G, T = a->T, D = a->D;
     if (D % 32 || D > 256 || D < 32 || a->npieces < 1 || a->npieces > 3 || T < 1) return 1;
+    if (a->first < 0 || a->first > a->start || (a->window != 0 && a->window < BK)) return 1;
     int64_t N = 0;
     for (int64_t p = 0; p < a->npieces; p++) N += a->n[p];
-    if (N != a->start + T) return 2;
+    if (N != a->start + T - a->first) return 2;
     const int64_t npad = (N + BK - 1) / BK * BK;
     uint16_t *kb = aligned_alloc(64, (size_t)H * npad * D * sizeof(uint16_t));
     uint32_t *vb = aligned_alloc(64, (size_t)H * (npad / 2) * D * sizeof(uint32_t));

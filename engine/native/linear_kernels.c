@@ -351,12 +351,25 @@ EXPORT int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const 
     return 0;
 }
 
-/* Rebuild rows [n0, n1) of a packed weight into W [n1 - n0, K] fp32 (tests, and a check). */
-EXPORT int specache_unpack(const uint8_t *P, int64_t fmt, int64_t n0, int64_t n1, int64_t K, float *W) {
+/* Rebuild rows [n0, n1) of a packed weight into W [n1 - n0, K]: fp32, or (bf16 != 0) bf16 rounded to nearest even
+ * as torch converts (a bf16 prefill's weight tile, rebuilt without an fp32 copy); rows split over nthreads. */
+EXPORT int specache_unpack(const uint8_t *P, int64_t fmt, int64_t n0, int64_t n1, int64_t K, void *W, int64_t bf16,
+                           int64_t nthreads) {
     if (!valid_blocks(fmt, K) || n1 < n0) return -1;
     const int64_t per = SUPERBLOCK_FMT(fmt) ? Q6K_WEIGHTS : QB, nb = K / per; /* weights per block, blocks per row */
     const int64_t row_bytes = nb * (SUPERBLOCK_FMT(fmt) ? SUPERBLOCK_BYTES(fmt) : BLOCK_BYTES(fmt));
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t b = 0; b < nb; b++) unpack_block(P + n * row_bytes, nb, b, (int)fmt, W + (n - n0) * K + b * per);
+#pragma omp parallel for num_threads((int)nthreads) schedule(static) if (nthreads > 1 && (n1 - n0) * K >= 1 << 18)
+    for (int64_t n = n0; n < n1; n++) {
+        float w[Q6K_WEIGHTS];
+        for (int64_t b = 0; b < nb; b++) {
+            float *out = bf16 ? w : (float *)W + (n - n0) * K + b * per;
+            unpack_block(P + n * row_bytes, nb, b, (int)fmt, out);
+            for (int64_t i = 0; bf16 && i < per; i++) {
+                uint32_t u;
+                memcpy(&u, &w[i], 4);
+                ((uint16_t *)W)[(n - n0) * K + b * per + i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+            }
+        }
+    }
     return 0;
 }

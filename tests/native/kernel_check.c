@@ -46,7 +46,8 @@ int specache_packed_linear(const float *x, int64_t x_s, int64_t R, const uint8_t
                            int64_t K, const float *bias, float *y, int64_t y_s, int64_t nthreads);
 int specache_pack_affine4(const float *W, int64_t N, int64_t K, uint8_t *out);
 int specache_pack_scaled8(const float *W, int64_t N, int64_t K, uint8_t *out);
-int specache_unpack(const uint8_t *P, int64_t fmt, int64_t n0, int64_t n1, int64_t K, float *W);
+int specache_unpack(const uint8_t *P, int64_t fmt, int64_t n0, int64_t n1, int64_t K, void *W, int64_t bf16,
+                    int64_t nthreads);
 int specache_int8_linear(const float *x, int64_t x_s, int64_t R, const uint8_t *P, int64_t fmt, int64_t N,
                          int64_t K, const float *bias, float *y, int64_t y_s, int64_t nthreads, int64_t bits);
 int specache_int8_quantize_row(const float *x, int64_t K, int64_t bits, void *q, float *d, float *s);
@@ -314,17 +315,30 @@ static void check_skinny(const char *cas) {
  * Q6_K / Q4_K / Q5_K blocks: nothing packs them), 2 / 3 / 9 / 10 / 11 (GGUF Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 blocks),
  * 12 / 13 (bf16 / fp16 weights as they are); w the fp32 weight
  * torch rebuilds, packed its blocks [N, row bytes]. */
-/* specache_unpack rebuilds the weight w [N, K] from the blocks P bit for bit: all rows, and rows 3..6. */
+/* specache_unpack rebuilds the weight w [N, K] from the blocks P bit for bit: all rows (on 2 threads), and rows
+ * 3..6; in bf16, every weight rounded to nearest even (a weight's rounding carried from its low half). */
 static void check_unpack(const char *cas, const Blob *w, const Blob *P, int64_t fmt) {
     const int64_t N = w->shape[0], K = w->shape[1];
     float *wb = alloc64(w->nbytes);
-    int rc = specache_unpack(P->data, fmt, 0, N, K, wb);
+    uint16_t *hb = alloc64(w->nbytes / 2);
+    int rc = specache_unpack(P->data, fmt, 0, N, K, hb, 1, 2);
+    int64_t bad = -1;
+    for (int64_t i = 0; i < N * K && bad < 0; i++) {
+        uint32_t u;
+        memcpy(&u, F32(w) + i, 4);
+        const uint32_t low = u & 0xFFFF, half = 0x8000;
+        const uint16_t want = (uint16_t)((u >> 16) + (low > half || (low == half && (u >> 16) & 1)));
+        if (hb[i] != want) bad = i;
+    }
+    check(rc == 0 && bad < 0, "%s unpack in bf16: every weight rounded to nearest even%s", cas, bad < 0 ? "" : " -- not");
+    free(hb);
+    rc = specache_unpack(P->data, fmt, 0, N, K, wb, 0, 2);
     int64_t at = diff_at(wb, w->data, w->nbytes);
     check(rc == 0 && at < 0, "%s unpack: rebuilds the weight bit for bit%s", cas, at < 0 ? "" : " -- it differs");
     if (at >= 0)
         printf("#   first difference: weight %lld: got %.9g expected %.9g\n", (long long)(at / 4), wb[at / 4],
                F32(w)[at / 4]);
-    rc = specache_unpack(P->data, fmt, 3, 7, K, wb);
+    rc = specache_unpack(P->data, fmt, 3, 7, K, wb, 0, 1);
     at = diff_at(wb, F32(w) + 3 * K, (size_t)(4 * K) * sizeof(float));
     check(rc == 0 && at < 0, "%s unpack rows 3..6: bit for bit%s", cas, at < 0 ? "" : " -- they differ");
     free(wb);

@@ -12,7 +12,7 @@ from engine.kvcache.base import (
     causal_mask,
     grouped_query,
     masked_attention,
-    native_prefill_attention,
+    bf16_prefill_attention,
     split_attention_applies,
     split_prefill_attention,
     ungroup_output,
@@ -67,7 +67,7 @@ class FullLayer(CacheLayer):
         if split_attention_applies(q, step) and softcap is None:
             s, t = step.starts[0], step.n_new
             r = step.rows
-            out = native_prefill_attention(q, [(self.k[r, :, : s + t], self.v[r, :, : s + t])], scaling, s) \
+            out = bf16_prefill_attention(q, [(self.k[r, :, : s + t], self.v[r, :, : s + t])], scaling, s) \
                 if step.compute == torch.bfloat16 else None
             out = out if out is not None else split_prefill_attention(q, [(self.k[r, :, :s], self.v[r, :, :s])], self.k[r, :, s : s + t],
                                           self.v[r, :, s : s + t], scaling)
