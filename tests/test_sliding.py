@@ -162,7 +162,6 @@ def test_the_native_sliding_kernel_equals_the_torch_reference(rows, new, softcap
     assert (ungroup_output(wide, 6, new) - want).abs().max() > 1e-2
 
 
-@pytest.mark.kernels
 @pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("window,chunks,head_dim", [(64, [100, 37, 100, 5, 64], 32), (96, [70, 70, 70], 64),
                                                     (200, [50, 120, 120, 120, 60], 32)])
