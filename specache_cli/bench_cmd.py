@@ -3,12 +3,11 @@ needle heatmap PNG) to --out, print a table (or, with --json, the JSON) on stdou
 stderr. The benches themselves live in engine/bench/ (docs/bench.md)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from engine.bench.common import (
     HF_MODE,
@@ -37,43 +36,30 @@ from engine.kvcache.registry import names
 from specache_cli.bench_common import (
     DECODE_MODES,
     DECODE_QUICK_MODES,
-    DEVICE,
-    DOCS_HELP,
     FIDELITY_MODES,
     FIDELITY_QUICK_MODES,
-    JSON,
-    MODEL,
     NEEDLE_MODES,
-    OUT,
-    QUICK,
-    QUIET,
     SPEED_MODES,
     SPEED_QUICK_MODES,
-    THREADS,
+    BenchRun,
     bench_app,
     bench_texts,
+    docs_option,
     drive,
     load_bench_model,
     mib,
-    out_dir,
     print_table,
-    print_targets,
-    save,
-    with_model_defaults,
 )
 from specache_cli.bench_task_cmd import heatmap_cmd, task_cmd
 from specache_cli.console import guarded
-from specache_cli.render import emit_json
+from specache_cli.options import grouped
 
 
 # ---- needle ------------------------------------------------------------------------------
 
-@bench_app.command("needle")
-@guarded
 def needle_cmd(
-    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
-    quiet: bool = QUIET, threads: Optional[int] = THREADS,
-    doc: list[str] = typer.Option([], "--doc", "-d", help=DOCS_HELP + " Default: examples/long-report.pdf."),
+    run: BenchRun,
+    doc: list[str] = docs_option("long-report.pdf"),
     modes: str = typer.Option(NEEDLE_MODES, help="Comma-separated modes (docs/bench.md: e.g. specache-1b, kivi-2b, window)."),
     lengths: Optional[str] = typer.Option(None, help="Context lengths in tokens (default: 1/4, 1/2, 3/4 of the window; quick: two short ones)."),
     depths: Optional[str] = typer.Option(None, help="Needle depths in [0, 1] (default 0.1,0.5,0.9; quick 0.25,0.75)."),
@@ -82,101 +68,80 @@ def needle_cmd(
     seed: int = typer.Option(0, help="Seed of the pass keys."),
 ) -> None:
     """Pass-key retrieval over context lengths x needle depths, per cache mode; writes a heatmap PNG."""
-    out = out_dir(out, quick)
-
     specs = parse_modes(modes)
-    depth_list = parse_floats(depths, "--depths") if depths else ([0.25, 0.75] if quick else [0.1, 0.5, 0.9])
-    n_needles = needles if needles is not None else (2 if quick else 3)
+    depth_list = parse_floats(depths, "--depths") if depths else run.pick(None, [0.25, 0.75], [0.1, 0.5, 0.9])
+    n_needles = run.pick(needles, 2, 3)
     if n_needles < 1:
         raise BadArgument("--needles must be >= 1")
     if max_tokens < 1:
         raise BadArgument("--max-tokens must be >= 1")
     texts = bench_texts(doc, "long-report.pdf")
-    lm = load_bench_model(model, device, quiet, threads)
-    specs = with_model_defaults(specs, lm)
+    lm, specs = run.load(specs)
     if lengths:
         length_list = parse_ints(lengths, "--lengths", minimum=64)
     else:
         window = min(lm.max_context, 8192) - max_tokens - 2
-        length_list = [min(512, window // 3), min(1024, 2 * window // 3)] if quick else \
+        length_list = [min(512, window // 3), min(1024, 2 * window // 3)] if run.quick else \
             [(window * f // 4) // 256 * 256 for f in (1, 2, 3)]
-    result = drive(run_needle(lm, texts, specs, NeedleGrid(length_list, depth_list, n_needles, seed), max_tokens, quick),
-                    quiet)
-    png = needle_heatmap(result)
-    save(out, "needle", result, needle_markdown(result, "needle-heatmap.png"), quiet, {"needle-heatmap.png": png})
-    if json_out:
-        emit_json(result, lines=False)
-        return
-    table = Table(title=f"pass-key accuracy ({result['settings']['needles_per_cell']} needles x "
-                        f"{len(depth_list)} depths per length)", title_justify="left")
-    table.add_column("mode")
-    table.add_column("overall", justify="right")
-    for n in length_list:
-        table.add_column(f"{n} tok", justify="right")
-    table.add_column("found where full found", justify="right")
-    table.add_column(f"device MiB @{length_list[-1]}", justify="right")
-    for spec in specs:
-        e = result["per_mode"][spec.label]
-        table.add_row(spec.label, fmt(e["accuracy"], 2), *[fmt(e["by_length"][str(n)], 2) for n in length_list],
-                      fmt(e.get("succeeds_where_full_does"), 2), mib(e["device_bytes_per_row"][str(length_list[-1])]))
-    print_table(table)
-    print_targets(result["targets"])
+    result = drive(run_needle(lm, texts, specs, NeedleGrid(length_list, depth_list, n_needles, seed), max_tokens, run.quick),
+                   run.quiet)
+    run.report("needle", result, needle_markdown(result, "needle-heatmap.png"), show_needle,
+               {"needle-heatmap.png": needle_heatmap(result)})
+
+
+def show_needle(result: dict) -> None:
+    lengths = result["settings"]["lengths"]
+    print_table(f"pass-key accuracy ({result['settings']['needles_per_cell']} needles x "
+                f"{len(result['settings']['depths'])} depths per length)",
+                ("mode", "overall", *[f"{n} tok" for n in lengths], "found where full found",
+                 f"device MiB @{lengths[-1]}"),
+                [(label, fmt(e["accuracy"], 2), *[fmt(e["by_length"][str(n)], 2) for n in lengths],
+                  fmt(e.get("succeeds_where_full_does"), 2), mib(e["device_bytes_per_row"][str(lengths[-1])]))
+                 for label, e in result["per_mode"].items()])
 
 
 # ---- fidelity ----------------------------------------------------------------------------
 
-@bench_app.command("fidelity")
-@guarded
 def fidelity_cmd(
-    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
-    quiet: bool = QUIET, threads: Optional[int] = THREADS,
-    doc: list[str] = typer.Option([], "--doc", "-d", help=DOCS_HELP + " Default: examples/report.pdf."),
+    run: BenchRun,
+    doc: list[str] = docs_option("report.pdf"),
     modes: Optional[str] = typer.Option(None, help=f"Comma-separated modes (default {FIDELITY_MODES}; quick {FIDELITY_QUICK_MODES})."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Reference tokens generated by the full cache and forced (default 64; quick 16)."),
     context: Optional[int] = typer.Option(None, "--context", help="Most prompt tokens (default: what the window allows; quick 600)."),
 ) -> None:
     """Teacher-forced and free-running agreement with the full cache, and the guide's selection quality."""
-    out = out_dir(out, quick)
-
-    specs = parse_modes(modes or (FIDELITY_QUICK_MODES if quick else FIDELITY_MODES))
-    n_tokens = tokens if tokens is not None else (16 if quick else 64)
+    specs = parse_modes(run.pick(modes, FIDELITY_QUICK_MODES, FIDELITY_MODES))
+    n_tokens = run.pick(tokens, 16, 64)
     if n_tokens < 2:
         raise BadArgument("--tokens must be >= 2")
-    ctx = context if context is not None else (600 if quick else None)
+    ctx = run.pick(context, 600, None)
     if ctx is not None and ctx < 64:
         raise BadArgument("--context must be >= 64")
     texts = bench_texts(doc, "report.pdf")
-    lm = load_bench_model(model, device, quiet, threads)
-    specs = with_model_defaults(specs, lm)
-    result = drive(run_fidelity(lm, texts, specs, n_tokens, ctx, quick), quiet)
-    save(out, "fidelity", result, fidelity_markdown(result), quiet)
-    if json_out:
-        emit_json(result, lines=False)
-        return
-    table = Table(title="fidelity against the full cache", title_justify="left")
-    for col in ("mode", "top-1", "mean KL", "identical prefix", "equal tokens", "fetched recall / coverage",
-                "oracle coverage", "coverage / oracle", "device MiB"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for spec in specs:
-        e = result["per_mode"][spec.label]
+    lm, specs = run.load(specs)
+    result = drive(run_fidelity(lm, texts, specs, n_tokens, ctx, run.quick), run.quiet)
+    run.report("fidelity", result, fidelity_markdown(result), show_fidelity)
+
+
+def show_fidelity(result: dict) -> None:
+    rows = []
+    for label, e in result["per_mode"].items():
         sel = e.get("selection")
-        table.add_row(spec.label, fmt(e["top1_agreement"]), fmt(e["mean_kl"], 4), fmt(e["identical_prefix"], 1),
-                      fmt(e["equal_share"]),
-                      f"{fmt(sel['fetched']['recall'])} / {fmt(sel['fetched']['coverage'])}" if sel else "-",
-                      fmt(sel["oracle"]["coverage"]) if sel else "-",
-                      fmt(sel["fetched"]["coverage_vs_oracle"]) if sel else "-", mib(e["device_bytes"]))
-    print_table(table)
-    print_targets(result["targets"])
+        rows.append((label, fmt(e["top1_agreement"]), fmt(e["mean_kl"], 4), fmt(e["identical_prefix"], 1),
+                     fmt(e["equal_share"]),
+                     f"{fmt(sel['fetched']['recall'])} / {fmt(sel['fetched']['coverage'])}" if sel else "-",
+                     fmt(sel["oracle"]["coverage"]) if sel else "-",
+                     fmt(sel["fetched"]["coverage_vs_oracle"]) if sel else "-", mib(e["device_bytes"])))
+    print_table("fidelity against the full cache",
+                ("mode", "top-1", "mean KL", "identical prefix", "equal tokens", "fetched recall / coverage",
+                 "oracle coverage", "coverage / oracle", "device MiB"), rows)
 
 
 # ---- speed -------------------------------------------------------------------------------
 
-@bench_app.command("speed")
-@guarded
 def speed_cmd(
-    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
-    quiet: bool = QUIET, threads: Optional[int] = THREADS,
-    doc: list[str] = typer.Option([], "--doc", "-d", help=DOCS_HELP + " Default: examples/long-report.pdf."),
+    run: BenchRun,
+    doc: list[str] = docs_option("long-report.pdf"),
     modes: Optional[str] = typer.Option(None, help=f"Comma-separated modes, hf = transformers generate (default {SPEED_MODES}; quick {SPEED_QUICK_MODES})."),
     lengths: Optional[str] = typer.Option(None, help="Context lengths (default 7000 or what the window allows; quick 256)."),
     batches: Optional[str] = typer.Option(None, help="Batch sizes (default 1,4; quick 1,2)."),
@@ -186,50 +151,41 @@ def speed_cmd(
     isolate: bool = typer.Option(True, "--isolate/--in-process", help="Run each mode in a child process (honest peak RSS)."),
 ) -> None:
     """Prefill tokens/s, decode ms/token and peak RSS per mode, next to transformers' generate."""
-    out = out_dir(out, quick)
-
-    specs = parse_modes(modes or (SPEED_QUICK_MODES if quick else SPEED_MODES), allow_hf=True)
-    batch_list = parse_ints(batches, "--batches") if batches else ([1, 2] if quick else [1, 4])
-    n_tokens = tokens if tokens is not None else (4 if quick else 16)
-    n_repeats = repeats if repeats is not None else (2 if quick else 3)
-    n_warmup = warmup if warmup is not None else (1 if quick else 2)
+    specs = parse_modes(run.pick(modes, SPEED_QUICK_MODES, SPEED_MODES), allow_hf=True)
+    batch_list = parse_ints(batches, "--batches") if batches else run.pick(None, [1, 2], [1, 4])
+    n_tokens = run.pick(tokens, 4, 16)
+    n_repeats = run.pick(repeats, 2, 3)
+    n_warmup = run.pick(warmup, 1, 2)
     if n_tokens < 1 or n_repeats < 1 or n_warmup < 0:
         raise BadArgument("--tokens and --repeats must be >= 1, --warmup >= 0")
     texts = bench_texts(doc, "long-report.pdf")
-    lm = load_bench_model(model, device, quiet, threads)
-    specs = with_model_defaults(specs, lm)
+    lm, specs = run.load(specs)
     steps = n_warmup + n_tokens * n_repeats
     if lengths:
         length_list = parse_ints(lengths, "--lengths", minimum=16)
     else:
-        length_list = [min(256 if quick else 7000, lm.max_context - steps - 4)]
+        length_list = [min(256 if run.quick else 7000, lm.max_context - steps - 4)]
     grid = SpeedGrid(length_list, batch_list, n_tokens, n_repeats, n_warmup)
-    child = ChildModel(model, device, threads=threads) if isolate else None
-    result = drive(run_speed(lm, texts, specs, grid, child, quick), quiet)
-    save(out, "speed", result, speed_markdown(result), quiet)
-    if json_out:
-        emit_json(result, lines=False)
-        return
-    table = Table(title="speed (decode: median ms per step; a step gives every row one token)", title_justify="left")
-    for col in ("mode", "context", "batch", "prefill tok/s", "decode ms/token", "x full", "x hf", "KV device MiB",
-                "peak RSS MiB"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for c in result["comparison"]:
-        table.add_row(c["mode"], str(c["length"]), str(c["batch"]), fmt(c["prefill_tokens_per_s"], 0),
-                      fmt(c["decode_ms_per_token"], 1), fmt(c["decode_speedup_vs_full"], 2),
-                      fmt(c["decode_speedup_vs_hf"], 2), mib(c["device_bytes"]), mib(c["peak_rss_bytes"]))
-    print_table(table)
-    print_targets(result["targets"])
+    child = ChildModel(run.model, run.device, threads=run.threads) if isolate else None
+    result = drive(run_speed(lm, texts, specs, grid, child, run.quick), run.quiet)
+    run.report("speed", result, speed_markdown(result), show_speed)
+
+
+def show_speed(result: dict) -> None:
+    print_table("speed (decode: median ms per step; a step gives every row one token)",
+                ("mode", "context", "batch", "prefill tok/s", "decode ms/token", "x full", "x hf", "KV device MiB",
+                 "peak RSS MiB"),
+                [(c["mode"], str(c["length"]), str(c["batch"]), fmt(c["prefill_tokens_per_s"], 0),
+                  fmt(c["decode_ms_per_token"], 1), fmt(c["decode_speedup_vs_full"], 2),
+                  fmt(c["decode_speedup_vs_hf"], 2), mib(c["device_bytes"]), mib(c["peak_rss_bytes"]))
+                 for c in result["comparison"]])
 
 
 # ---- decode (side by side) -----------------------------------------------------------------
 
-@bench_app.command("decode")
-@guarded
 def decode_cmd(
-    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
-    quiet: bool = QUIET, threads: Optional[int] = THREADS,
-    doc: list[str] = typer.Option([], "--doc", "-d", help=DOCS_HELP + " Default: examples/long-report.pdf."),
+    run: BenchRun,
+    doc: list[str] = docs_option("long-report.pdf"),
     modes: Optional[str] = typer.Option(None, help=f"Comma-separated modes, hf = transformers DynamicCache (default {DECODE_MODES}; quick {DECODE_QUICK_MODES})."),
     length: Optional[int] = typer.Option(None, "--length", help="Context tokens (default 6500 or what the window allows; quick 256)."),
     batches: Optional[str] = typer.Option(None, help="Batch sizes (default 1,4; quick 1,2)."),
@@ -237,57 +193,49 @@ def decode_cmd(
     repeats: Optional[int] = typer.Option(None, help="Rounds of turns; the median is reported (default 6; quick 2)."),
 ) -> None:
     """Decode ms/step of the modes taking turns in one process: robust ratios on a shared machine."""
-    out = out_dir(out, quick)
-
-    specs = parse_modes(modes or (DECODE_QUICK_MODES if quick else DECODE_MODES), allow_hf=True)
-    batch_list = parse_ints(batches, "--batches") if batches else ([1, 2] if quick else [1, 4])
-    n_burst = burst if burst is not None else (2 if quick else 3)
-    n_repeats = repeats if repeats is not None else (2 if quick else 6)
+    specs = parse_modes(run.pick(modes, DECODE_QUICK_MODES, DECODE_MODES), allow_hf=True)
+    batch_list = parse_ints(batches, "--batches") if batches else run.pick(None, [1, 2], [1, 4])
+    n_burst = run.pick(burst, 2, 3)
+    n_repeats = run.pick(repeats, 2, 6)
     if n_burst < 1 or n_repeats < 1:
         raise BadArgument("--burst and --repeats must be >= 1")
     if length is not None and length < 16:
         raise BadArgument("--length must be >= 16")
     texts = bench_texts(doc, "long-report.pdf")
-    lm = load_bench_model(model, device, quiet, threads, "transformers" if any(s.mode == HF_MODE for s in specs) else "auto")
-    specs = with_model_defaults(specs, lm)
-    ctx = min(length or (256 if quick else 6500), lm.max_context - n_burst * n_repeats - 8)
-    result = drive(run_decode(lm, texts, specs, ctx, batch_list, n_burst, n_repeats, quick), quiet)
-    save(out, "decode", result, decode_markdown(result), quiet)
-    if json_out:
-        emit_json(result, lines=False)
-        return
-    table = Table(title=f"decode side by side at {ctx} tokens (median ms per step)", title_justify="left")
-    for col in ("mode", "batch", "ms/step", "tokens/s", "x full", "x hf"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for x in result["rows"]:
-        table.add_row(x["mode"], str(x["batch"]), fmt(x["ms_per_step"], 1), fmt(x["tokens_per_s"], 1),
-                      fmt(x["speedup_vs_full"], 2), fmt(x["speedup_vs_hf"], 2))
-    print_table(table)
-    print_targets(result["targets"])
-    Console(highlight=False, soft_wrap=True).print(
-        f"CPU: {result['environment'].get('cpu', '?')}; {native_line(result['environment']['kernels'])}")
+    lm, specs = run.load(specs, "transformers" if any(s.mode == HF_MODE for s in specs) else "auto")
+    ctx = min(run.pick(length, 256, 6500), lm.max_context - n_burst * n_repeats - 8)
+    result = drive(run_decode(lm, texts, specs, ctx, batch_list, n_burst, n_repeats, run.quick), run.quiet)
+    run.report("decode", result, decode_markdown(result), show_decode,
+               footer=f"CPU: {result['environment'].get('cpu', '?')}; {native_line(result['environment']['kernels'])}")
+
+
+def show_decode(result: dict) -> None:
+    print_table(f"decode side by side at {result['settings']['length']} tokens (median ms per step)",
+                ("mode", "batch", "ms/step", "tokens/s", "x full", "x hf"),
+                [(x["mode"], str(x["batch"]), fmt(x["ms_per_step"], 1), fmt(x["tokens_per_s"], 1),
+                  fmt(x["speedup_vs_full"], 2), fmt(x["speedup_vs_hf"], 2)) for x in result["rows"]])
 
 
 # ---- store -------------------------------------------------------------------------------
 
-@bench_app.command("store")
-@guarded
+QUICK_STORE_CHARS = 4000
+
+
 def store_cmd(
-    model: Optional[str] = MODEL, out: Path = OUT, json_out: bool = JSON, device: str = DEVICE,
-    quiet: bool = QUIET, threads: Optional[int] = THREADS,
+    run: BenchRun,
     doc: str = typer.Option("", "--doc", "-d", help="Document (default: examples/report.pdf)."),
     modes: str = typer.Option("full,specache", help="Comma-separated cache modes."),
     max_tokens: int = typer.Option(8, "--max-tokens", help="Answer tokens per ask."),
 ) -> None:
     """Time to first token of an ask on a stored document against a cold one; on-disk bytes per token."""
-    out = out_dir(out, False)
-
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     known = names()  # the registered policies (engine.kvcache.registry; tests/test_layout.py)
     if not mode_list or any(m not in known for m in mode_list):
         raise BadArgument(f"--modes must list cache modes ({', '.join(known)}), not {modes!r}")
     document = load_document(doc or str(default_doc("report.pdf")))
-    lm = load_bench_model(model, device, quiet, threads)
+    if run.quick:  # the document's first pages' worth
+        document = replace(document, text=document.text[:QUICK_STORE_CHARS])
+    lm = load_bench_model(run.model, run.device, run.quiet, run.threads)
     result = run_store_bench(lm, document, mode_list, max_tokens)
     lines = [f"# Document store: time to first token\n\n- model: {result['model']} ({result['dtype']} on "
              f"{result['device']})\n- document: {result['document']} ({result['document_tokens']} tokens)\n",
@@ -296,20 +244,18 @@ def store_cmd(
     for mode, r in result["modes"].items():
         lines.append(f"| {mode} | {r['cold_ttft_s']} | {r['hit_ttft_s']} | {r['cold_over_hit']} | "
                      f"{r['bytes_per_token']} | {r['vs_fp16']} | {r['same_answer_as_cold']} |")
-    save(out, "store", result, "\n".join(lines) + "\n", quiet)
-    if json_out:
-        emit_json(result, lines=False)
-        return
-    table = Table(title="document store (time to first token)", title_justify="left")
-    for col in ("mode", "cold s", "hit s", "cold / hit", "B/token", "vs fp16"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for mode, r in result["modes"].items():
-        table.add_row(mode, fmt(r["cold_ttft_s"], 2), fmt(r["hit_ttft_s"], 3), fmt(r["cold_over_hit"], 1),
-                      fmt(r["bytes_per_token"], 0), fmt(r["vs_fp16"], 2))
-    print_table(table)
+    run.report("store", result, "\n".join(lines) + "\n", show_store)
 
 
-bench_app.command("task")(guarded(task_cmd))
+def show_store(result: dict) -> None:
+    print_table("document store (time to first token)", ("mode", "cold s", "hit s", "cold / hit", "B/token", "vs fp16"),
+                [(mode, fmt(r["cold_ttft_s"], 2), fmt(r["hit_ttft_s"], 3), fmt(r["cold_over_hit"], 1),
+                  fmt(r["bytes_per_token"], 0), fmt(r["vs_fp16"], 2)) for mode, r in result["modes"].items()])
+
+
+for _name, _command in (("needle", needle_cmd), ("fidelity", fidelity_cmd), ("speed", speed_cmd),
+                        ("decode", decode_cmd), ("store", store_cmd), ("task", task_cmd)):
+    bench_app.command(_name)(guarded(grouped(_command)))
 bench_app.command("heatmap")(guarded(heatmap_cmd))
 
 

@@ -3,8 +3,9 @@ common options, the model load, the progress display, where results are written,
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Callable, ClassVar, Optional
 
 import typer
 from rich.console import Console
@@ -26,6 +27,7 @@ from engine.model.loading import load_model
 from engine.plan.profiles import loaded_model_profile, model_defaults, profile_k
 from specache_cli.console import err_console
 from specache_cli.options import MODEL_HELP
+from specache_cli.render import emit_json
 
 bench_app = typer.Typer(name="bench", help="Benchmarks: needle retrieval, fidelity to the full cache, speed, decode "
                         "side by side.",
@@ -39,18 +41,65 @@ SPEED_QUICK_MODES = "full,specache,hf"
 DECODE_MODES = "full,specache,kivi,hf"
 DECODE_QUICK_MODES = "full,specache,hf"
 
-MODEL = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 RESULTS = Path("bench-results")  # the committed results (full runs only)
 QUICK_RESULTS = RESULTS / "quick"  # where --quick writes by default (ignored by git)
-OUT = typer.Option(None, "--out", help="Folder for <bench>.json and <bench>.md (default bench-results/; with "
-                   "--quick bench-results/quick/: a quick run never replaces the committed results).")
-QUICK = typer.Option(False, "--quick", help="A small version that runs in seconds (what the tests run).")
-JSON = typer.Option(False, "--json", help="Print the JSON result on stdout instead of the table.")
-DEVICE = typer.Option("cpu", help="cpu, cuda or auto.")
-QUIET = typer.Option(False, "--quiet", help="No progress on stderr.")
-THREADS = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice). On a shared machine 1 "
-                       "avoids threads waiting on each other.")
 DOCS_HELP = "Document(s) to build prompts from (PDF, .txt, .md); repeat for several."
+
+
+def docs_option(default: str):
+    """--doc of a bench whose prompts come from documents (default examples/<default>)."""
+    return typer.Option([], "--doc", "-d", help=f"{DOCS_HELP} Default: examples/{default}.")
+
+
+@dataclass
+class BenchRun:
+    """The options every bench command takes, declared once: a command takes `run: BenchRun` and
+    specache_cli.options.grouped shows them as its first options (the benches' option group)."""
+    PANEL: ClassVar[Optional[str]] = None  # listed with the command's own options
+
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="Folder for <bench>.json and <bench>.md (default bench-results/; with --quick "
+        "bench-results/quick/: a quick run never replaces the committed results).")] = None
+    quick: Annotated[bool, typer.Option("--quick", help="A small version that runs in seconds (what the tests "
+                                        "run).")] = False
+    json_out: Annotated[bool, typer.Option("--json", help="Print the JSON result on stdout instead of the "
+                                           "table.")] = False
+    device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu"
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress on stderr.")] = False
+    threads: Annotated[Optional[int], typer.Option(
+        "--threads", help="torch CPU threads (default: torch's choice). On a shared machine 1 avoids threads "
+        "waiting on each other.")] = None
+
+    def __post_init__(self):
+        self.folder = out_dir(self.out, self.quick)  # a bad --out is refused before the model loads
+
+    def pick(self, given, quick, default):
+        """An option's value: what the user gave, else its --quick or its full-run default."""
+        return given if given is not None else (quick if self.quick else default)
+
+    def load(self, specs: list, classes: str = "auto"):
+        """The model, and the mode labels over its defaults."""
+        lm = load_bench_model(self.model, self.device, self.quiet, self.threads, classes)
+        return lm, with_model_defaults(specs, lm)
+
+    def report(self, name: str, result: dict, markdown: str, show: Callable[[dict], None],
+               extra: dict[str, bytes] | None = None, footer: str = "") -> None:
+        """Write <name>.json and <name>.md (and extra files); then the JSON on stdout with --json, else show()'s
+        tables, the result's targets and the footer line."""
+        save(self.folder, name, result, markdown, self.quiet, extra)
+        if self.json_out:
+            emit_json(result, lines=False)
+            return
+        show(result)
+        if "targets" in result:
+            print_targets(result["targets"])
+        if footer:
+            Console(highlight=False, soft_wrap=True).print(footer)
+
+
+def bench_texts(docs: list[str], default: str):
+    return load_texts(docs or [default_doc(default)])
 
 
 def load_bench_model(model: Optional[str], device: str, quiet: bool, threads: Optional[int], classes: str = "auto"):
@@ -78,11 +127,6 @@ def with_model_defaults(specs: list, lm) -> list:
     defaults = model_defaults(lm, profile=profile)
     defaults["k_for"] = {p: profile_k(profile, p) for p in PREFETCH}
     return [parse_mode(spec.label, defaults) for spec in specs]
-
-
-def bench_texts(docs: list[str], default: str):
-
-    return load_texts(docs or [default_doc(default)])
 
 
 def drive(events, quiet: bool) -> dict:
@@ -117,7 +161,13 @@ def save(out: Path, name: str, result: dict, markdown: str, quiet: bool, extra: 
         err_console.print(f"[dim]wrote {', '.join(str(p) for p in paths)}[/]", highlight=False, soft_wrap=True)
 
 
-def print_table(table: Table) -> None:
+def print_table(title: str, columns, rows, left: int = 1) -> None:
+    """A table on stdout: the first `left` columns justified left, the others right."""
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i < left else "right")
+    for row in rows:
+        table.add_row(*row)
     console = Console(highlight=False, soft_wrap=True)
     if not console.is_terminal:  # files and pipes: do not squeeze the table into 80 columns
         console = Console(highlight=False, soft_wrap=True, width=200)
@@ -129,10 +179,6 @@ def mib(n) -> str:
 
 
 def print_targets(targets: list[dict]) -> None:
-    table = Table(title="targets", title_justify="left")
-    for col in ("target", "goal", "measured", "status"):
-        table.add_column(col)
-    for t in targets:
-        status = {True: "[green]met[/]", False: "[red]not met[/]", None: "n/a"}[t["met"]]
-        table.add_row(t["name"], t["goal"], fmt(t["measured"]), status)
-    print_table(table)
+    status = {True: "[green]met[/]", False: "[red]not met[/]", None: "n/a"}
+    print_table("targets", ("target", "goal", "measured", "status"),
+                [(t["name"], t["goal"], fmt(t["measured"]), status[t["met"]]) for t in targets], left=4)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from engine.bench.common import (
     parse_floats,
@@ -31,24 +30,13 @@ from engine.bench.task import (
 )
 from engine.errors import BadArgument
 from specache_cli.bench_common import (
-    DEVICE,
-    JSON,
-    MODEL,
-    OUT,
-    QUICK,
-    QUIET,
     RESULTS,
-    THREADS,
+    BenchRun,
     bench_texts,
     drive,
-    load_bench_model,
-    out_dir,
     print_table,
-    save,
-    with_model_defaults,
 )
 from specache_cli.console import err_console
-from specache_cli.render import emit_json
 
 
 TASK_MODES = "full,specache"
@@ -60,8 +48,7 @@ TASK_QUICK = {"decodings": "greedy,rp1.3", "questions": 3, "summary_docs": ("tex
 
 
 def task_cmd(
-    model: Optional[str] = MODEL, out: Path = OUT, quick: bool = QUICK, json_out: bool = JSON, device: str = DEVICE,
-    quiet: bool = QUIET, threads: Optional[int] = THREADS,
+    run: BenchRun,
     modes: str = typer.Option(TASK_MODES, help="Comma-separated cache modes (docs/bench.md labels)."),
     decoding: Optional[str] = typer.Option(None, "--decoding", help=f"Comma-separated decoding settings: greedy or "
                                            f"e.g. rp1.1, nr4, rp1.1-nr4, t0.2-p0.9 (default {DECODINGS}; quick "
@@ -79,46 +66,40 @@ def task_cmd(
     seed: int = typer.Option(0, help="Sampling seed of the sampled decodings."),
 ) -> None:
     """Job-level quality: ask accuracy (fits / map-reduce), needle, summary health, per mode and decoding."""
-    out = out_dir(out, quick)
     specs = parse_modes(modes)
-    decs = parse_decodings(decoding or (TASK_QUICK["decodings"] if quick else DECODINGS), seed)
+    decs = parse_decodings(run.pick(decoding, TASK_QUICK["decodings"], DECODINGS), seed)
     items = load_questions(questions)
-    n = limit if limit is not None else (TASK_QUICK["questions"] if quick else None)
+    n = run.pick(limit, TASK_QUICK["questions"], None)
     if n is not None:
         if n < 1:
             raise BadArgument("--limit must be >= 1")
         items = items[:n]
     docs = [d.strip() for d in summaries.split(",") if d.strip()] if summaries is not None else \
-        list(TASK_QUICK["summary_docs"] if quick else SUMMARY_DOCS)
+        list(TASK_QUICK["summary_docs"] if run.quick else SUMMARY_DOCS)
     if lengths == "0":
         length_list = []
     else:
-        length_list = parse_ints(lengths, "--lengths", minimum=64) if lengths else (TASK_QUICK["lengths"] if quick
+        length_list = parse_ints(lengths, "--lengths", minimum=64) if lengths else (TASK_QUICK["lengths"] if run.quick
                                                                                      else [2048, 6144])
-    depth_list = parse_floats(depths, "--depths") if depths else (TASK_QUICK["depths"] if quick else [0.1, 0.5, 0.9])
-    n_needles = needles if needles is not None else (TASK_QUICK["needles"] if quick else 2)
+    depth_list = parse_floats(depths, "--depths") if depths else run.pick(None, TASK_QUICK["depths"], [0.1, 0.5, 0.9])
+    n_needles = run.pick(needles, TASK_QUICK["needles"], 2)
     if n_needles < 1:
         raise BadArgument("--needles must be >= 1")
     asked_docs = [d.strip() for d in ask_docs.split(",") if d.strip()] if ask_docs is not None else None
     texts = bench_texts([], "long-report.pdf")
-    lm = load_bench_model(model, device, quiet, threads)
-    specs = with_model_defaults(specs, lm)
+    lm, specs = run.load(specs)
     length_list = [n for n in length_list if n <= lm.max_context - 16]
     setup = TaskSetup(items, docs, texts, NeedleGrid(length_list, depth_list, n_needles),
-                      answer_tokens=TASK_QUICK["answer_tokens"] if quick else 32,
-                      summary_tokens=TASK_QUICK["summary_tokens"] if quick else 256,
-                      ask_docs=asked_docs, doc_chars=TASK_QUICK["doc_chars"] if quick else None)
-    result = drive(run_task(lm, specs, decs, setup, quick=quick), quiet)
-    save(out, "task", result, task_markdown(result), quiet)
-    if json_out:
-        emit_json(result, lines=False)
-        return
-    table = Table(title="task quality per decoding and cache mode", title_justify="left")
-    for key, head in COLUMNS:
-        table.add_column(head, justify="left" if key in ("decoding", "mode") else "right")
-    for row in result["rows"]:
-        table.add_row(*[cell(row[k]) for k, _ in COLUMNS])
-    print_table(table)
+                      answer_tokens=TASK_QUICK["answer_tokens"] if run.quick else 32,
+                      summary_tokens=TASK_QUICK["summary_tokens"] if run.quick else 256,
+                      ask_docs=asked_docs, doc_chars=TASK_QUICK["doc_chars"] if run.quick else None)
+    result = drive(run_task(lm, specs, decs, setup, quick=run.quick), run.quiet)
+    run.report("task", result, task_markdown(result), show_task)
+
+
+def show_task(result: dict) -> None:
+    print_table("task quality per decoding and cache mode", [head for _, head in COLUMNS],
+                [[cell(row[k]) for k, _ in COLUMNS] for row in result["rows"]], left=2)
 
 
 def heatmap_cmd(

@@ -1,7 +1,8 @@
-"""The flags of `summarize` and `ask`, grouped in a few dataclasses (model, cache, generation, output).
+"""The flags of `summarize`, `ask` and `plan`, grouped in a few dataclasses (model, cache, generation, output).
 
 A command declares one parameter per group (`model: ModelOptions`); `@grouped` shows Typer the
-groups' fields as ordinary options and hands the command the filled dataclasses."""
+groups' fields as ordinary options, in the order the command declares them, and hands the command the
+filled dataclasses. A group is any dataclass with a PANEL (the benches' is specache_cli/bench_common.py's)."""
 from __future__ import annotations
 
 import dataclasses
@@ -143,7 +144,8 @@ class WorkerOptions:
         "among the workers).")] = None
 
 
-GROUPS = (ModelOptions, CacheOptions, PlanCacheOptions, GenerationOptions, OutputOptions, WorkerOptions)
+def is_group(cls) -> bool:
+    return isinstance(cls, type) and dataclasses.is_dataclass(cls) and hasattr(cls, "PANEL")
 
 
 def grouped(fn):
@@ -152,17 +154,18 @@ def grouped(fn):
     params, groups, annotations = [], {}, {}
     for name, param in inspect.signature(fn).parameters.items():
         cls = hints.get(name)
-        if cls in GROUPS:
+        if is_group(cls):
             groups[name] = cls
             field_hints = get_type_hints(cls, include_extras=True)
             for f in dataclasses.fields(cls):
                 for info in getattr(field_hints[f.name], "__metadata__", ()):
-                    info.rich_help_panel = cls.PANEL
+                    info.rich_help_panel = cls.PANEL  # None: among the command's own options
                 params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
                                                 annotation=field_hints[f.name]))
                 annotations[f.name] = field_hints[f.name]
         else:
-            params.append(param.replace(annotation=hints.get(name, param.annotation)))
+            params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY,
+                                        annotation=hints.get(name, param.annotation)))
             annotations[name] = hints.get(name, param.annotation)
     names = [p.name for p in params]
     if len(names) != len(set(names)):
@@ -174,6 +177,6 @@ def grouped(fn):
             kwargs[name] = cls(**{f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls)})
         return fn(**kwargs)
 
-    wrapper.__signature__ = inspect.Signature(sorted(params, key=lambda p: p.kind))
+    wrapper.__signature__ = inspect.Signature(params)
     wrapper.__annotations__ = annotations
     return wrapper

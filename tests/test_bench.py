@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 from typer.testing import CliRunner
 
 from engine.bench.common import parse_mode, parse_modes, write_atomic
@@ -20,6 +21,9 @@ from engine.bench.needle import build_needle_prompt, found, passkey
 from engine.config import CacheConfig
 from engine.errors import BadArgument
 from specache_cli.app import app
+from specache_cli.bench_common import BenchRun
+from specache_cli.console import guarded
+from specache_cli.options import grouped
 
 EXACT = "specache-k4096-speculative"  # k >= every context here: every position exact, output equals full
 
@@ -297,13 +301,25 @@ def test_write_atomic_and_png(tmp_path):
 def test_bench_store_reports_the_entry_and_the_same_answer(tiny_model_dir, tmp_path):
     from typer.testing import CliRunner
 
+    from transformers import AutoTokenizer
+
     from specache_cli.app import app as cli_app
+    from specache_cli.bench_cmd import QUICK_STORE_CHARS
 
     data = Path(__file__).parent / "data" / "sample.txt"
     r = CliRunner().invoke(cli_app, ["bench", "store", "--model", str(tiny_model_dir), "--doc", str(data),
                                      "--modes", "full,specache", "--out", str(tmp_path), "--json", "--quiet"])
     assert r.exit_code == 0, r.stderr
     result = json.loads(r.stdout)
+    long_doc = tmp_path / "long.txt"  # --quick keeps the first QUICK_STORE_CHARS characters
+    long_doc.write_text(data.read_text() * (1 + QUICK_STORE_CHARS // len(data.read_text())) * 2)
+    quick = CliRunner().invoke(cli_app, ["bench", "store", "--quick", "--model", str(tiny_model_dir), "--doc",
+                                         str(long_doc), "--modes", "full", "--out", str(tmp_path / "q"), "--json",
+                                         "--quiet"])
+    assert quick.exit_code == 0, quick.stderr
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert json.loads(quick.stdout)["document_tokens"] == \
+        len(tokenizer(long_doc.read_text()[:QUICK_STORE_CHARS], add_special_tokens=False)["input_ids"])
     for mode in ("full", "specache"):
         row = result["modes"][mode]
         assert row["same_answer_as_cold"] is True
@@ -359,3 +375,28 @@ def test_kl_takes_zero_log_zero_as_zero():
     other = torch.log_softmax(torch.tensor([[0.1, 1.0, float("-inf")]]), -1)
     out = compare_distributions(ref, other)
     assert out["mean_kl"] is not None and 0 < out["mean_kl"] < 0.01
+
+
+def test_the_bench_options_are_one_group_in_front_of_a_commands_own(tmp_path):
+    """BenchRun (specache_cli/bench_common.py) through specache_cli.options.grouped: the shared options land on
+    it, the command's own reach it by name, --help lists them in the declared order, a bad --out is refused."""
+    seen = {}
+
+    def probe(run: BenchRun, doc: list[str] = typer.Option([], "--doc", "-d"),
+              count: int = typer.Option(3, "--count")) -> None:
+        seen.update(run=run, doc=doc, count=count)
+
+    group = typer.Typer()
+    group.command()(guarded(grouped(probe)))
+    r = CliRunner().invoke(group, ["--quick", "--threads", "2", "-d", "a.txt", "-d", "b.md", "--count", "5",
+                                   "--out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    run = seen["run"]
+    assert (run.quick, run.threads, run.json_out, run.folder, seen["doc"], seen["count"]) == \
+        (True, 2, True, tmp_path, ["a.txt", "b.md"], 5)
+    assert (run.pick(None, "q", "f"), run.pick(0, "q", "f")) == ("q", 0)
+    text = CliRunner().invoke(group, ["--help"], env={"COLUMNS": "200"}).output
+    flags = ["--model", "--out", "--quick", "--json", "--device", "--quiet", "--threads", "--doc", "--count"]
+    assert [text.index(f + " ") for f in flags] == sorted(text.index(f + " ") for f in flags)
+    refused = CliRunner().invoke(group, ["--quick", "--out", "bench-results"])
+    assert refused.exit_code == 2 and "committed results" in refused.output

@@ -252,7 +252,7 @@ def test_running_headers_and_footers_are_dropped():
     assert strip_running_lines(pages[:2]) == pages[:2]  # too few pages to tell
 
 
-# ---------------------------------------------------------------- hostile inputs (issue 16)
+# ---------------------------------------------------------------- hostile inputs
 
 
 def _encrypted(tmp_path: Path, algorithm: str) -> Path:

@@ -1,4 +1,4 @@
-"""`specache bench fidelity` on models with sliding-window layers (issue 38: on Gemma 3 it ended in
+"""`specache bench fidelity` on models with sliding-window layers (on Gemma 3 it once ended in
 "probe pass 1 of layer 0 is not the expected one-token pass"): the selection quality is scored on the
 layers that fetch, the window layers (which keep their window exact) are left out, and a softcapped
 model's attention is capped as the model caps it."""

@@ -1,4 +1,4 @@
-"""The code's layout (issue 13): imports drawn from the source show no circle, go only from a
+"""The code's layout: imports drawn from the source show no circle, go only from a
 subpackage to those below it in the data flow, sit at module top (none hidden in functions), and
 every package is installed by pyproject.toml."""
 from __future__ import annotations
@@ -107,6 +107,41 @@ def test_every_package_is_installed():
     found = {module_name(p.parent / "__init__.py") for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
     assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
     assert config["package-dir"]["specache_examples"] == "examples" and (ROOT / "examples" / "__init__.py").is_file()
+
+
+MAX_FUNCTION_LINES, MAX_PARAMETERS, MAX_ENGINE_FILE_LINES = 60, 8, 400
+LONG_FILES = {"engine/native/guide_kernels.c"}  # the per-ISA guided kernels, one translation unit
+
+
+def is_cli_command(node: ast.FunctionDef) -> bool:
+    """A Typer command: its options are its parameters (a default typer.Option / typer.Argument, or a group)."""
+    return any(isinstance(d, ast.Call) and ast.unparse(d.func).startswith("typer.")
+               for d in node.args.defaults + node.args.kw_defaults if d is not None)
+
+
+def test_functions_and_files_stay_small():
+    """No function over 60 lines; none over 8 parameters (self and cls not counted) but Typer commands and
+    Triton kernels (a launch's calling convention); no engine source file over 400 lines but LONG_FILES."""
+    found = []
+    for pkg in ("engine", "specache_cli"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+                if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                    found.append(f"{where}: {node.end_lineno - node.lineno + 1} lines")
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                kernel = any(ast.unparse(d) == "triton.jit" for d in node.decorator_list)
+                if len(names) > MAX_PARAMETERS and not kernel and not is_cli_command(node):
+                    found.append(f"{where}: {len(names)} parameters")
+    for path in (ROOT / "engine").rglob("*"):
+        rel = str(path.relative_to(ROOT))
+        if path.suffix in (".py", ".c", ".h") and rel not in LONG_FILES:
+            if len(path.read_text().splitlines()) > MAX_ENGINE_FILE_LINES:
+                found.append(f"{rel}: {len(path.read_text().splitlines())} lines")
+    assert not found, "\n".join(found)
 
 
 def test_every_cache_mode_is_a_registered_policy():

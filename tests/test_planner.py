@@ -395,7 +395,7 @@ def test_cpu_profile_counts_the_exact_store_on_the_device():
 def test_plan_for_run(a6000, mistral):
     mp = P.plan_for_run(MISTRAL_CONFIG, 32768, POLICIES["specache"], hardware=a6000)
     # a config without a profile: UNPROFILED_DEFAULTS' 2-bit guide, k 256 speculative (the GPU's prefetch); with the
-    # 1-bit k 64 guide before issue 38 it was (51, 64)
+    # 1-bit k 64 guide of the first defaults it was (51, 64)
     assert (mp.max_batch, mp.k) == (35, 256)
     assert P.plan_for_run(mistral, 32768, POLICIES["full"], hardware=a6000).max_batch == 7
     # the model already loaded: free memory excludes the weights, which the planner adds back

@@ -602,7 +602,7 @@ def test_value_groups_divide_every_head(head_dim, group, channels):
 @pytest.mark.parametrize("rotation,outliers", [("none", 0), ("hadamard", 2)])
 def test_keys_beyond_fp16_give_finite_guide_scores(bits, rotation, outliers):
     """A key channel past fp16's range (65504) must not make the guide's fp16 scale / zero inf (and its
-    scores inf or nan, issue 38): they saturate, every score stays finite, in the torch and native paths."""
+    scores inf or nan): they saturate, every score stays finite, in the torch and native paths."""
     from engine.kvcache.guide import Guide, GuideSpec
 
     gen = torch.Generator().manual_seed(0)

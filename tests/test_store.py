@@ -523,7 +523,7 @@ def test_real_model_second_ask_loads_the_document(embedded_dir, own_cache_dir):
     assert (own_cache_dir / "kv" / f"{a['store']['key']}.safetensors").stat().st_size == a["store"]["bytes"]
 
 
-# ---- a hostile store folder (issue 16) ---------------------------------------------------------
+# ---- a hostile store folder -------------------------------------------------------------------
 
 def _three_entries(store: DocStore) -> list[str]:
     keys = []

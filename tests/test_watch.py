@@ -1,4 +1,4 @@
-"""A run that notices when its guide has lost the model (engine/kvcache/watch.py, issue 38): quiet on an
+"""A run that notices when its guide has lost the model (engine/kvcache/watch.py): quiet on an
 intact guide, one warning and the exact store's attention when the guide is made to fail."""
 from __future__ import annotations
 
