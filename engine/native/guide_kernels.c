@@ -125,24 +125,14 @@ INLINE void build_table(float *T, v8sf a, v8sf b, v8sf c, v8sf d) {
 /* Sum of the 16 entries that the 16 nibbles of w select in 16 consecutive tables at T. */
 INLINE v8sf lookup64(const float *T, uint64_t w) {
     const char *base = (const char *)T;
-    v8sf a0, a1, a2, a3;
 #define LK(c) (*(const v8sf *)(base + (c) * 512 + nib_off(w, (c))))
-    a0 = LK(0);
-    a1 = LK(1);
-    a2 = LK(2);
-    a3 = LK(3);
-    a0 += LK(4);
-    a1 += LK(5);
-    a2 += LK(6);
-    a3 += LK(7);
-    a0 += LK(8);
-    a1 += LK(9);
-    a2 += LK(10);
-    a3 += LK(11);
-    a0 += LK(12);
-    a1 += LK(13);
-    a2 += LK(14);
-    a3 += LK(15);
+    v8sf a0 = LK(0), a1 = LK(1), a2 = LK(2), a3 = LK(3); /* 4 chains of adds */
+    for (int c = 4; c < 16; c += 4) {
+        a0 += LK(c);
+        a1 += LK(c + 1);
+        a2 += LK(c + 2);
+        a3 += LK(c + 3);
+    }
 #undef LK
     return (a0 + a1) + (a2 + a3);
 }
@@ -342,19 +332,6 @@ INLINE void scale_queries(const float *q, int64_t q_sq, int nl, const float *s, 
  * outputs at once (16 tokens for keys, 16 channels for values); the index lanes hold 32
  * code bits each, shifted by 4 per run. Same sums as the tables above, in another order. */
 
-/* keys_item's signature over a table kernel's body, with the query count nl (1, 2, else 3) a constant: the
- * compiler unrolls the lookups. */
-#define KEYS_BY_QUERIES(name, body) \
-    static void name(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc, \
-                     const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g, int bits, \
-                     float *scratch, uint64_t *wbuf) { \
-        switch (nl) { \
-        case 1: body(q, q_sq, 1, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break; \
-        case 2: body(q, q_sq, 2, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break; \
-        default: body(q, q_sq, 3, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break; \
-        } \
-    }
-
 #if defined(__AVX512F__)
 #define PERM_MAX 3 /* 4 queries cost more than the 8-lane tables (measured on Zen 4) */
 #define HAVE_PERM 1
@@ -418,56 +395,43 @@ INLINE void split_words(const uint64_t *w, __m512i *lo, __m512i *hi) {
         for (int l_ = 0; l_ < PERM_MAX; l_++) res[l_] = _mm512_add_ps(p_[l_], _mm512_add_ps(q_[l_], q_[l_])); \
     } while (0)
 
-/* keys_item for nl <= PERM_MAX queries, D % 64 == 0, g % 16 == 0 (same arguments). The words
- * of a group are gathered in token order, [bits][words][g]; tables [D/4][PERM_MAX][16]. */
-INLINE void keys_perm_body(const float *q, int64_t q_sq, const int nl, const uint8_t *codes, const uint16_t *sc,
-                           const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
-                           int bits, float *scratch, uint64_t *wbuf) {
-    const int words = D / 64, R = g / 8, nchunk = D / 4;
-    float *T = scratch;                                /* nchunk * PERM_MAX * 16 */
-    float *sz = T + (size_t)nchunk * PERM_MAX * 16;    /* 2 * D: the group's scale and zero */
-    float *qs = sz + 2 * (size_t)D;                    /* [PERM_MAX][D] */
-    const size_t gbytes = (size_t)R * D * (size_t)bits, wplane = (size_t)g * words;
-    for (int64_t j = j0; j <= j1; j++) {
-        if (j < j1) /* gather group j (one ahead of the lookups) */
-            gather_group_tokens(codes + (size_t)j * gbytes, wbuf + (size_t)(j & 1) * bits * wplane, bits, R, D,
-                                words, wplane);
-        if (j == j0) continue;
-        const int64_t jj = j - 1; /* the previous group, whose words are ready */
-        const uint64_t *wb = wbuf + (size_t)(jj & 1) * bits * wplane;
-        halves_to_floats(sc + jj * D, sz, D);
-        halves_to_floats(zr + jj * D, sz + D, D);
-        float zq[PERM_MAX];
-        scale_queries(q, q_sq, nl, sz, sz + D, D, qs, zq);
-        for (int c = 0; c < nchunk; c++) {
-            const int e = 4 * c, base = 64 * (e / 64);
-            const int d0 = base + chan_of_bit(e % 64), d1 = base + chan_of_bit(e % 64 + 1);
-            const int d2 = base + chan_of_bit(e % 64 + 2), d3 = base + chan_of_bit(e % 64 + 3);
-            for (int l = 0; l < nl; l++) {
-                const float *w = qs + l * D;
-                _mm512_store_ps(T + ((size_t)c * PERM_MAX + l) * 16, perm_table(w[d0], w[d1], w[d2], w[d3]));
-            }
-        }
-        for (int t = 0; t < g; t += 16) {
-            if (words == 1) {
-                PERM_SUMS(res, wb + t, wb + wplane + t, T, bits, nl);
-                for (int l = 0; l < nl; l++)
-                    _mm512_storeu_ps(out + l * n + jj * g + t, _mm512_add_ps(res[l], _mm512_set1_ps(zq[l])));
-            } else {
-                __m512 tot[PERM_MAX];
-                for (int l = 0; l < nl; l++) tot[l] = _mm512_set1_ps(zq[l]);
-                for (int w = 0; w < words; w++) {
-                    const size_t o = (size_t)w * g + t;
-                    PERM_SUMS(res, wb + o, wb + wplane + o, T + (size_t)w * 16 * PERM_MAX * 16, bits, nl);
-                    for (int l = 0; l < nl; l++) tot[l] = _mm512_add_ps(tot[l], res[l]);
-                }
-                for (int l = 0; l < nl; l++) _mm512_storeu_ps(out + l * n + jj * g + t, tot[l]);
-            }
+/* The keys' table steps (keys_table_body) for nl <= PERM_MAX queries, D % 64 == 0, g % 16 == 0: 16 tokens
+ * in the lanes, tables [D/4][PERM_MAX][16] of 4 channels each. */
+#define KT_MAX PERM_MAX
+#define KT_STEP 16
+#define KT_TAKES(D, g) ((D) % 64 == 0 && (g) % 16 == 0)
+#define KT_FLOATS(D) ((size_t)(D) / 4 * PERM_MAX * 16)
+
+INLINE void key_tables(float *T, const float *qs, const int nl, int D) {
+    for (int c = 0; c < D / 4; c++) {
+        const int e = 4 * c, base = 64 * (e / 64);
+        const int d0 = base + chan_of_bit(e % 64), d1 = base + chan_of_bit(e % 64 + 1);
+        const int d2 = base + chan_of_bit(e % 64 + 2), d3 = base + chan_of_bit(e % 64 + 3);
+        for (int l = 0; l < nl; l++) {
+            const float *w = qs + l * D;
+            _mm512_store_ps(T + ((size_t)c * PERM_MAX + l) * 16, perm_table(w[d0], w[d1], w[d2], w[d3]));
         }
     }
 }
 
-KEYS_BY_QUERIES(keys_item_perm, keys_perm_body)
+/* out[l * n + 0..15] = the scores of 16 tokens, whose words ([words][g] per plane, planes wplane apart)
+ * start at wb, plus zq[l]. */
+INLINE void key_sums(float *out, int64_t n, const uint64_t *wb, size_t wplane, const float *T, int bits,
+                     const int nl, int g, int words, const float *zq) {
+    if (words == 1) { /* head dim 64 */
+        PERM_SUMS(res, wb, wb + wplane, T, bits, nl);
+        for (int l = 0; l < nl; l++) _mm512_storeu_ps(out + l * n, _mm512_add_ps(res[l], _mm512_set1_ps(zq[l])));
+        return;
+    }
+    __m512 tot[PERM_MAX];
+    for (int l = 0; l < nl; l++) tot[l] = _mm512_set1_ps(zq[l]);
+    for (int w = 0; w < words; w++) {
+        const size_t o = (size_t)w * g;
+        PERM_SUMS(res, wb + o, wb + wplane + o, T + (size_t)w * 16 * PERM_MAX * 16, bits, nl);
+        for (int l = 0; l < nl; l++) tot[l] = _mm512_add_ps(tot[l], res[l]);
+    }
+    for (int l = 0; l < nl; l++) _mm512_storeu_ps(out + l * n, tot[l]);
+}
 #else
 #define HAVE_PERM 0
 #endif
@@ -506,59 +470,98 @@ INLINE void split_words8(const uint64_t *w, __m256i *lo, __m256i *hi) {
         }                                                                                            \
     } while (0)
 
-INLINE void keys_perm8_body(const float *q, int64_t q_sq, const int nl, const uint8_t *codes, const uint16_t *sc,
-                            const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
-                            int bits, float *scratch, uint64_t *wbuf) {
-    const int R = g / 8;
-    float *T = scratch;                              /* PERM8_RUNS * PERM8_MAX * 8 */
-    float *sz = T + (size_t)PERM8_RUNS * PERM8_MAX * 8; /* 2 * D: the group's scale and zero */
-    float *qs = sz + 2 * (size_t)D;                  /* [PERM8_MAX][D] */
-    const size_t gbytes = (size_t)R * D * (size_t)bits, wplane = (size_t)g;
+/* The 8 subset sums of w0..w2 (bit b of the entry index -> w_b) in one register; w2 = 0 for a 2-bit run. */
+INLINE __m256 perm8_table(float w0, float w1, float w2) {
     const __m256 m0 = _mm256_setr_ps(0, 1, 0, 1, 0, 1, 0, 1), m1 = _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
     const __m256 m2 = _mm256_setr_ps(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(w1), m1, _mm256_mul_ps(_mm256_set1_ps(w0), m0));
+    return _mm256_fmadd_ps(_mm256_set1_ps(w2), m2, t);
+}
+
+/* res[l] = the sums of the table entries T (PERM8_RUNS runs) that 8 lanes' 1- or 2-bit code words select:
+ * plane 0 at w, plane 1 at w + plane (counted twice). */
+INLINE void perm8_sums(__m256 *res, const uint64_t *w, size_t plane, const float *T, int bits, const int nl) {
+    __m256 p0[PERM8_MAX], p1[PERM8_MAX];
+    for (int l = 0; l < PERM8_MAX; l++) p0[l] = p1[l] = _mm256_setzero_ps();
+    __m256i lo, hi;
+    split_words8(w, &lo, &hi);
+    PERM8_LOOKUP(p0, lo, T, 0, nl);
+    PERM8_LOOKUP(p0, hi, T, 11, nl);
+    if (bits == 2) {
+        split_words8(w + plane, &lo, &hi);
+        PERM8_LOOKUP(p1, lo, T, 0, nl);
+        PERM8_LOOKUP(p1, hi, T, 11, nl);
+    }
+    for (int l = 0; l < nl; l++) res[l] = _mm256_add_ps(p0[l], _mm256_add_ps(p1[l], p1[l]));
+}
+
+/* The keys' table steps (keys_table_body) for nl <= PERM8_MAX queries, D == 64, g % 8 == 0. */
+#define KT_MAX PERM8_MAX
+#define KT_STEP 8
+#define KT_TAKES(D, g) ((D) == 64 && (g) % 8 == 0)
+#define KT_FLOATS(D) ((size_t)PERM8_RUNS * PERM8_MAX * 8)
+
+INLINE void key_tables(float *T, const float *qs, const int nl, int D) {
+    for (int run = 0; run < PERM8_RUNS; run++) { /* channels e, e+1, e+2 of the run (2 in the last of a half) */
+        const int e = 32 * (run / 11) + 3 * (run % 11), two = run % 11 == 10;
+        for (int l = 0; l < nl; l++) {
+            const float *w = qs + l * D;
+            _mm256_store_ps(T + ((size_t)run * PERM8_MAX + l) * 8, perm8_table(w[e], w[e + 1], two ? 0.0f : w[e + 2]));
+        }
+    }
+}
+
+/* out[l * n + 0..7] = the scores of 8 tokens, whose words (one per token and plane) start at wb, plus zq[l]. */
+INLINE void key_sums(float *out, int64_t n, const uint64_t *wb, size_t wplane, const float *T, int bits,
+                     const int nl, int g, int words, const float *zq) {
+    (void)g, (void)words;
+    __m256 res[PERM8_MAX];
+    perm8_sums(res, wb, wplane, T, bits, nl);
+    for (int l = 0; l < nl; l++) _mm256_storeu_ps(out + l * n, _mm256_add_ps(res[l], _mm256_set1_ps(zq[l])));
+}
+#else
+#define HAVE_PERM8 0
+#endif
+
+#if HAVE_PERM || HAVE_PERM8
+/* keys_item for nl <= KT_MAX queries where KT_TAKES(D, g) (same arguments): per group, the words gathered
+ * in token order, [bits][words][g] (one group ahead of the lookups, two buffers, so that the lookups never
+ * wait for the stores that wrote them), the queries scaled by the group's scale (key_tables' weights),
+ * then KT_STEP tokens per key_sums. */
+INLINE void keys_table_body(const float *q, int64_t q_sq, const int nl, const uint8_t *codes, const uint16_t *sc,
+                            const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
+                            int bits, float *scratch, uint64_t *wbuf) {
+    const int words = D / 64, R = g / 8;
+    float *T = scratch;                     /* KT_FLOATS(D) */
+    float *sz = T + KT_FLOATS(D);           /* 2 * D: the group's scale and zero */
+    float *qs = sz + 2 * (size_t)D;         /* [KT_MAX][D] */
+    const size_t gbytes = (size_t)R * D * (size_t)bits, wplane = (size_t)g * words;
     for (int64_t j = j0; j <= j1; j++) {
-        if (j < j1) /* gather group j in token order (one ahead of the lookups) */
-            gather_group_tokens(codes + (size_t)j * gbytes, wbuf + (size_t)(j & 1) * bits * wplane, bits, R, D, 1,
-                                wplane);
+        if (j < j1)
+            gather_group_tokens(codes + (size_t)j * gbytes, wbuf + (size_t)(j & 1) * bits * wplane, bits, R, D,
+                                words, wplane);
         if (j == j0) continue;
         const int64_t jj = j - 1; /* the previous group, whose words are ready */
         const uint64_t *wb = wbuf + (size_t)(jj & 1) * bits * wplane;
         halves_to_floats(sc + jj * D, sz, D);
         halves_to_floats(zr + jj * D, sz + D, D);
-        float zq[PERM8_MAX];
+        float zq[KT_MAX];
         scale_queries(q, q_sq, nl, sz, sz + D, D, qs, zq);
-        for (int run = 0; run < PERM8_RUNS; run++) { /* channels e, e+1, e+2 of the run (2 in the last of a half) */
-            const int e = 32 * (run / 11) + 3 * (run % 11), two = run % 11 == 10;
-            for (int l = 0; l < nl; l++) {
-                const float *w = qs + l * D;
-                __m256 t = _mm256_mul_ps(_mm256_set1_ps(w[e]), m0);
-                t = _mm256_fmadd_ps(_mm256_set1_ps(w[e + 1]), m1, t);
-                if (!two) t = _mm256_fmadd_ps(_mm256_set1_ps(w[e + 2]), m2, t);
-                _mm256_store_ps(T + ((size_t)run * PERM8_MAX + l) * 8, t);
-            }
-        }
-        for (int t = 0; t < g; t += 8) {
-            __m256 p0[PERM8_MAX], p1[PERM8_MAX];
-            for (int l = 0; l < PERM8_MAX; l++) p0[l] = p1[l] = _mm256_setzero_ps();
-            __m256i lo, hi;
-            split_words8(wb + t, &lo, &hi);
-            PERM8_LOOKUP(p0, lo, T, 0, nl);
-            PERM8_LOOKUP(p0, hi, T, 11, nl);
-            if (bits == 2) {
-                split_words8(wb + wplane + t, &lo, &hi);
-                PERM8_LOOKUP(p1, lo, T, 0, nl);
-                PERM8_LOOKUP(p1, hi, T, 11, nl);
-            }
-            for (int l = 0; l < nl; l++)
-                _mm256_storeu_ps(out + l * n + jj * g + t,
-                                 _mm256_add_ps(_mm256_add_ps(p0[l], _mm256_add_ps(p1[l], p1[l])), _mm256_set1_ps(zq[l])));
-        }
+        key_tables(T, qs, nl, D);
+        for (int t = 0; t < g; t += KT_STEP) key_sums(out + jj * g + t, n, wb + t, wplane, T, bits, nl, g, words, zq);
     }
 }
 
-KEYS_BY_QUERIES(keys_item_perm8, keys_perm8_body)
-#else
-#define HAVE_PERM8 0
+/* keys_table_body with the query count nl (1, 2, else 3) a constant: the compiler unrolls the lookups. */
+static void keys_item_table(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
+                            const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g, int bits,
+                            float *scratch, uint64_t *wbuf) {
+    switch (nl) {
+    case 1: keys_table_body(q, q_sq, 1, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    case 2: keys_table_body(q, q_sq, 2, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    default: keys_table_body(q, q_sq, 3, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf); break;
+    }
+}
 #endif
 
 /* --------------------------------------------------------------------------- keys */
@@ -567,15 +570,9 @@ KEYS_BY_QUERIES(keys_item_perm8, keys_perm8_body)
 static void keys_item(const float *q, int64_t q_sq, int nl, const uint8_t *codes, const uint16_t *sc,
                       const uint16_t *zr, float *out, int64_t n, int64_t j0, int64_t j1, int D, int g,
                       int bits, float *scratch, uint64_t *wbuf /* [bits][g][words] */) {
-#if HAVE_PERM
-    if (nl <= PERM_MAX && D % 64 == 0 && g % 16 == 0) {
-        keys_item_perm(q, q_sq, nl, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf);
-        return;
-    }
-#endif
-#if HAVE_PERM8
-    if (nl <= PERM8_MAX && D == 64 && g % 8 == 0) {
-        keys_item_perm8(q, q_sq, nl, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf);
+#if HAVE_PERM || HAVE_PERM8
+    if (nl <= KT_MAX && KT_TAKES(D, g)) {
+        keys_item_table(q, q_sq, nl, codes, sc, zr, out, n, j0, j1, D, g, bits, scratch, wbuf);
         return;
     }
 #endif
@@ -813,8 +810,92 @@ INLINE void load_value_block(const float *p, int64_t p_sq, int nl, int64_t n, in
     for (int pl = 0; pl < bits; pl++) transpose_rows(ck + (size_t)pl * plane, D, words + (size_t)pl * D);
 }
 
+/* The value table kernels: per block of VB tokens and channel group jv, tables of subset sums of the
+ * block's p * scale, looked up by the channels' code words (transpose_rows). Each instruction set gives
+ * the queries it takes (VT_MAX), the channels per lookup (VT_STEP), the tables' floats (VT_FLOATS) and
+ * three steps: value_zero_sum (p . zero of one query), value_tables and value_lookup. */
+#if HAVE_PERM
+/* AVX-512: 16 tables [16 runs][PERM_MAX][16] of a run of 4 bits (bits i = 4 (c % 2) .. +3 of byte
+ * r = c / 2: tokens i*8 + r), one vpermps per 16 channels. */
+#define VT_MAX PERM_MAX
+#define VT_STEP 16
+#define VT_FLOATS (16 * PERM_MAX * 16)
+
+INLINE float value_zero_sum(const float *pl, const float *z, int ng, int jv) {
+    __m512 za = _mm512_setzero_ps();
+    if (ng == 1) {
+        for (int t = 0; t < VB; t += 16) za = _mm512_fmadd_ps(_mm512_load_ps(pl + t), _mm512_loadu_ps(z + t), za);
+    } else {
+        for (int t = 0; t < VB; t += 16) {
+            const __m512i ix = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(t),
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), _mm512_set1_epi32(ng));
+            za = _mm512_fmadd_ps(_mm512_load_ps(pl + t), _mm512_i32gather_ps(ix, z + jv, 4), za);
+        }
+    }
+    return _mm512_reduce_add_ps(za);
+}
+
+INLINE void value_tables(float *T, const float *pw, const float *s, const int nl, int ng, int jv) {
+    for (int c = 0; c < 16; c++) {
+        const int r = c >> 1, i = 4 * (c & 1);
+        const int u0 = i * 8 + r, u1 = u0 + 8, u2 = u0 + 16, u3 = u0 + 24;
+        const float s0 = s[u0 * ng + jv], s1 = s[u1 * ng + jv], s2 = s[u2 * ng + jv], s3 = s[u3 * ng + jv];
+        for (int l = 0; l < nl; l++) {
+            const float *pl = pw + l * VB;
+            _mm512_store_ps(T + ((size_t)c * PERM_MAX + l) * 16,
+                            perm_table(pl[u0] * s0, pl[u1] * s1, pl[u2] * s2, pl[u3] * s3));
+        }
+    }
+}
+
+INLINE void value_lookup(float *sum, const uint64_t *words, const float *T, int bits, const int nl, int D, int d) {
+    PERM_SUMS(res, words + d, words + D + d, T, bits, nl);
+    for (int l = 0; l < nl; l++) {
+        float *o = sum + l * D + d;
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), res[l]));
+    }
+}
+#endif
+
+#if HAVE_PERM8
+/* AVX2: 8 channels in the lanes; a run of 3 bits of a channel's code word (bit b is token
+ * (b % 8) * 8 + b / 8, transpose_rows) has an 8-entry table of the subset sums of its 3 tokens' p * s,
+ * one vpermps per 8 channels. Runs as for the keys: 11 per 32-bit half (the last of 2 bits). */
+#define VT_MAX PERM8_MAX
+#define VT_STEP 8
+#define VT_FLOATS (PERM8_RUNS * PERM8_MAX * 8)
+
+INLINE float value_zero_sum(const float *pl, const float *z, int ng, int jv) {
+    float za = 0.0f;
+    for (int t = 0; t < VB; t++) za += pl[t] * z[t * ng + jv];
+    return za;
+}
+
+INLINE void value_tables(float *T, const float *pw, const float *s, const int nl, int ng, int jv) {
+    for (int run = 0; run < PERM8_RUNS; run++) {
+        const int b = 32 * (run / 11) + 3 * (run % 11), two = run % 11 == 10;
+        const int u0 = (b % 8) * 8 + b / 8, u1 = ((b + 1) % 8) * 8 + (b + 1) / 8;
+        const int u2 = two ? u1 : ((b + 2) % 8) * 8 + (b + 2) / 8;
+        const float s0 = s[u0 * ng + jv], s1 = s[u1 * ng + jv], s2 = two ? 0.0f : s[u2 * ng + jv];
+        for (int l = 0; l < nl; l++) {
+            const float *pl = pw + l * VB;
+            _mm256_store_ps(T + ((size_t)run * PERM8_MAX + l) * 8, perm8_table(pl[u0] * s0, pl[u1] * s1, pl[u2] * s2));
+        }
+    }
+}
+
+INLINE void value_lookup(float *sum, const uint64_t *words, const float *T, int bits, const int nl, int D, int d) {
+    __m256 res[PERM8_MAX];
+    perm8_sums(res, words + d, (size_t)D, T, bits, nl);
+    for (int l = 0; l < nl; l++) {
+        float *o = sum + l * D + d;
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), res[l]));
+    }
+}
+#endif
+
 #if HAVE_PERM || HAVE_PERM8
-/* The per-query sums of the table kernels below, sum [nl][D] and zs [nl][ng], in values_item's layout:
+/* The per-query sums of values_table_body, sum [nl][D] and zs [nl][ng], in values_item's layout:
  * acc[d][lane], zacc[jv][lane] (lanes past nl zero). */
 static void write_value_sums(const float *sum, const float *zs, int nl, int D, int ng, float *acc, float *zacc) {
     for (int d = 0; d < D; d++)
@@ -823,146 +904,41 @@ static void write_value_sums(const float *sum, const float *zs, int nl, int D, i
         for (int l = 0; l < LANES; l++) zacc[jv * LANES + l] = l < nl ? zs[l * ng + jv] : 0.0f;
 }
 
-/* values_item's signature over a table kernel's body, with the query count nl (1, 2, else 3) a constant. */
-#define VALUES_BY_QUERIES(name, body) \
-    static void name(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes, const uint16_t *sc, \
-                     const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv, int bits, float *acc, float *zacc, \
-                     float *scratch, uint64_t *words) { \
-        switch (nl) { \
-        case 1: body(p, p_sq, 1, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break; \
-        case 2: body(p, p_sq, 2, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break; \
-        default: body(p, p_sq, 3, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break; \
-        } \
-    }
-
-#endif
-
-#if HAVE_PERM
-/* values_item for nl <= PERM_MAX queries and gv % 16 == 0 (same arguments and outputs). Tables
- * [16 runs][PERM_MAX][16] per channel group; the channels' code words come from transpose_rows
- * (word bit 8r + i is token i*8 + r); the sums are kept per query, [PERM_MAX][D], and written in
- * values_item's layout at the end. */
-INLINE void values_perm_body(const float *p, int64_t p_sq, const int nl, int64_t n, const uint8_t *codes,
-                             const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
-                             int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
-    const int ng = D / gv;
-    float *T = scratch;                       /* 16 * PERM_MAX * 16 */
-    float *pw = T + 16 * PERM_MAX * 16;       /* [PERM_MAX][64] probabilities of the block */
-    float *s = pw + PERM_MAX * VB;            /* 64 * ng */
-    float *z = s + (size_t)VB * ng;           /* 64 * ng */
-    float *sum = z + (size_t)VB * ng;         /* [PERM_MAX][D] */
-    float zs[PERM_MAX * MAX_WORDS * 4];       /* [PERM_MAX][ng], ng <= D / 16 */
-    memset(sum, 0, (size_t)PERM_MAX * D * sizeof(float));
-    memset(zs, 0, sizeof zs);
-    for (int64_t k = k0; k < k1; k++) {
-        load_value_block(p, p_sq, nl, n, k, codes, sc, zr, D, ng, bits, pw, s, z, words);
-        for (int jv = 0; jv < ng; jv++) {
-            for (int l = 0; l < nl; l++) {
-                const float *pl_ = pw + l * VB;
-                __m512 za = _mm512_setzero_ps();
-                if (ng == 1) {
-                    for (int t = 0; t < VB; t += 16)
-                        za = _mm512_fmadd_ps(_mm512_load_ps(pl_ + t), _mm512_loadu_ps(z + t), za);
-                } else {
-                    for (int t = 0; t < VB; t += 16) {
-                        const __m512i ix = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(t),
-                            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), _mm512_set1_epi32(ng));
-                        za = _mm512_fmadd_ps(_mm512_load_ps(pl_ + t), _mm512_i32gather_ps(ix, z + jv, 4), za);
-                    }
-                }
-                zs[l * ng + jv] += _mm512_reduce_add_ps(za);
-            }
-            for (int c = 0; c < 16; c++) { /* run c: byte r = c / 2, bits i = 4 (c % 2) .. +3: tokens i*8 + r */
-                const int r = c >> 1, i = 4 * (c & 1);
-                const int u0 = i * 8 + r, u1 = u0 + 8, u2 = u0 + 16, u3 = u0 + 24;
-                const float s0 = s[u0 * ng + jv], s1 = s[u1 * ng + jv], s2 = s[u2 * ng + jv], s3 = s[u3 * ng + jv];
-                for (int l = 0; l < nl; l++) {
-                    const float *pl_ = pw + l * VB;
-                    _mm512_store_ps(T + ((size_t)c * PERM_MAX + l) * 16,
-                                    perm_table(pl_[u0] * s0, pl_[u1] * s1, pl_[u2] * s2, pl_[u3] * s3));
-                }
-            }
-            for (int d = jv * gv; d < (jv + 1) * gv; d += 16) {
-                PERM_SUMS(res, words + d, words + D + d, T, bits, nl);
-                for (int l = 0; l < nl; l++) {
-                    float *o = sum + l * D + d;
-                    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), res[l]));
-                }
-            }
-        }
-    }
-    write_value_sums(sum, zs, nl, D, ng, acc, zacc);
-}
-
-VALUES_BY_QUERIES(values_item_perm, values_perm_body)
-#endif
-
-#if HAVE_PERM8
-/* values_item for nl <= PERM8_MAX queries and gv % 8 == 0 on AVX2 (same arguments and outputs): 8
- * channels in the lanes; a run of 3 bits of a channel's code word (bit b is token (b % 8) * 8 + b / 8,
- * transpose_rows) has an 8-entry table of the subset sums of its 3 tokens' p * s, one vpermps per 8
- * channels. Runs as for the keys: 11 per 32-bit half (the last of 2 bits). Tables [22][PERM8_MAX][8]
- * per channel group; the sums are kept per query, [PERM8_MAX][D], and written in values_item's
- * layout at the end. */
-INLINE void values_perm8_body(const float *p, int64_t p_sq, const int nl, int64_t n, const uint8_t *codes,
+/* values_item for nl <= VT_MAX queries and gv % VT_STEP == 0 (same arguments and outputs); the sums are
+ * kept per query, [VT_MAX][D], and written in values_item's layout at the end. */
+INLINE void values_table_body(const float *p, int64_t p_sq, const int nl, int64_t n, const uint8_t *codes,
                               const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
                               int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
     const int ng = D / gv;
-    float *T = scratch;                              /* PERM8_RUNS * PERM8_MAX * 8 */
-    float *pw = T + PERM8_RUNS * PERM8_MAX * 8;      /* [PERM8_MAX][64] probabilities of the block */
-    float *s = pw + PERM8_MAX * VB;                  /* 64 * ng */
-    float *z = s + (size_t)VB * ng;                  /* 64 * ng */
-    float *sum = z + (size_t)VB * ng;                /* [PERM8_MAX][D] */
-    float zs[PERM8_MAX * MAX_WORDS * 8];             /* [PERM8_MAX][ng], ng <= D / 8 */
-    const __m256 m0 = _mm256_setr_ps(0, 1, 0, 1, 0, 1, 0, 1), m1 = _mm256_setr_ps(0, 0, 1, 1, 0, 0, 1, 1);
-    const __m256 m2 = _mm256_setr_ps(0, 0, 0, 0, 1, 1, 1, 1);
-    memset(sum, 0, (size_t)PERM8_MAX * D * sizeof(float));
+    float *T = scratch;                       /* VT_FLOATS */
+    float *pw = T + VT_FLOATS;                /* [VT_MAX][64] probabilities of the block */
+    float *s = pw + VT_MAX * VB;              /* 64 * ng */
+    float *z = s + (size_t)VB * ng;           /* 64 * ng */
+    float *sum = z + (size_t)VB * ng;         /* [VT_MAX][D] */
+    float zs[VT_MAX * MAX_WORDS * (64 / VT_STEP)]; /* [VT_MAX][ng], ng <= D / VT_STEP */
+    memset(sum, 0, (size_t)VT_MAX * D * sizeof(float));
     memset(zs, 0, sizeof zs);
     for (int64_t k = k0; k < k1; k++) {
         load_value_block(p, p_sq, nl, n, k, codes, sc, zr, D, ng, bits, pw, s, z, words);
         for (int jv = 0; jv < ng; jv++) {
-            for (int l = 0; l < nl; l++) {
-                const float *pl_ = pw + l * VB;
-                float za = 0.0f;
-                for (int t = 0; t < VB; t++) za += pl_[t] * z[t * ng + jv];
-                zs[l * ng + jv] += za;
-            }
-            for (int run = 0; run < PERM8_RUNS; run++) {
-                const int b = 32 * (run / 11) + 3 * (run % 11), two = run % 11 == 10;
-                const int u0 = (b % 8) * 8 + b / 8, u1 = ((b + 1) % 8) * 8 + (b + 1) / 8;
-                const int u2 = two ? u1 : ((b + 2) % 8) * 8 + (b + 2) / 8;
-                const float s0 = s[u0 * ng + jv], s1 = s[u1 * ng + jv], s2 = s[u2 * ng + jv];
-                for (int l = 0; l < nl; l++) {
-                    const float *pl_ = pw + l * VB;
-                    __m256 t = _mm256_mul_ps(_mm256_set1_ps(pl_[u0] * s0), m0);
-                    t = _mm256_fmadd_ps(_mm256_set1_ps(pl_[u1] * s1), m1, t);
-                    if (!two) t = _mm256_fmadd_ps(_mm256_set1_ps(pl_[u2] * s2), m2, t);
-                    _mm256_store_ps(T + ((size_t)run * PERM8_MAX + l) * 8, t);
-                }
-            }
-            for (int d = jv * gv; d < (jv + 1) * gv; d += 8) {
-                __m256 p0[PERM8_MAX], p1[PERM8_MAX];
-                for (int l = 0; l < PERM8_MAX; l++) p0[l] = p1[l] = _mm256_setzero_ps();
-                __m256i lo, hi;
-                split_words8(words + d, &lo, &hi);
-                PERM8_LOOKUP(p0, lo, T, 0, nl);
-                PERM8_LOOKUP(p0, hi, T, 11, nl);
-                if (bits == 2) {
-                    split_words8(words + D + d, &lo, &hi);
-                    PERM8_LOOKUP(p1, lo, T, 0, nl);
-                    PERM8_LOOKUP(p1, hi, T, 11, nl);
-                }
-                for (int l = 0; l < nl; l++) {
-                    float *o = sum + l * D + d;
-                    _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_add_ps(p0[l], _mm256_add_ps(p1[l], p1[l]))));
-                }
-            }
+            for (int l = 0; l < nl; l++) zs[l * ng + jv] += value_zero_sum(pw + l * VB, z, ng, jv);
+            value_tables(T, pw, s, nl, ng, jv);
+            for (int d = jv * gv; d < (jv + 1) * gv; d += VT_STEP) value_lookup(sum, words, T, bits, nl, D, d);
         }
     }
     write_value_sums(sum, zs, nl, D, ng, acc, zacc);
 }
 
-VALUES_BY_QUERIES(values_item_perm8, values_perm8_body)
+/* values_table_body with the query count nl (1, 2, else 3) a constant. */
+static void values_item_table(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes,
+                              const uint16_t *sc, const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv,
+                              int bits, float *acc, float *zacc, float *scratch, uint64_t *words) {
+    switch (nl) {
+    case 1: values_table_body(p, p_sq, 1, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    case 2: values_table_body(p, p_sq, 2, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    default: values_table_body(p, p_sq, 3, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words); break;
+    }
+}
 #endif
 
 /* values_item's scratch: floats for its tables, transposed probabilities and scale/zero,
@@ -977,15 +953,9 @@ static uint64_t *values_words(float *scratch, int64_t ng) {
 static void values_item(const float *p, int64_t p_sq, int nl, int64_t n, const uint8_t *codes, const uint16_t *sc,
                         const uint16_t *zr, int64_t k0, int64_t k1, int D, int gv, int bits, float *acc,
                         float *zacc, float *scratch, uint64_t *words /* [2][D] */) {
-#if HAVE_PERM
-    if (nl <= PERM_MAX && gv % 16 == 0 && D <= 256) {
-        values_item_perm(p, p_sq, nl, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words);
-        return;
-    }
-#endif
-#if HAVE_PERM8
-    if (nl <= PERM8_MAX && gv % 8 == 0 && D <= 256) {
-        values_item_perm8(p, p_sq, nl, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words);
+#if HAVE_PERM || HAVE_PERM8
+    if (nl <= VT_MAX && gv % VT_STEP == 0 && D <= 256) {
+        values_item_table(p, p_sq, nl, n, codes, sc, zr, k0, k1, D, gv, bits, acc, zacc, scratch, words);
         return;
     }
 #endif
