@@ -20,7 +20,8 @@
 
 #define SIMD_INLINE static inline __attribute__((always_inline))
 
-/* The operations both x86 targets name alike but for the width prefix (_mm512 / _mm256). */
+/* The operations both x86 targets name alike but for the width prefix (_mm512 / _mm256); both fuse
+ * multiply-adds, so vf_fmaf is vf_fma. */
 #define X86_VF_OPS(mm) \
     SIMD_INLINE vf vf_load(const float *p) { return mm##_loadu_ps(p); } \
     SIMD_INLINE void vf_store(float *p, vf v) { mm##_storeu_ps(p, v); } \
@@ -28,7 +29,9 @@
     SIMD_INLINE vf vf_set1(float x) { return mm##_set1_ps(x); } \
     SIMD_INLINE vf vf_add(vf a, vf b) { return mm##_add_ps(a, b); } \
     SIMD_INLINE vf vf_mul(vf a, vf b) { return mm##_mul_ps(a, b); } \
-    SIMD_INLINE vf vf_fma(vf a, vf b, vf c) { return mm##_fmadd_ps(a, b, c); }
+    SIMD_INLINE vf vf_fma(vf a, vf b, vf c) { return mm##_fmadd_ps(a, b, c); } \
+    SIMD_INLINE vf vf_fmaf(vf a, vf b, vf c) { return mm##_fmadd_ps(a, b, c); } \
+    SIMD_INLINE void simd_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -37,10 +40,8 @@
 typedef __m512 vf;
 X86_VF_OPS(_mm512)
 SIMD_INLINE float vf_hsum(vf v) { return _mm512_reduce_add_ps(v); }
-#define vf_fmaf vf_fma
 /* lanes i of 16 consecutive int8 / uint8 at p, as floats */
 SIMD_INLINE vf vf_from_i8(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-SIMD_INLINE void simd_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -54,9 +55,7 @@ SIMD_INLINE float vf_hsum(vf v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-#define vf_fmaf vf_fma
 SIMD_INLINE vf vf_from_i8(const void *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
-SIMD_INLINE void simd_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
