@@ -69,7 +69,7 @@ def needle_cmd(
 ) -> None:
     """Pass-key retrieval over context lengths x needle depths, per cache mode; writes a heatmap PNG."""
     specs = parse_modes(modes)
-    depth_list = parse_floats(depths, "--depths") if depths else run.pick(None, [0.25, 0.75], [0.1, 0.5, 0.9])
+    depth_list = parse_floats(depths, "--depths") if depths else run.quick_or([0.25, 0.75], [0.1, 0.5, 0.9])
     n_needles = run.pick(needles, 2, 3)
     if n_needles < 1:
         raise BadArgument("--needles must be >= 1")
@@ -152,7 +152,7 @@ def speed_cmd(
 ) -> None:
     """Prefill tokens/s, decode ms/token and peak RSS per mode, next to transformers' generate."""
     specs = parse_modes(run.pick(modes, SPEED_QUICK_MODES, SPEED_MODES), allow_hf=True)
-    batch_list = parse_ints(batches, "--batches") if batches else run.pick(None, [1, 2], [1, 4])
+    batch_list = parse_ints(batches, "--batches") if batches else run.quick_or([1, 2], [1, 4])
     n_tokens = run.pick(tokens, 4, 16)
     n_repeats = run.pick(repeats, 2, 3)
     n_warmup = run.pick(warmup, 1, 2)
@@ -164,7 +164,7 @@ def speed_cmd(
     if lengths:
         length_list = parse_ints(lengths, "--lengths", minimum=16)
     else:
-        length_list = [min(256 if run.quick else 7000, lm.max_context - steps - 4)]
+        length_list = [min(run.quick_or(256, 7000), lm.max_context - steps - 4)]
     grid = SpeedGrid(length_list, batch_list, n_tokens, n_repeats, n_warmup)
     child = ChildModel(run.model, run.device, threads=run.threads) if isolate else None
     result = drive(run_speed(lm, texts, specs, grid, child, run.quick), run.quiet)
@@ -194,7 +194,7 @@ def decode_cmd(
 ) -> None:
     """Decode ms/step of the modes taking turns in one process: robust ratios on a shared machine."""
     specs = parse_modes(run.pick(modes, DECODE_QUICK_MODES, DECODE_MODES), allow_hf=True)
-    batch_list = parse_ints(batches, "--batches") if batches else run.pick(None, [1, 2], [1, 4])
+    batch_list = parse_ints(batches, "--batches") if batches else run.quick_or([1, 2], [1, 4])
     n_burst = run.pick(burst, 2, 3)
     n_repeats = run.pick(repeats, 2, 6)
     if n_burst < 1 or n_repeats < 1:

@@ -74,9 +74,13 @@ class BenchRun:
     def __post_init__(self):
         self.folder = out_dir(self.out, self.quick)  # a bad --out is refused before the model loads
 
-    def pick(self, given, quick, default):
+    def quick_or(self, quick, full):
+        """A default by the size of the run: its --quick value, else its full-run one."""
+        return quick if self.quick else full
+
+    def pick(self, given, quick, full):
         """An option's value: what the user gave, else its --quick or its full-run default."""
-        return given if given is not None else (quick if self.quick else default)
+        return given if given is not None else self.quick_or(quick, full)
 
     def load(self, specs: list, classes: str = "auto"):
         """The model, and the mode labels over its defaults."""

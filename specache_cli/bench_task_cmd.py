@@ -75,13 +75,13 @@ def task_cmd(
             raise BadArgument("--limit must be >= 1")
         items = items[:n]
     docs = [d.strip() for d in summaries.split(",") if d.strip()] if summaries is not None else \
-        list(TASK_QUICK["summary_docs"] if run.quick else SUMMARY_DOCS)
+        list(run.quick_or(TASK_QUICK["summary_docs"], SUMMARY_DOCS))
     if lengths == "0":
         length_list = []
     else:
-        length_list = parse_ints(lengths, "--lengths", minimum=64) if lengths else (TASK_QUICK["lengths"] if run.quick
-                                                                                     else [2048, 6144])
-    depth_list = parse_floats(depths, "--depths") if depths else run.pick(None, TASK_QUICK["depths"], [0.1, 0.5, 0.9])
+        length_list = parse_ints(lengths, "--lengths", minimum=64) if lengths else \
+            run.quick_or(TASK_QUICK["lengths"], [2048, 6144])
+    depth_list = parse_floats(depths, "--depths") if depths else run.quick_or(TASK_QUICK["depths"], [0.1, 0.5, 0.9])
     n_needles = run.pick(needles, TASK_QUICK["needles"], 2)
     if n_needles < 1:
         raise BadArgument("--needles must be >= 1")
@@ -90,9 +90,9 @@ def task_cmd(
     lm, specs = run.load(specs)
     length_list = [n for n in length_list if n <= lm.max_context - 16]
     setup = TaskSetup(items, docs, texts, NeedleGrid(length_list, depth_list, n_needles),
-                      answer_tokens=TASK_QUICK["answer_tokens"] if run.quick else 32,
-                      summary_tokens=TASK_QUICK["summary_tokens"] if run.quick else 256,
-                      ask_docs=asked_docs, doc_chars=TASK_QUICK["doc_chars"] if run.quick else None)
+                      answer_tokens=run.quick_or(TASK_QUICK["answer_tokens"], 32),
+                      summary_tokens=run.quick_or(TASK_QUICK["summary_tokens"], 256),
+                      ask_docs=asked_docs, doc_chars=run.quick_or(TASK_QUICK["doc_chars"], None))
     result = drive(run_task(lm, specs, decs, setup, quick=run.quick), run.quiet)
     run.report("task", result, task_markdown(result), show_task)
 

@@ -394,7 +394,7 @@ def test_the_bench_options_are_one_group_in_front_of_a_commands_own(tmp_path):
     run = seen["run"]
     assert (run.quick, run.threads, run.json_out, run.folder, seen["doc"], seen["count"]) == \
         (True, 2, True, tmp_path, ["a.txt", "b.md"], 5)
-    assert (run.pick(None, "q", "f"), run.pick(0, "q", "f")) == ("q", 0)
+    assert (run.pick(None, "q", "f"), run.pick(0, "q", "f"), run.quick_or("q", "f")) == ("q", 0, "q")
     text = CliRunner().invoke(group, ["--help"], env={"COLUMNS": "200"}).output
     flags = ["--model", "--out", "--quick", "--json", "--device", "--quiet", "--threads", "--doc", "--count"]
     assert [text.index(f + " ") for f in flags] == sorted(text.index(f + " ") for f in flags)
