@@ -107,32 +107,17 @@ def test_pdf_name_without_pdf_content_is_corrupt(tmp_path: Path) -> None:
     assert_error(info.value, str(path), "%PDF-")
 
 
-def test_encrypted_without_password() -> None:
-    source = str(DATA / "encrypted.pdf")
-    with pytest.raises(EncryptedDocument) as info:
-        load_document(source)
-    assert_error(info.value, source, "encrypted", "--password")
-
-
-def test_encrypted_with_wrong_password() -> None:
-    source = str(DATA / "encrypted.pdf")
-    with pytest.raises(EncryptedDocument) as info:
-        load_document(source, password="not-the-secret")
-    assert_error(info.value, source, "wrong password", "--password")
-
-
-def test_scanned_pdf_has_no_text() -> None:
-    source = str(DATA / "scanned.pdf")
-    with pytest.raises(NoExtractableText) as info:
-        load_document(source)
-    assert_error(info.value, source, "scanned", "OCR")
-
-
-def test_whitespace_text_file_is_empty() -> None:
-    source = str(DATA / "empty.txt")
-    with pytest.raises(EmptyDocument) as info:
-        load_document(source)
-    assert_error(info.value, source, "empty")
+@pytest.mark.parametrize("name, password, error, words", [
+    ("encrypted.pdf", None, EncryptedDocument, ("encrypted", "--password")),
+    ("encrypted.pdf", "not-the-secret", EncryptedDocument, ("wrong password", "--password")),
+    ("scanned.pdf", None, NoExtractableText, ("scanned", "OCR")),
+    ("empty.txt", None, EmptyDocument, ("empty",)),
+])
+def test_a_document_without_readable_text_names_why(name: str, password: str | None, error, words) -> None:
+    source = str(DATA / name)
+    with pytest.raises(error) as info:
+        load_document(source, password=password)
+    assert_error(info.value, source, *words)
 
 
 def test_whitespace_stdin_is_empty() -> None:
