@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor
+from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import BadArgument
 from engine.generate.engine import Engine, Finished
-from engine.generate.sampling import Sampler, build_processors, history_ids
+from engine.generate.sampling import NoRepeatNGram, Sampler, build_processors, history_ids
 
 CPU = torch.device("cpu")
 
@@ -44,6 +44,28 @@ def test_no_repeat_ngram_bans_the_repeat_within_the_answer():
     answer = [4, 5, 7, 1, 4, 5]
     scores = sampler.scores(logits, [prompt + answer])
     assert scores[0, 7] == -math.inf and sampler(logits, [prompt + answer]).item() != 7
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_our_no_repeat_ngram_equals_transformers(n):
+    """NoRepeatNGram (engine.generate.sampling) against transformers' NoRepeatNGramLogitsProcessor: the same
+    scores on histories with repeats (a 6-token alphabet), of every length from 0, 1-3 rows, ids past the
+    vocabulary; the caller's scores untouched."""
+    g = torch.Generator().manual_seed(n)
+    ours, theirs = NoRepeatNGram(n), NoRepeatNGramLogitsProcessor(n)
+    banned_somewhere = False
+    for length in range(0, 30):
+        for rows in (1, 3):
+            ids = torch.randint(0, 6, (rows, length), generator=g)
+            if length > 3:
+                ids[0, 2] = 40  # past the 32-token vocabulary
+            scores = torch.randn(rows, 32, generator=g)
+            before = scores.clone()
+            got = ours(ids, scores)
+            assert torch.equal(got, theirs(ids, scores.clone())), (length, rows)
+            assert torch.equal(scores, before)
+            banned_somewhere |= bool(torch.isinf(got).any())
+    assert banned_somewhere
 
 
 def test_top_k_and_min_p_only_when_sampling():
