@@ -11,7 +11,7 @@ from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsPr
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import BadArgument
 from engine.generate.engine import Engine, Finished
-from engine.generate.sampling import NoRepeatNGram, Sampler, build_processors, history_ids
+from engine.generate.sampling import NoRepeatNGram, Sampler, argmax_ids, build_processors, history_ids
 
 CPU = torch.device("cpu")
 
@@ -66,6 +66,21 @@ def test_our_no_repeat_ngram_equals_transformers(n):
             assert torch.equal(scores, before)
             banned_somewhere |= bool(torch.isinf(got).any())
     assert banned_somewhere
+
+
+def test_argmax_ids_is_torchs_argmax():
+    """argmax_ids (numpy's argmax on CPU floats) against torch's: ties to the first maximum, NaN the largest, -inf
+    rows, 1-3 dims, a strided view, fp64; bf16 and tensors that need grad take torch's own."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (5, 300), generator=g).float()  # many ties
+    x[1, 7] = x[1, 200] = math.nan
+    x[2] = -math.inf
+    cases = [x, x[0], x.reshape(5, 3, 100), x[:, ::3], x.double(), x.bfloat16(), x.clone().requires_grad_()]
+    for case in cases:
+        got = argmax_ids(case)
+        assert got.dtype == torch.long and torch.equal(got, case.argmax(-1)), case.shape
+    with torch.inference_mode():
+        assert torch.equal(argmax_ids(x * 1), x.argmax(-1))
 
 
 def test_top_k_and_min_p_only_when_sampling():

@@ -11,7 +11,7 @@ import torch
 from engine.config import GAMMA_MAX
 from engine.generate.forward import PassOptions, forward, sync
 from engine.generate.rows import Picker, _append, _histories, _keep, _per_row, drop_finished
-from engine.generate.sampling import Sampler
+from engine.generate.sampling import Sampler, argmax_ids
 from engine.kvcache import KVCache
 from engine.kvcache.policies.exact import expected_tokens
 from engine.model.linear_passes import row_invariant
@@ -106,10 +106,10 @@ def _draft(model, cache: KVCache, t0: torch.Tensor, gamma: int, hist: list[list[
     for _ in range(gamma):
         logits = draft_logits(model, cache, x[:, None], rows)
         if sampler is None:
-            x = logits.argmax(-1)
+            x = argmax_ids(logits)
         else:
             q = sampler.probs(logits, dh)
-            x = q.argmax(-1) if sampler.greedy else sampler.draw(q)
+            x = argmax_ids(q) if sampler.greedy else sampler.draw(q)
             qs.append(q)
             _append(dh, x)
         drafts.append(x)

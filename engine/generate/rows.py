@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from engine.generate.sampling import Sampler
+from engine.generate.sampling import Sampler, argmax_ids
 from engine.kvcache import KVCache
 
 Picker = Callable[[torch.Tensor, list[list[int]]], torch.Tensor]  # (logits [B, V], each row's tokens) -> ids [B]
@@ -14,7 +14,7 @@ Picker = Callable[[torch.Tensor, list[list[int]]], torch.Tensor]  # (logits [B, 
 
 def greedy(logits: torch.Tensor, history: list[list[int]]) -> torch.Tensor:
     """The argmax picker (benches, tests)."""
-    return logits.argmax(-1)
+    return argmax_ids(logits)
 
 
 def _histories(history: list[list[int]] | None, batch: int) -> list[list[int]]:

@@ -29,6 +29,14 @@ from transformers import (
 from engine.config import GenerationConfig
 
 
+def argmax_ids(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) (int64; the first of equal maxima, NaN the largest, as torch's). A CPU float tensor takes numpy's
+    vectorized argmax: torch's CPU argmax read a 262k vocabulary in ~145 us on one thread, numpy's in ~11 (Zen 4)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return torch.as_tensor(x.numpy().argmax(-1), dtype=torch.long)
+    return x.argmax(-1)
+
+
 class NoRepeatNGram:
     """No n-gram twice in a row's history: a token that would complete an n-gram already there scores -inf
     (transformers' NoRepeatNGramLogitsProcessor's rule). A pass over each row's ids in Python and a write only
@@ -122,7 +130,7 @@ class Sampler:
         """The distribution a token is drawn from [B, V] (one-hot at the argmax when greedy)."""
         scores = self.scores(logits, history)
         if self.greedy:
-            return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
+            return torch.nn.functional.one_hot(argmax_ids(scores), scores.shape[-1]).float()
         return torch.softmax(scores, dim=-1)
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
@@ -133,5 +141,5 @@ class Sampler:
         """logits [B, V] -> ids [B] (long)."""
         scores = self.scores(logits, history)
         if self.greedy:
-            return scores.argmax(dim=-1)
+            return argmax_ids(scores)
         return self.draw(torch.softmax(scores, dim=-1))

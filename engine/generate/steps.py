@@ -29,6 +29,7 @@ from engine.generate.exact_steps import (
 from engine.generate.forward import PLAIN, PassOptions, forward, prefill, sync
 from engine.generate.graphs import DecodeGraphs, graphs_wanted
 from engine.generate.rows import Picker, _append, _histories, _keep, _per_row, drop_finished, greedy
+from engine.generate.sampling import argmax_ids
 from engine.kvcache import KVCache
 
 __all__ = ["PLAIN", "PassOptions", "forward", "prefill", "sync", "Picker", "greedy", "drop_finished", "plain_steps",
@@ -84,7 +85,7 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
         return
     # Pre-decoding: T1 alone against guide + residual; its row picks the first fetch set, its
     # logits give the first speculative token. Nothing is kept: T1 is fed again, exactly, next.
-    spec = forward(model, cache, out[:, None], slice(0, batch), how=PassOptions(keep=0, select=0))[:, -1].argmax(-1)
+    spec = argmax_ids(forward(model, cache, out[:, None], slice(0, batch), how=PassOptions(keep=0, select=0))[:, -1])
     graphs = DecodeGraphs(model, cache, forward) if graphs_wanted(cache) else None  # replayed passes (CUDA)
     while True:
         source = drop_finished(cache, slots, finished, pick)
@@ -101,7 +102,7 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
         fed = pair[:, 1]
         out = pick(both[:, 0], hist)
         _append(hist, out)
-        spec = both[:, 1].argmax(-1)
+        spec = argmax_ids(both[:, 1])
         if follow is not None:
             spec = _resync(follow, prev, pair[:, 0], out, fed, spec)
         yield _per_row(out, slots, batch, -1), _per_row(both[:, 0], slots, batch, 0.0)
