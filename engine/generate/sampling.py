@@ -7,7 +7,7 @@ them: repetition penalty, no-repeat n-gram (both look back), then, when sampling
 top-k, top-p, min-p. Every cache mode decodes through the same Sampler, so they apply identically.
 One is our own: NoRepeatNGram, transformers' NoRepeatNGramLogitsProcessor's rule (tests/test_sampling.py holds
 the two equal) without its ~8 vocabulary-sized tensor ops a step (0.2-0.4 ms on one CPU thread for a 262k
-vocabulary: 2% of a Gemma 3 270M step).
+vocabulary: 1-2% of a Gemma 3 270M step).
 
 The step loops hand the Sampler each row's token history (prompt + output so far). The look-back
 processors see only the answer: the Sampler remembers each row's history length at its first call
