@@ -446,12 +446,23 @@ def test_fallback_when_native_unavailable(monkeypatch, tmp_path, caplog):
 
 @needs_native
 def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
-    """build() compiles into the cache dir once; the name depends on the source, compiler and machine."""
-    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path))
+    """build() compiles into the cache dir once (a second call runs no compiler), leaves no temporary file, and
+    the name depends on the source, compiler and machine. The compiler is a stand-in that logs its calls and
+    copies the library this process already built for real (every kernel test compiles and loads that one);
+    a real compile here took ~30 s of the suite for the same checks."""
+    real = native.build()
+    cc, log = tmp_path / "cc", tmp_path / "compiles"
+    cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo fake-cc 1.0; exit 0; }}\necho x >> "{log}"\n'
+                  f'prev=; for a; do [ "$prev" = -o ] && cp "{real}" "$a"; prev=$a; done\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "cache"))
     path = native.build()
-    assert path.parent == tmp_path / "native" and path.name.startswith("guide-") and path.suffix == ".so"
+    assert path.parent == tmp_path / "cache" / "native" and path.name.startswith("guide-") and path.suffix == ".so"
+    assert path.name != real.name  # another compiler, another name
     mtime = path.stat().st_mtime_ns
     assert native.build() == path and path.stat().st_mtime_ns == mtime  # cached
+    assert log.read_text().count("x") == 1
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left
     native._load(path)
 
