@@ -452,7 +452,8 @@ def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
     a real compile here took ~30 s of the suite for the same checks."""
     real = native.build()
     cc, log = tmp_path / "cc", tmp_path / "compiles"
-    cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo fake-cc 1.0; exit 0; }}\necho x >> "{log}"\n'
+    cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo fake-cc 1.0; exit 0; }}\n'
+                  f'case " $* " in *" -c "*) ;; *) echo link >> "{log}";; esac\n'  # one link per build
                   f'prev=; for a; do [ "$prev" = -o ] && cp "{real}" "$a"; prev=$a; done\n')
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
@@ -462,9 +463,37 @@ def test_build_is_cached_and_atomic(monkeypatch, tmp_path):
     assert path.name != real.name  # another compiler, another name
     mtime = path.stat().st_mtime_ns
     assert native.build() == path and path.stat().st_mtime_ns == mtime  # cached
-    assert log.read_text().count("x") == 1
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left
+    assert log.read_text().count("link") == 1
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files or objects left
     native._load(path)
+
+
+def test_build_falls_back_without_openmp_and_says_why_it_failed(monkeypatch, tmp_path):
+    """A compiler that rejects -fopenmp for one source (the objects are compiled side by side): the build
+    takes the variant without OpenMP; one that rejects everything: a RuntimeError with each variant's exit
+    and message, and nothing left in the cache folder."""
+    real = native.build()
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake-cc 2.0; exit 0; }\n'
+                  'case " $* " in *" -fopenmp "*guide_kernels.c*) echo "no omp.h" >&2; exit 3;; esac\n'
+                  f'[ -e "{tmp_path}/broken" ] && {{ echo "cannot compile" >&2; exit 4; }}\n'
+                  f'case " $* " in *" -c "*) ;; *) echo "$*" >> "{tmp_path}/links";; esac\n'
+                  f'prev=; for a; do [ "$prev" = -o ] && cp "{real}" "$a"; prev=$a; done\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    path = native.build()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    links = (tmp_path / "links").read_text().splitlines()
+    assert len(links) == 1 and "-fopenmp" not in links[0]  # the OpenMP variant failed before its link
+    native._load(path)
+    (tmp_path / "broken").touch()
+    with pytest.raises(RuntimeError) as info:
+        native.build(force=True, march="x86-64-v2")
+    lines = str(info.value).splitlines()[1:]  # a line per variant: with OpenMP, without
+    assert len(lines) == 2 and all(line.endswith("exit 4: cannot compile") for line in lines)
+    assert " -fopenmp " in lines[0] and "-fopenmp" not in lines[1]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
 # ---------------------------------------------------------------------- incremental fill
