@@ -1,28 +1,26 @@
-"""Native CPU kernels, compiled once per machine and loaded with ctypes: the guide kernels
-(``guide_kernels.c``), the decode-step linears (``linear_kernels.c``, exact; ``int8_linear.c``, int8
-activations: engine.model.decode_kernels chooses) and the bf16 prefill
-attention (``attention_kernels.c``, AVX512-BF16 only).
+"""Native CPU kernels, compiled once per machine and loaded with ctypes: the guide kernels and fused decode
+attention (``guide_kernels.c``), the decode-step linears (``linear_kernels.c``, exact; ``int8_linear.c``, integer
+activations: engine.model.decode_kernels chooses), norms and ropes (``norm_kernels.c``), packing
+(``pack_kernels.c``) and the bf16 prefill attention (``attention_kernels.c``).
 
-The C sources are compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``)
-into one ``cache_root()/native/guide-<hash>.so``, the hash covering the sources, the compiler
-and its flags, the instruction set and the machine, written atomically (temporary file, then
-``os.replace``), so concurrent first uses are safe. The instruction set is a build setting:
-``$SPECACHE_NATIVE_ARCH`` is the ``-march`` value (``native``, the default; ``x86-64-v4`` for
-AVX-512, ``x86-64-v3`` for AVX2 + FMA, ``x86-64-v2`` for SSE4.2 only, ``armv8-a`` ...); every
-kernel is written once against engine/native/simd.h, whose vector type has one definition per
-instruction set, so each level compiles the same kernels (``isa()`` says which one was built). It is built lazily on the first
-call of ``native_available()`` / ``lib()`` (``python -m engine.native`` builds it ahead
-of time). No torch headers and no ninja are involved.
+The sources are compiled with the system compiler (``$CC``, else ``cc``/``gcc``/``clang``), a process per
+source side by side, and linked into one ``cache_root()/native/guide-<hash>.so`` (the hash covers the sources,
+the compiler and its flags, the instruction set and the machine), written atomically (temporary file, then
+``os.replace``), so concurrent first uses are safe. ``$SPECACHE_NATIVE_ARCH`` is the ``-march`` value
+(``native``, the default; ``x86-64-v4`` AVX-512, ``x86-64-v3`` AVX2 + FMA, ``x86-64-v2`` SSE4.2, ``armv8-a``
+...); every kernel is written once against engine/native/simd.h, one vector type per instruction set
+(``isa()`` says which was built). Built lazily by ``native_available()`` / ``lib()`` (``python -m
+engine.native``: ahead of time); no torch headers, no ninja.
 
-``SPECACHE_NATIVE=0`` disables the native path and ``SPECACHE_NATIVE_THREADS=N`` sets its
-thread count (default: torch's, see ``threads()``); both are read once, at their first use in
-a process. Any build or load failure makes ``native_available()`` return False, so engine.kvcache.quant
-falls back to its torch kernels; the reason is logged once at debug level and kept in
-``native_error()``.
+``SPECACHE_NATIVE=0`` disables the native path and ``SPECACHE_NATIVE_THREADS=N`` sets its thread count (default:
+torch's, see ``threads()``); both are read once, at their first use in a process. A build or load failure makes
+``native_available()`` False (the callers' torch paths run); the reason is logged once at debug level and kept
+in ``native_error()``.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,13 +36,11 @@ from pathlib import Path
 from engine.paths import cache_root
 
 log = logging.getLogger(__name__)
+_run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300)  # a compiler command
 
-# the slowest to compile first (build() compiles them side by side: int8_linear.c ~18 s, linear_kernels.c ~10 s,
-# guide_kernels.c ~3 s, the others under 1 s on a 2-core Zen 4)
-SOURCES = tuple(Path(__file__).with_name(name) for name in (
+SOURCES = tuple(Path(__file__).with_name(name) for name in (  # slowest to compile first (Zen 4: 18, 10, 3 s, < 1 s)
     "int8_linear.c", "linear_kernels.c", "guide_kernels.c", "attention_kernels.c", "norm_kernels.c", "pack_kernels.c"))
-HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("decode_args.h"),
-           Path(__file__).with_name("block_codes.h"), Path(__file__).with_name("columns.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "decode_args.h", "block_codes.h", "columns.h"))
 ABI_VERSION = 11
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
@@ -299,9 +295,8 @@ def build(force: bool = False, march: str | None = None) -> Path:
 
 
 def _compile(cc: str, opts: tuple[str, ...], out: str) -> str | None:
-    """SOURCES compiled to object files side by side (a process per source, as many at a time as this process has
-    cores, in SOURCES' order), then linked into out: on a 2-core Zen 4 ~18 s against ~32 s for one compiler call
-    over every source. None, or the failing command's error."""
+    """SOURCES compiled to objects side by side (a process each, as many at once as this process has cores), then
+    linked into out (2-core Zen 4: ~18 s against ~32 s as one compiler call). None, or the failing step's error."""
     with tempfile.TemporaryDirectory(prefix="objects.", dir=os.path.dirname(out)) as objects:
         outputs = [os.path.join(objects, src.stem + ".o") for src in SOURCES]
         steps = [[cc, *(o for o in opts if o != "-shared"), "-c", str(src), "-o", obj]
@@ -310,13 +305,8 @@ def _compile(cc: str, opts: tuple[str, ...], out: str) -> str | None:
         with ThreadPoolExecutor(max_workers=max(1, min(len(steps), cores))) as pool:
             done = list(pool.map(_run, steps))
         failed = next((res for res in done if res.returncode), None) or _run([cc, *opts, "-o", out, *outputs, "-lm"])
-    if failed.returncode == 0:
-        return None
-    return f"{cc} {' '.join(opts)}: exit {failed.returncode}: {failed.stderr.strip()[-2000:]}"
-
-
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return None if failed.returncode == 0 else \
+        f"{cc} {' '.join(opts)}: exit {failed.returncode}: {failed.stderr.strip()[-2000:]}"
 
 
 def _load(path: Path) -> ctypes.CDLL:
