@@ -46,7 +46,6 @@ from specache_cli.bench_common import (
     bench_texts,
     docs_option,
     drive,
-    load_bench_model,
     mib,
     print_table,
 )
@@ -235,7 +234,7 @@ def store_cmd(
     document = load_document(doc or str(default_doc("report.pdf")))
     if run.quick:  # the document's first pages' worth
         document = replace(document, text=document.text[:QUICK_STORE_CHARS])
-    lm = load_bench_model(run.model, run.device, run.quiet, run.threads)
+    lm = run.model_only()
     result = run_store_bench(lm, document, mode_list, max_tokens)
     lines = [f"# Document store: time to first token\n\n- model: {result['model']} ({result['dtype']} on "
              f"{result['device']})\n- document: {result['document']} ({result['document_tokens']} tokens)\n",

@@ -82,9 +82,13 @@ class BenchRun:
         """An option's value: what the user gave, else its --quick or its full-run default."""
         return given if given is not None else self.quick_or(quick, full)
 
+    def model_only(self, classes: str = "auto"):
+        """The model of --model, --device and --threads (load_bench_model)."""
+        return load_bench_model(self.model, self.device, self.quiet, self.threads, classes)
+
     def load(self, specs: list, classes: str = "auto"):
         """The model, and the mode labels over its defaults."""
-        lm = load_bench_model(self.model, self.device, self.quiet, self.threads, classes)
+        lm = self.model_only(classes)
         return lm, with_model_defaults(specs, lm)
 
     def report(self, name: str, result: dict, markdown: str, show: Callable[[dict], None],
