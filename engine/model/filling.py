@@ -23,24 +23,35 @@ from engine.model.gguf_tensors import MappedRows, TensorFile, dense_from_raw, he
 from engine.model.held_model import HeldEmbedding
 from engine.model.held_weights import DenseWeight
 from engine.model.linears import SkinnyLinear
-from engine.model.gemma import GEMMA_FAMILIES, GemmaCausalLM, own_gemma_config
+from engine.model.gemma import GEMMA_FAMILIES, GemmaCausalLM, gemma_config, why_not_gemma
 from engine.model.llama import FAMILIES, CausalLM, family_config, why_not_own
 from engine.native import release_freed_memory
 
 
-def own_config(folder: Path, gguf: bool = True):
+def own_config(folder: Path, gguf: bool = True, config: dict | None = None):
     """The config engine.model.llama runs this folder with (a converted GGUF's, or a folder of safetensors
-    files), None when it does not (a model type outside its FAMILIES, ...: engine.model.llama.why_not_own;
-    a folder with .bin weights) and transformers' classes load it."""
+    files), None when it does not and transformers' classes load it (held_config says why)."""
+    return held_config(folder, gguf, config)[0]
+
+
+def held_config(folder: Path, gguf: bool = True, config: dict | None = None) -> tuple[object | None, str | None]:
+    """(own_config's config, None), or (None, why the engine's decoders do not run this folder: a model
+    type outside FAMILIES and GEMMA_FAMILIES, a key or feature they lack (why_not_own, why_not_gemma),
+    weights that are not safetensors files). config: its config.json's values, if already read."""
     if not gguf and (not any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
-        return None
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if config.get("model_type") in GEMMA_FAMILIES:
-        return own_gemma_config(config)
-    if config.get("model_type") not in FAMILIES:
-        return None
-    own = family_config(config)
-    return own if why_not_own(own) is None else None
+        return None, "its weights are not all safetensors files"
+    if config is None:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    kind = config.get("model_type")
+    if kind in GEMMA_FAMILIES:
+        own = gemma_config(config)
+        why = why_not_gemma(own)
+    elif kind in FAMILIES:
+        own = family_config(config)
+        why = why_not_own(own)
+    else:
+        return None, f"model type {kind!r} is not one the engine's decoders run"
+    return (own, None) if why is None else (None, why)
 
 
 def own_model(config) -> CausalLM:

@@ -238,9 +238,14 @@ class GemmaCausalLM(CausalLM):
         return Output(logits)
 
 
-def own_gemma_config(values: dict) -> PreTrainedConfig | None:
-    """A converted Gemma GGUF's (or a folder's) config.json values -> our config, None when our decoders do
-    not run it (why_not_gemma)."""
+def gemma_config(values: dict) -> PreTrainedConfig:
+    """A converted Gemma GGUF's (or a folder's) config.json values -> our config (unchecked: why_not_gemma)."""
     config = PreTrainedConfig(**values)
     config.use_cache = values.get("use_cache", True)
+    return config
+
+
+def own_gemma_config(values: dict) -> PreTrainedConfig | None:
+    """gemma_config, None when our decoders do not run it (why_not_gemma)."""
+    config = gemma_config(values)
     return config if why_not_gemma(config) is None else None
