@@ -184,7 +184,7 @@ def flag_tables(text: str):
             if not row.startswith("|"):
                 break
             row_cells = [c.strip() for c in row.strip().strip("|").split("|")]
-            rows.append((i + 1, FLAG.findall(row_cells[0]), row_cells[1]))
+            rows.append((i + 3 + len(rows), FLAG.findall(row_cells[0]), row_cells[1]))
         yield names, rows
 
 
