@@ -62,7 +62,7 @@ def run_cli(*args: str, env: dict | None = None):
 def test_kv_and_guide_sizes(mistral):
     assert S.kv_elements_per_token(mistral) == 2 * 32 * 8 * 128
     assert S.kv_bytes_per_token(mistral) == 128 * 1024  # 128 KiB per token in fp16
-    # design page: 1-bit g64 = 1.5 bits (0.094x fp16), g32 = 2, 2-bit g64 = 2.5, g32 = 3
+    # guide bits per element (docs/planner.md): 1-bit g64 = 1.5 bits (0.094x fp16), g32 = 2, 2-bit g64 = 2.5, g32 = 3
     assert [S.guide_bits_per_element(b, g) for b, g in ((1, 64), (1, 32), (2, 64), (2, 32))] == [1.5, 2, 2.5, 3]
     assert S.guide_bits_per_element(1, 64) / 16 == pytest.approx(0.094, abs=5e-4)
     assert S.guide_bytes(mistral, 32768, 1, 64) == 384 * MIB
