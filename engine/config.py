@@ -29,6 +29,10 @@ CHUNK_SIZE = 512  # prefill chunk, tokens
 # profile's k. Measured: docs/results.md, "A default k that adapts" (bench-results/fidelity-models.md).
 ONE_BIT_K = 2
 K_SHARE = 32
+# k with the current prefetch for a model without a profile (CacheConfig's k is the speculative prefetch's):
+# the model defaults are CacheConfig's field defaults and this, declared here once (engine.plan.profile_types'
+# ModelProfile takes them as its own defaults; a profile in profiles/models/ declares its own)
+K_CURRENT = 128
 
 
 def outliers_for(bits: int, outliers: int | None) -> int:

@@ -104,3 +104,21 @@ def test_a_model_our_decoders_do_not_run_says_why_once(tiny_model_dir, tmp_path)
     warnings.clear()
     load_model(str(tiny_model_dir), device="cpu", on_warning=warnings.append)  # our decoders: nothing to say
     assert warnings == []
+
+
+def test_a_failed_native_build_is_one_warning_naming_the_compilers_error(tiny_model_dir, monkeypatch):
+    from engine import native
+    from engine.model import loading
+
+    error = ("CalledProcessError: cc -O3 guide_kernels.c: exit 1: In file included from simd.h:3:\n"
+             "guide_kernels.c:12:5: error: unknown type name 'v16sf'\n1 error generated.")
+    monkeypatch.setattr(native, "lib", lambda: None)
+    monkeypatch.setattr(native, "native_error", lambda: error)
+    warnings: list[str] = []
+    loading.load_model(str(tiny_model_dir), device="cpu", on_warning=warnings.append)
+    assert warnings == ["the native CPU kernels are unavailable (guide_kernels.c:12:5: error: unknown type name "
+                        "'v16sf'): torch's kernels run instead, slower"]
+    monkeypatch.setattr(native, "native_error", lambda: None)  # disabled on purpose (SPECACHE_NATIVE=0): silent
+    warnings.clear()
+    loading.load_model(str(tiny_model_dir), device="cpu", on_warning=warnings.append)
+    assert warnings == []

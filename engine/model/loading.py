@@ -26,7 +26,7 @@ from engine.model.files import ModelFiles, model_files
 from engine.model.filling import held_config, load_folder_model, load_gguf_model, own_config, \
     transformers_model
 from engine.model.gguf_convert import take_fresh
-from engine.model.gguf_header import HELD_ARCHITECTURES, estimate_held_bytes
+from engine.model.gguf_header import estimate_held_bytes, held_architecture
 from engine import native
 from engine.model import decode_kernels
 from engine.model.decode_norms import use_decode_norms
@@ -125,17 +125,28 @@ def load_model(
                 model = load_gguf_model(source.gguf, path, torch_dtype, held=holds_blocks(dev, dtype), config=own)
             else:
                 model = load_folder_model(path, own, torch_dtype, holds_blocks(dev, dtype)) if own else None
+            fallback = model is None and classes == "auto"
             if model is None:
                 model = transformers_model(path, torch_dtype)
-                if classes == "auto" and on_warning is not None:
-                    on_warning(f"{files.name} runs in transformers' classes, not the engine's own decoders "
-                               f"({why or 'its weights are named otherwise'}): slower, its weights in {torch_dtype}")
         except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as exc:  # (the last: a config.json
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # its class refuses)
             raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
-        prepare_model(model.to(dev), prefill_dtype)
+        prepare_model(model.to(dev), prefill_dtype)  # (refuses a model whose attention the engine does not run)
+    if fallback and on_warning is not None:
+        on_warning(f"{files.name} runs in transformers' classes, not the engine's own decoders "
+                   f"({why or 'its weights are named otherwise'}): slower, its weights in {torch_dtype}")
+    if dev.type == "cpu" and on_warning is not None and native.lib() is None and native.native_error():
+        on_warning(native_fallback(native.native_error()))
     fp = fingerprint(path) + ("-held" if getattr(model, "specache_held", False) else "")
     return LoadedModel(model, tokenizer, source.name, path, fp, files.window, time.perf_counter() - start)
+
+
+def native_fallback(error: str) -> str:
+    """The one line a run shows when the native CPU kernels could not be built or loaded: the compiler's
+    (or loader's) first error line and the path taken instead."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    first = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0] if lines else "")
+    return f"the native CPU kernels are unavailable ({first[:300]}): torch's kernels run instead, slower"
 
 
 def load_tokenizer(path: Path, own=None):
@@ -173,7 +184,7 @@ def estimate_weight_bytes(model: "ModelSource | ModelFiles", dtype: str = "auto"
     source = files.source
     if source.gguf is not None:
         header = files.header
-        if holds_blocks(torch.device("cpu"), dtype) and header.arch in HELD_ARCHITECTURES:
+        if holds_blocks(torch.device("cpu"), dtype) and held_architecture(header.arch):
             return estimate_held_bytes(header)
         return sum(int(np.prod(t.ne)) for t in header.tensors.values()) * 4
     config = files.config
