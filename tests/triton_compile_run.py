@@ -19,8 +19,10 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kvcache import guide_triton, quant, triton_build  # noqa: E402
-from engine.kvcache.sizes import value_group  # noqa: E402
+from engine.config import DEFAULT_OUTLIERS, RESIDUAL, SINKS  # noqa: E402
+from engine.kvcache import guide_triton, quant, triton_build, triton_decode  # noqa: E402
+from engine.kvcache.outliers import OutlierKeys  # noqa: E402
+from engine.kvcache.sizes import residual_slots, value_group  # noqa: E402
 from engine.plan.profiles import list_models  # noqa: E402
 
 ARCHS = (80, 90)
@@ -58,13 +60,40 @@ def guide_launches(d: int, nq: int, bits: int, group: int, k: int) -> list[trito
     return into
 
 
+def decode_buffers(d: int, bits: int, group: int, k: int, outliers: int) -> triton_decode.DecodeBuffers:
+    """A guided layer's buffers on the engine's CUDA types (bf16 exact K/V), 2 rows of 2 KV heads."""
+    exact = lambda n: torch.zeros(2, 2, n, d, dtype=torch.bfloat16)  # noqa: E731
+    side = OutlierKeys.empty(2, 2, CAPACITY, outliers, group, "cpu") if outliers else None
+    return triton_decode.DecodeBuffers(
+        quant.empty_keys(2, 2, CAPACITY, d, bits, group, "cpu"),
+        quant.empty_values(2, 2, CAPACITY, d, bits, value_group(group, d), "cpu"), side, None, exact(SINKS),
+        exact(SINKS), SINKS, exact(k), exact(k), torch.zeros(2, 2, k, dtype=torch.long),
+        torch.zeros(2, 2, k, dtype=torch.bool), exact(residual_slots(RESIDUAL, group, 2)),
+        exact(residual_slots(RESIDUAL, group, 2)), torch.full((2,), CAPACITY, dtype=torch.long))
+
+
+def decode_launches(d: int, nq: int, bits: int, group: int, k: int) -> list[triton_build.Launch]:
+    """The fused decode's launches (split, merge, select) for one shape, with the bits' default outlier channels
+    and without, recorded from engine/kvcache/triton_decode.py's decode."""
+    into: list[triton_build.Launch] = []
+    for outliers in sorted({0, DEFAULT_OUTLIERS[bits]}):
+        tag = f"d{d}-q{nq}-{bits}b-g{group}-o{outliers}"
+        labels = (f"decode-split-{tag}", f"decode-merge-{tag}", f"decode-select-{tag}")
+        start = torch.full((2,), CAPACITY + 10, dtype=torch.long)
+        step = triton_decode.DecodePass(torch.zeros(2, 2, nq, d), start, TOKENS, d ** -0.5, CAPACITY, select=1,
+                                        bound=start)
+        with triton_build.recording(triton_decode, labels, into):
+            triton_decode.decode(decode_buffers(d, bits, group, k, outliers), step)
+    return into
+
+
 def launches() -> list[triton_build.Launch]:
     """Every launch of every shape, each distinct specialization once (shapes that differ only in runtime
     arguments compile to the same kernel)."""
     seen: dict[str, triton_build.Launch] = {}
     target = triton_build.GPUTarget("cuda", 90, 32)
     for shape in shapes():
-        for launch in guide_launches(*shape):
+        for launch in guide_launches(*shape) + decode_launches(*shape):
             fn = triton_build.jit_function(launch.kernel)
             _, signature, constexprs, attrs = triton_build.specialization(fn, launch, target)
             if launch.meta.get("MASKED"):
