@@ -117,12 +117,13 @@ def step_of(tokens: int, select: int | None):
                            starts=list(START), positions=lambda: start[:, None] + torch.arange(tokens))
 
 
-CASES = [  # bits, outliers, rotation, queries per KV head, tokens, softcap
-    (1, 0, "none", 1, 1, None),
-    (2, 0, "none", 4, 2, None),
-    (1, 4, "none", 3, 2, None),
-    (2, 2, "hadamard", 8, 2, None),
-    (1, 0, "hadamard", 2, 1, 30.0),
+CASES = [  # bits, outliers, rotation, queries per KV head, tokens, softcap, programs a pass aims at (8: splits of
+    # several blocks, more positions than the k each split keeps; 256: a split a block)
+    (1, 0, "none", 1, 1, None, 8),
+    (2, 0, "none", 4, 2, None, 256),
+    (1, 4, "none", 3, 2, None, 8),
+    (2, 2, "hadamard", 8, 2, None, 256),
+    (1, 0, "hadamard", 2, 1, 30.0, 8),
 ]
 
 
@@ -156,18 +157,23 @@ def assert_same_set(picked, cand, idx, valid):
     assert ((my_idx[1] >= QEND[1]) & my_valid[1]).any()  # positions of the group leaving the window
 
 
-@pytest.mark.parametrize("bits,outliers,rotation,group,tokens,softcap", CASES)
-def test_fused_triton_decode_equals_the_torch_pass(bits, outliers, rotation, group, tokens, softcap):
+@pytest.mark.parametrize("bits,outliers,rotation,group,tokens,softcap,programs", CASES)
+def test_fused_triton_decode_equals_the_torch_pass(bits, outliers, rotation, group, tokens, softcap, programs,
+                                                   monkeypatch):
     """Output and next fetched set of one pass (selected by the last new token), the interpreter's kernels
     against attend_decode's torch code."""
+    monkeypatch.setattr(triton_decode, "PROGRAMS", programs)
+    assert triton_decode._geometry(buffers(build(1, 0, "none", 0)[0]), SimpleNamespace(
+        q=torch.zeros(B, H, 1, D), nq=max(QEND)))["per"] == (96 if programs == 8 else 32)
     got, want, picked, cand, idx, valid = run_both(bits, outliers, rotation, group, tokens, softcap, tokens - 1)
     torch.testing.assert_close(got, want, atol=1.5e-2, rtol=1e-2)
     assert_same_set(picked, cand, idx, valid)
 
 
-def test_selection_by_both_tokens_and_a_pass_that_selects_nothing():
+def test_selection_by_both_tokens_and_a_pass_that_selects_nothing(monkeypatch):
     """select_both sums both new tokens' probabilities; a pass without a selecting token returns no set (and
     the same output)."""
+    monkeypatch.setattr(triton_decode, "PROGRAMS", 8)
     got, want, picked, cand, idx, valid = run_both(2, 2, "none", 4, 2, None, 0, select_both=True)
     torch.testing.assert_close(got, want, atol=1.5e-2, rtol=1e-2)
     assert_same_set(picked, cand, idx, valid)

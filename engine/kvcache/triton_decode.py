@@ -8,10 +8,16 @@ GuidedLayer.attend_decode and select_and_prefetch compute with ~30 torch ops, an
    guide-values accumulator over the guide-only positions (not a sink, not fetched, below the row's qend).
 2. decode_merge_kernel, per (row, KV head): exact scores at the sinks, the fetched set and the residual window
    (causal per new token), one softmax with the splits' statistics, exact + guide values -> the output, and
-   the softmax's final max and sum per query.
-3. With a selecting token: select_weights_kernel, per (row, KV head, split): the selecting queries'
-   probabilities summed per position (one number per KV head and position: a [rows, KV heads, positions]
-   candidate row), then torch's top-k over it in [sinks, next qend) -> the next fetched set.
+   the softmax's final max and sum per query; with a selecting token, the selecting queries' weights (their
+   probabilities summed) of the fetched positions and the residual slots, as candidates.
+3. With a selecting token: select_weights_kernel, per (row, KV head, split): the selecting queries' weights of
+   the split's guide-only positions, of which it keeps the CP best (CP: k rounded up to a power of two; a
+   running sorted list) as a compact candidate list (weight and position packed in one int64); then torch's
+   top-k over the candidates of every split and the exact ones, in [sinks, next qend) -> the next fetched
+   set (the same set as a top-k over every position: no split holds more than CP of the k best).
+
+Around the kernels, torch ops on small tensors: the map of fetched positions (zeros + scatter), the queries
+made fp32 (and rotated), the rotated guide output (matmul), and the top-k over the candidates.
 
 The contract is GuidedLayer's (tests/test_triton_decode.py checks it against the torch code): queries
 [b, H_kv, G*T, D] grouped as passes.grouped_query groups them; a guide rotation R rotates the queries for
@@ -99,7 +105,8 @@ def _geometry(buf: DecodeBuffers, p: DecodePass) -> dict:
     splits = max(1, min(blocks, -(-PROGRAMS // (b * h))))
     per = -(-blocks // splits) * block
     return {"block": block, "splits": max(1, -(-max(p.nq, 1) // per)), "per": per, "mp": _padded(m, MIN_DOT),
-            "bd": _padded(d, MIN_DOT), "op": MIN_DOT, "warps": 4 if d <= 64 else 8}
+            "bd": _padded(d, MIN_DOT), "op": MIN_DOT, "warps": 4 if d <= 64 else 8,
+            "cp": _padded(max(buf.fidx.shape[2], block), 1)}
 
 
 def _held(buf: DecodeBuffers, p: DecodePass) -> torch.Tensor:
@@ -166,24 +173,28 @@ def _selects(p: DecodePass) -> bool:
     return p.select is not None or p.select_both
 
 
-def _candidates(buf: DecodeBuffers, p: DecodePass) -> torch.Tensor:
-    """The candidate row [b, H, capacity + W] of a selecting pass, zero where nothing will be written (a
-    stand-in the kernels never write otherwise)."""
+def _candidates(buf: DecodeBuffers, p: DecodePass, geo: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate lists of a selecting pass (int64 keys, engine/kvcache/triton_decode_kernels.py's _keys):
+    the guide's, the CP best of each split [b*H, splits, CP], and the exact positions' [b*H, K + W]; stand-ins
+    (never written) otherwise."""
     b, h = p.q.shape[:2]
-    n = buf.keys.capacity + buf.res_k.shape[2] if _selects(p) else 1
-    return torch.zeros(b, h, n, dtype=torch.float32, device=p.q.device)
+    if not _selects(p):
+        none = torch.empty(1, dtype=torch.int64, device=p.q.device)
+        return none, none
+    return (torch.empty(b * h, geo["splits"], geo["cp"], dtype=torch.int64, device=p.q.device),
+            torch.empty(b * h, buf.fidx.shape[2] + buf.res_k.shape[2], dtype=torch.int64, device=p.q.device))
 
 
 def _merge(buf: DecodeBuffers, p: DecodePass, q, ml, acc, cand, geo: dict):
     """Launch 2 -> (output fp32 [b, H, G*T, D], the softmax's (max, sum) [b*H, 2, MP]); the exact positions'
-    weights into cand."""
+    candidates into cand."""
     b, h, m, d = p.q.shape
     out = torch.empty(b, h, m, d, dtype=torch.float32, device=q.device)
     guide = torch.empty_like(out) if buf.rotation is not None else out
     stat = torch.empty(b * h, 2, geo["mp"], dtype=torch.float32, device=q.device)
     kernels()[1][(b * h,)](
         q, q.stride(0), q.stride(1), *_exact_args(buf, p), _rows(buf.qend, p), p.start, ml, acc, out, guide, stat,
-        cand, cand.stride(1), ml.shape[0], h, m, d, min(buf.sinks, buf.sink_k.shape[2]), buf.fidx.shape[2],
+        cand, ml.shape[0], h, m, d, min(buf.sinks, buf.sink_k.shape[2]), buf.fidx.shape[2],
         buf.res_k.shape[2], p.tokens, -1 if p.select_both else (p.select or 0), p.scaling, p.softcap or 0.0,
         MP=geo["mp"], BLOCK_D=geo["bd"], BLOCK_E=EXACT_BLOCK, SOFTCAP=p.softcap is not None,
         ROT=buf.rotation is not None, SELECT=_selects(p), num_warps=4)
@@ -193,26 +204,32 @@ def _merge(buf: DecodeBuffers, p: DecodePass, q, ml, acc, cand, geo: dict):
 
 
 def _select(buf: DecodeBuffers, p: DecodePass, q, qr, held, stat, cand, geo: dict) -> None:
-    """Launch 3: the selecting queries' probabilities at the guide-only positions into the candidate row."""
+    """Launch 3: each split's best guide-only positions for the selecting queries into cand."""
     b, h, m, d = p.q.shape
     head, side = _guide_args(buf, p, q, qr, held)
     _, count = _outlier_args(buf, p, held)
     kernels()[2][(b * h, geo["splits"])](
-        *head, *side, _rows(buf.qend, p), stat, cand, cand.stride(1), h, m, d, buf.sinks, count, p.tokens,
+        *head, *side, _rows(buf.qend, p), stat, cand, h, m, d, buf.sinks, count, p.tokens,
         -1 if p.select_both else p.select, geo["per"], p.scaling, p.softcap or 0.0, G=buf.keys.group,
-        BITS=buf.keys.bits, BLOCK_N=geo["block"], BLOCK_D=geo["bd"], MP=geo["mp"], OP=geo["op"], HAS_OUT=count > 0,
-        SOFTCAP=p.softcap is not None, num_warps=geo["warps"])
+        BITS=buf.keys.bits, BLOCK_N=geo["block"], BLOCK_D=geo["bd"], MP=geo["mp"], OP=geo["op"], CP=geo["cp"],
+        HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, num_warps=geo["warps"])
 
 
-def top_positions(cand: torch.Tensor, bound: torch.Tensor, sinks: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k positions of largest weight in [sinks, bound[b]) of cand [b, H, L] -> (idx [b, H, k] long, 0 in
-    unused slots; valid [b, H, k] bool), as SpecacheLayer.top_positions pads them."""
-    b, h, n = cand.shape
-    pos = torch.arange(n, device=cand.device)
-    cand = cand.masked_fill(((pos[None, :] >= bound[:, None]) | (pos[None, :] < sinks))[:, None, :], -1.0)
-    top, idx = cand.topk(min(k, n), dim=-1, sorted=False)
+def unpack(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidate keys (int64) -> (weights fp32, -1 where none; positions long)."""
+    w = (keys >> 32).to(torch.int32).view(torch.float32)
+    return torch.where(keys < 0, -1.0, w), keys & 0xFFFFFFFF
+
+
+def top_positions(keys: torch.Tensor, bound: torch.Tensor, sinks: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k candidates of largest weight among keys [b, H, n] (unpack) at positions in [sinks, bound[b]) ->
+    (idx [b, H, k] long, 0 in unused slots; valid [b, H, k] bool), as SpecacheLayer.top_positions pads them."""
+    b, h, n = keys.shape
+    w, pos = unpack(keys)
+    w = w.masked_fill((pos >= bound[:, None, None]) | (pos < sinks), -1.0)
+    top, at = w.topk(min(k, n), dim=-1, sorted=False)
     valid = top >= 0
-    idx = idx.masked_fill(~valid, 0)
+    idx = pos.gather(-1, at).masked_fill(~valid, 0)
     if idx.shape[-1] < k:
         pad = k - idx.shape[-1]
         idx, valid = torch.cat([idx, idx.new_zeros(b, h, pad)], -1), torch.cat([valid, valid.new_zeros(b, h, pad)], -1)
@@ -228,9 +245,11 @@ def decode(buf: DecodeBuffers, p: DecodePass) -> tuple[torch.Tensor, tuple[torch
     q, qr = _queries(buf, p)
     held = _held(buf, p)
     ml, acc = _split(buf, p, q, qr, held, geo)
-    cand = _candidates(buf, p)
-    out, stat = _merge(buf, p, q, ml, acc, cand, geo)
+    guide_cand, exact_cand = _candidates(buf, p, geo)
+    out, stat = _merge(buf, p, q, ml, acc, exact_cand, geo)
     if not _selects(p):
         return out, None
-    _select(buf, p, q, qr, held, stat, cand, geo)
-    return out, top_positions(cand, p.bound, buf.sinks, buf.fidx.shape[2])
+    _select(buf, p, q, qr, held, stat, guide_cand, geo)
+    b, h = p.q.shape[:2]
+    keys = torch.cat([guide_cand.view(b, h, -1), exact_cand.view(b, h, -1)], dim=-1)
+    return out, top_positions(keys, p.bound, buf.sinks, buf.fidx.shape[2])

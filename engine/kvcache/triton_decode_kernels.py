@@ -182,14 +182,14 @@ def _merge_splits(ml_ptr, acc_ptr, bh, NBH, NS, rows, d, MP: tl.constexpr, BLOCK
 @triton.jit
 def decode_merge_kernel(q_ptr, q_sb, q_sh, sk, sv, sk_sb, sk_sh, fk, fv, fk_sb, fk_sh, fi, fok, fi_sb, fi_sh, rk,
                         rv, rk_sb, rk_sh, qend_ptr, start_ptr, ml_ptr, acc_ptr, out_ptr, guide_ptr, stat_ptr, cand,
-                        c_sb, NS, H, M, D, S, K, W, T, sel, scaling, softcap, MP: tl.constexpr, BLOCK_D: tl.constexpr,
+                        NS, H, M, D, S, K, W, T, sel, scaling, softcap, MP: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_E: tl.constexpr, SOFTCAP: tl.constexpr, ROT: tl.constexpr, SELECT: tl.constexpr):
     """One (row, KV head): the exact part (sinks below the row's qend, the valid fetched positions below it,
     the residual window's slots j at position qend + j, causal per new token) in one online softmax, merged
     with the guide part's splits: out = exact values + guide values over the one softmax's sum (ROT: the
     guide part written apart, still in the rotated coordinates); the final (max, sum) per query kept. SELECT:
     the selecting queries' (sel: the new token, -1 both) weights of the fetched positions and the residual slots
-    into the candidate row."""
+    as candidate keys at cand[row*KV head] (K + W of them)."""
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
     rows, d, e = tl.arange(0, MP), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_E)
@@ -234,8 +234,8 @@ def decode_merge_kernel(q_ptr, q_sb, q_sh, sk, sv, sk_sb, sk_sh, fk, fv, fk_sb, 
     if SELECT:
         picks = rm & ((rows % T == sel) | (sel < 0))
         _exact_weights(q, fk + b * fk_sb + h * fk_sh, fi + b * fi_sb + h * fi_sh, fok + b * fi_sb + h * fi_sh,
-                       rk + b * rk_sb + h * rk_sh, cand + bh * c_sb, qend, pos, picks, m, l_all, d, dm, rm, D, K, W,
-                       scaling, softcap, BLOCK_E, SOFTCAP)
+                       rk + b * rk_sb + h * rk_sh, cand + bh * (K + W), qend, pos, picks, m, l_all, d, dm, rm, D, K,
+                       W, scaling, softcap, BLOCK_E, SOFTCAP)
 
 
 @triton.jit
@@ -247,10 +247,18 @@ def _weights(s, sel, m, l_all):
 
 
 @triton.jit
-def _exact_weights(q, fk, fi, fok, rk, cand, qend, pos, picks, m, l_all, d, dm, rm, D, K, W, scaling, softcap,
+def _keys(w, pos, ok):
+    """Candidates packed into one sortable int64: a weight's fp32 bits (>= 0: ordered as integers) above its
+    position; -1 where not a candidate."""
+    bits = w.to(tl.int32, bitcast=True).to(tl.int64)
+    return tl.where(ok, (bits << 32) | pos.to(tl.int64), -1)
+
+
+@triton.jit
+def _exact_weights(q, fk, fi, fok, rk, out, qend, pos, picks, m, l_all, d, dm, rm, D, K, W, scaling, softcap,
                    BLOCK_E: tl.constexpr, SOFTCAP: tl.constexpr):
     """The selecting queries' weights of the fetched positions and of the residual slots (at position qend + j),
-    written into the candidate row (cand) at their positions; fk, fi, fok, rk: the head's buffers."""
+    as candidate keys (_keys) at out[j] and out[K + j]; fk, fi, fok, rk: the head's buffers."""
     e = tl.arange(0, BLOCK_E)
     for j0 in range(0, K, BLOCK_E):
         j = j0 + e
@@ -259,23 +267,35 @@ def _exact_weights(q, fk, fi, fok, rk, cand, qend, pos, picks, m, l_all, d, dm, 
         use = (j < K) & (got != 0) & (idx < qend)
         s = _exact_scores(q, fk + j[:, None] * D + d[None, :], rm[:, None] & use[None, :], d, dm, scaling, softcap,
                           SOFTCAP)
-        tl.store(cand + idx, _weights(s, picks, m, l_all), mask=use)
+        tl.store(out + j, _keys(_weights(s, picks, m, l_all), idx, use), mask=j < K)
     for j0 in range(0, W, BLOCK_E):
         j = j0 + e
         ok = rm[:, None] & (j < W)[None, :] & ((qend + j)[None, :] <= pos[:, None])
         s = _exact_scores(q, rk + j[:, None] * D + d[None, :], ok, d, dm, scaling, softcap, SOFTCAP)
-        tl.store(cand + qend + j, _weights(s, picks, m, l_all), mask=j < W)
+        tl.store(out + K + j, _keys(_weights(s, picks, m, l_all), qend + j, j < W), mask=j < W)
+
+
+@triton.jit
+def _top(run, keys, CP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The CP largest of the running candidates run [CP] and a block's keys [BLOCK_N] (CP >= BLOCK_N)."""
+    R: tl.constexpr = CP // BLOCK_N
+    r = tl.arange(0, R)
+    staged = tl.reshape(tl.where((r == 0)[:, None], keys[None, :], -1), (CP,))
+    both = tl.sort(tl.reshape(tl.join(run, staged), (2 * CP,)), descending=True)
+    top, _ = tl.split(tl.trans(tl.reshape(both, (2, CP))))
+    return top
 
 
 @triton.jit
 def select_weights_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, ks_sb, ks_sh, oi, oi_sb, oi_sh, oc,
-                          oc_sb, oc_sh, os_, oz, os_sb, os_sh, fm, fm_sb, fm_sh, qend_ptr, stat_ptr, cand, c_sb, H, M,
-                          D, S, O, T, sel, SPLIT, scaling, softcap, G: tl.constexpr, BITS: tl.constexpr,
+                          oc_sb, oc_sh, os_, oz, os_sb, os_sh, fm, fm_sb, fm_sh, qend_ptr, stat_ptr, cand, H, M, D, S,
+                          O, T, sel, SPLIT, scaling, softcap, G: tl.constexpr, BITS: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MP: tl.constexpr, OP: tl.constexpr,
-                          HAS_OUT: tl.constexpr, SOFTCAP: tl.constexpr):
+                          CP: tl.constexpr, HAS_OUT: tl.constexpr, SOFTCAP: tl.constexpr):
     """The next step's candidates of one (row, KV head, split): the selecting queries' probabilities in the one
-    softmax (decode_merge_kernel's max and sum), summed per position, written at the position in the candidate
-    row, at guide-only positions (decode_merge_kernel writes the fetched positions' and the residual slots')."""
+    softmax (decode_merge_kernel's max and sum), summed per position over the guide-only positions; the split's
+    CP largest kept as it goes (a sort of the running list and each block) and written as candidate keys (_keys)
+    at cand[row*KV head, split] (decode_merge_kernel writes the fetched positions' and the residual slots')."""
     bh, sp = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows, d = tl.arange(0, MP), tl.arange(0, BLOCK_D)
@@ -287,10 +307,12 @@ def select_weights_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, k
     m, l_all = tl.load(stat_ptr + 2 * bh * MP + rows), tl.load(stat_ptr + 2 * bh * MP + MP + rows)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, tl.load(qend_ptr + b).to(tl.int32))
+    run = tl.full((CP,), -1, tl.int64)
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         s = _guide_scores(q, qo, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh,
                           oc + b * oc_sb + h * oc_sh, os_ + b * os_sb + h * os_sh, oz + b * os_sb + h * os_sh, n0, d,
                           dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP, HAS_OUT, SOFTCAP)
         held = tl.load(fm + b * fm_sb + h * fm_sh + tok, mask=tok < hi, other=1)
-        tl.store(cand + bh * c_sb + tok, _weights(s, picks, m, l_all), mask=(tok < hi) & (tok >= S) & (held == 0))
+        run = _top(run, _keys(_weights(s, picks, m, l_all), tok, (tok < hi) & (tok >= S) & (held == 0)), CP, BLOCK_N)
+    tl.store(cand + (bh * tl.num_programs(1) + sp) * CP + tl.arange(0, CP), run)
