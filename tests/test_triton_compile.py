@@ -48,6 +48,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90(built):
     assert {"scores", "values", "gather", "decode"} <= kinds, kinds
     assert {x.split("-")[1] for x in labels if x.startswith("decode-")} == {"split", "merge", "select"}
     assert any("-o0" in x for x in labels) and any("-o4" in x for x in labels)  # outlier channels off and on
+    merges = [x for x in labels if x.startswith("decode-merge-")]  # with a rotation (and outliers) and without
+    assert any(x.endswith("-o0") for x in merges) and any(not x.endswith("-o0") for x in merges)
     assert any("-1b-" in x for x in labels) and any("-2b-" in x for x in labels)
     assert any(x.endswith("-masked") for x in labels)  # the corrected set's gather, too
     assert all(b["registers"] > 0 for b in built)  # ptxas's report was read

@@ -61,12 +61,14 @@ def guide_launches(d: int, nq: int, bits: int, group: int, k: int) -> list[trito
 
 
 def decode_buffers(d: int, bits: int, group: int, k: int, outliers: int) -> triton_decode.DecodeBuffers:
-    """A guided layer's buffers on the engine's CUDA types (bf16 exact K/V), 2 rows of 2 KV heads."""
+    """A guided layer's buffers on the engine's CUDA types (bf16 exact K/V), 2 rows of 2 KV heads; with outlier
+    channels also a rotation (the bits' defaults: both on)."""
     exact = lambda n: torch.zeros(2, 2, n, d, dtype=torch.bfloat16)  # noqa: E731
     side = OutlierKeys.empty(2, 2, CAPACITY, outliers, group, "cpu") if outliers else None
     return triton_decode.DecodeBuffers(
         quant.empty_keys(2, 2, CAPACITY, d, bits, group, "cpu"),
-        quant.empty_values(2, 2, CAPACITY, d, bits, value_group(group, d), "cpu"), side, None, exact(SINKS),
+        quant.empty_values(2, 2, CAPACITY, d, bits, value_group(group, d), "cpu"), side,
+        torch.eye(d) if outliers else None, exact(SINKS),
         exact(SINKS), SINKS, exact(k), exact(k), torch.zeros(2, 2, k, dtype=torch.long),
         torch.zeros(2, 2, k, dtype=torch.bool), exact(residual_slots(RESIDUAL, group, 2)),
         exact(residual_slots(RESIDUAL, group, 2)), torch.full((2,), CAPACITY, dtype=torch.long))
@@ -74,7 +76,7 @@ def decode_buffers(d: int, bits: int, group: int, k: int, outliers: int) -> trit
 
 def decode_launches(d: int, nq: int, bits: int, group: int, k: int) -> list[triton_build.Launch]:
     """The fused decode's launches (split, merge, select) for one shape, with the bits' default outlier channels
-    and without, recorded from engine/kvcache/triton_decode.py's decode."""
+    and a rotation and without, recorded from engine/kvcache/triton_decode.py's decode."""
     into: list[triton_build.Launch] = []
     for outliers in sorted({0, DEFAULT_OUTLIERS[bits]}):
         tag = f"d{d}-q{nq}-{bits}b-g{group}-o{outliers}"
