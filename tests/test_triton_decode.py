@@ -182,3 +182,55 @@ def test_selection_by_both_tokens_and_a_pass_that_selects_nothing(monkeypatch):
     out, none = triton_decode.decode(buffers(layer), triton_decode.DecodePass(qg, torch.tensor(START), 2, 0.2,
                                                                               max(QEND)))
     assert none is None and out.shape == (B, H, 8, D) and torch.isfinite(out).all()
+
+
+def drive(layer, steps: int, seed: int, monkeypatch, kernels: bool) -> list:
+    """A prompt of 150 tokens into one row and 170 into the other (update, after_step), then `steps` speculative
+    decode passes (two new tokens, the second selecting), each committing one -> their outputs and fetched sets;
+    through the Triton kernels (kernels) or the torch code."""
+    from engine.kvcache import guided, triton_layer
+    from engine.kvcache.passes import Step
+
+    monkeypatch.setattr(guided, "fused_applies", lambda *a: False)  # (the CPU's native call: not either of these)
+    monkeypatch.setattr(triton_layer, "DEVICES", {"cuda", "cpu"} if kernels else {"cuda"})
+    calls = []
+    monkeypatch.setattr(guided, "triton_attend", lambda *a: calls.append(1) or triton_layer.triton_attend(*a))
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [150, 170]
+    for row, n in enumerate(lengths):
+        kv = torch.randn(2, 1, H, n, D, generator=gen)
+        layer.update(kv[0], kv[1], Step(slice(row, row + 1), torch.tensor([0]), n, n, prefill=True))
+    layer.after_step(Step(slice(0, B), torch.tensor(lengths), 1, 1), layer.boundaries(lengths))
+    seen = []
+    for _ in range(steps):
+        step = Step(slice(0, B), torch.tensor(lengths), 2, 1, select=1)
+        kv = torch.randn(2, B, H, 2, D, generator=gen)
+        layer.update(kv[0], kv[1], step)
+        out = layer.attend(torch.randn(B, 2 * H, 2, D, generator=gen), 1 / math.sqrt(D), step)
+        lengths = [n + 1 for n in lengths]
+        layer.after_step(step, layer.boundaries(lengths))
+        seen.append((out, layer.fidx.clone(), layer.fvalid.clone()))
+    assert len(calls) == (steps if kernels else 0)
+    return seen
+
+
+def test_a_layer_decodes_through_the_kernels_as_through_torch(monkeypatch):
+    """SpecacheLayer.attend_decode with the kernels wired in (triton_layer: the CUDA layout on the CPU, the
+    interpreter running them) against the same layer's torch code: equal outputs each step and nearly the same
+    fetched sets, over passes where groups leave the window and the set feeds the next pass."""
+    from engine.config import CacheConfig
+    from engine.kvcache.transfer import Transfer
+
+    monkeypatch.setenv("SPECACHE_TRITON_DECODE", "1")
+    config = CacheConfig(mode="specache", bits=2, group=32, k=16, residual=16, sinks=4, chunk_size=192,
+                         correct=False, rotation="hadamard", outliers=2)
+    shape = ModelShape(1, 2 * H, H, D)
+    layers = [SpecacheLayer(shape, config, B, 512, torch.float32, torch.device("cpu"),
+                            Transfer(torch.device("cpu"), residual_in_store=False)) for _ in range(2)]
+    got = drive(layers[0], 4, 11, monkeypatch, kernels=True)
+    want = drive(layers[1], 4, 11, monkeypatch, kernels=False)
+    for (o1, i1, v1), (o2, i2, v2) in zip(got, want):
+        torch.testing.assert_close(o1, o2, atol=1.5e-2, rtol=1e-2)
+        same = sum(len(set(i1[r, h][v1[r, h]].tolist()) & set(i2[r, h][v2[r, h]].tolist()))
+                   for r in range(B) for h in range(H))
+        assert torch.equal(v1.sum(-1), v2.sum(-1)) and v2.sum() > 0 and same >= 0.9 * int(v2.sum())

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kvcache.codes import QuantizedKeys, QuantizedValues
-from engine.kvcache.guide_triton import MIN_DOT, _padded
+from engine.kvcache.guide_triton import MIN_DOT, _padded, launch
 from engine.kvcache.outliers import OutlierKeys
 
 PROGRAMS = 256  # splits per pass: enough (row, KV head, split) programs for this many at least
@@ -153,12 +153,12 @@ def _split(buf: DecodeBuffers, p: DecodePass, q, qr, held, geo: dict):
     acc = torch.empty(geo["splits"], b * h, geo["mp"], geo["bd"], dtype=torch.float32, device=q.device)
     head, side = _guide_args(buf, p, q, qr, held)
     _, count = _outlier_args(buf, p, held)
-    kernels()[0][(b * h, geo["splits"])](
-        *head, vc, vc.stride(0), vc.stride(1), vs, vz, vs.stride(0), vs.stride(1), *side, _rows(buf.qend, p), ml, acc,
+    ok = launch(
+        "decode", kernels()[0], (b * h, geo["splits"]), *head, vc, vc.stride(0), vc.stride(1), vs, vz, vs.stride(0), vs.stride(1), *side, _rows(buf.qend, p), ml, acc,
         h, m, d, buf.sinks, count, geo["per"], p.scaling, p.softcap or 0.0, G=buf.keys.group, GV=v.group,
         BITS=buf.keys.bits, BLOCK_N=geo["block"], BLOCK_D=geo["bd"], MP=geo["mp"], OP=geo["op"],
         HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, num_warps=geo["warps"])
-    return ml, acc
+    return (ml, acc) if ok else None
 
 
 def _exact_args(buf: DecodeBuffers, p: DecodePass) -> list:
@@ -192,24 +192,26 @@ def _merge(buf: DecodeBuffers, p: DecodePass, q, ml, acc, cand, geo: dict):
     out = torch.empty(b, h, m, d, dtype=torch.float32, device=q.device)
     guide = torch.empty_like(out) if buf.rotation is not None else out
     stat = torch.empty(b * h, 2, geo["mp"], dtype=torch.float32, device=q.device)
-    kernels()[1][(b * h,)](
-        q, q.stride(0), q.stride(1), *_exact_args(buf, p), _rows(buf.qend, p), p.start, ml, acc, out, guide, stat,
+    ok = launch(
+        "decode", kernels()[1], (b * h,), q, q.stride(0), q.stride(1), *_exact_args(buf, p), _rows(buf.qend, p), p.start, ml, acc, out, guide, stat,
         cand, ml.shape[0], h, m, d, min(buf.sinks, buf.sink_k.shape[2]), buf.fidx.shape[2],
         buf.res_k.shape[2], p.tokens, -1 if p.select_both else (p.select or 0), p.scaling, p.softcap or 0.0,
         MP=geo["mp"], BLOCK_D=geo["bd"], BLOCK_E=EXACT_BLOCK, SOFTCAP=p.softcap is not None,
         ROT=buf.rotation is not None, SELECT=_selects(p), num_warps=4)
+    if not ok:
+        return None
     if buf.rotation is not None:
         out += guide @ buf.rotation.T
     return out, stat
 
 
-def _select(buf: DecodeBuffers, p: DecodePass, q, qr, held, stat, cand, geo: dict) -> None:
+def _select(buf: DecodeBuffers, p: DecodePass, q, qr, held, stat, cand, geo: dict) -> bool:
     """Launch 3: each split's best guide-only positions for the selecting queries into cand."""
     b, h, m, d = p.q.shape
     head, side = _guide_args(buf, p, q, qr, held)
     _, count = _outlier_args(buf, p, held)
-    kernels()[2][(b * h, geo["splits"])](
-        *head, *side, _rows(buf.qend, p), stat, cand, h, m, d, buf.sinks, count, p.tokens,
+    return launch(
+        "decode", kernels()[2], (b * h, geo["splits"]), *head, *side, _rows(buf.qend, p), stat, cand, h, m, d, buf.sinks, count, p.tokens,
         -1 if p.select_both else p.select, geo["per"], p.scaling, p.softcap or 0.0, G=buf.keys.group,
         BITS=buf.keys.bits, BLOCK_N=geo["block"], BLOCK_D=geo["bd"], MP=geo["mp"], OP=geo["op"], CP=geo["cp"],
         HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, num_warps=geo["warps"])
@@ -236,20 +238,23 @@ def top_positions(keys: torch.Tensor, bound: torch.Tensor, sinks: int, k: int) -
     return idx, valid
 
 
-def decode(buf: DecodeBuffers, p: DecodePass) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def decode(buf: DecodeBuffers, p: DecodePass) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
     """One guided decode pass (module docstring) -> (output fp32 [b, H, G*T, D], the next fetched set
-    (idx, valid) [b, H, k] when p.select or p.select_both, else None)."""
+    (idx, valid) [b, H, k] when p.select or p.select_both, else None), or None where a kernel failed to launch
+    (said once on stderr by guide_triton.launch; the caller computes the pass otherwise)."""
     if kernels() is None:
         raise RuntimeError("the fused Triton decode needs Triton")
     geo = _geometry(buf, p)
     q, qr = _queries(buf, p)
     held = _held(buf, p)
-    ml, acc = _split(buf, p, q, qr, held, geo)
+    parts = _split(buf, p, q, qr, held, geo)
     guide_cand, exact_cand = _candidates(buf, p, geo)
-    out, stat = _merge(buf, p, q, ml, acc, exact_cand, geo)
-    if not _selects(p):
-        return out, None
-    _select(buf, p, q, qr, held, stat, guide_cand, geo)
+    merged = parts and _merge(buf, p, q, *parts, exact_cand, geo)
+    if not merged or not _selects(p):
+        return (merged[0], None) if merged else None
+    out, stat = merged
+    if not _select(buf, p, q, qr, held, stat, guide_cand, geo):
+        return None
     b, h = p.q.shape[:2]
     keys = torch.cat([guide_cand.view(b, h, -1), exact_cand.view(b, h, -1)], dim=-1)
     return out, top_positions(keys, p.bound, buf.sinks, buf.fidx.shape[2])
