@@ -5,11 +5,11 @@ token) on a layer assembled from a real Guide and exact buffers. Two rows of dif
 group leaves the residual window, so residual positions are candidates); 1- and 2-bit guides, outlier channels
 on and off, a rotation, a softcap, 1 to 8 queries per KV head, one or two new tokens.
 
-Tolerances: the guide's dots take fp16 operands (the scale folded into the queries, the values dequantized and
-the probabilities rounded to fp16), so outputs agree to 1.5e-2 absolute + 1e-2 relative (outputs of order 1 to 3; the same kernels with fp32
-operands agree to 1e-5, so the difference is the fp16 rounding) and
-the candidate weights to 2e-3 absolute; the fetched set agrees up to ties: the reference's weights of the
-positions picked are, sorted, its own top-k's to 2e-3."""
+Tolerances: the guide's dots take fp16 operands (the scaled queries split into two fp16 parts for the keys
+(PRECISE), the values dequantized and the probabilities rounded to fp16), so outputs (of order 1 to 3) agree to
+3e-3 absolute + 1e-3 relative; with one fp16 part (heads past triton_decode.PRECISE_HEAD) to 1.5e-2 + 1e-2 (the
+same kernels with fp32 operands agree to 1e-5: the rest is fp16's rounding). The fetched set agrees up to
+ties: the reference's weights of the positions picked are, sorted, its own top-k's to 2e-3."""
 from __future__ import annotations
 
 import math
@@ -118,12 +118,13 @@ def step_of(tokens: int, select: int | None):
 
 
 CASES = [  # bits, outliers, rotation, queries per KV head, tokens, softcap, programs a pass aims at (8: splits of
-    # several blocks, more positions than the k each split keeps; 256: a split a block)
-    (1, 0, "none", 1, 1, None, 8),
-    (2, 0, "none", 4, 2, None, 256),
-    (1, 4, "none", 3, 2, None, 8),
-    (2, 2, "hadamard", 8, 2, None, 256),
-    (1, 0, "hadamard", 2, 1, 30.0, 8),
+    # several blocks, more positions than the k each split keeps; 256: a split a block), precise key dots
+    (1, 0, "none", 1, 1, None, 8, True),
+    (2, 0, "none", 4, 2, None, 256, True),
+    (1, 4, "none", 3, 2, None, 8, True),
+    (2, 2, "hadamard", 8, 2, None, 256, True),
+    (1, 0, "hadamard", 2, 1, 30.0, 8, True),
+    (2, 2, "none", 4, 2, None, 8, False),
 ]
 
 
@@ -157,16 +158,17 @@ def assert_same_set(picked, cand, idx, valid):
     assert ((my_idx[1] >= QEND[1]) & my_valid[1]).any()  # positions of the group leaving the window
 
 
-@pytest.mark.parametrize("bits,outliers,rotation,group,tokens,softcap,programs", CASES)
+@pytest.mark.parametrize("bits,outliers,rotation,group,tokens,softcap,programs,precise", CASES)
 def test_fused_triton_decode_equals_the_torch_pass(bits, outliers, rotation, group, tokens, softcap, programs,
-                                                   monkeypatch):
+                                                   precise, monkeypatch):
     """Output and next fetched set of one pass (selected by the last new token), the interpreter's kernels
     against attend_decode's torch code."""
     monkeypatch.setattr(triton_decode, "PROGRAMS", programs)
+    monkeypatch.setattr(triton_decode, "PRECISE_HEAD", 128 if precise else 0)
     assert triton_decode._geometry(buffers(build(1, 0, "none", 0)[0]), SimpleNamespace(
         q=torch.zeros(B, H, 1, D), nq=max(QEND)))["per"] == (96 if programs == 8 else 32)
     got, want, picked, cand, idx, valid = run_both(bits, outliers, rotation, group, tokens, softcap, tokens - 1)
-    torch.testing.assert_close(got, want, atol=1.5e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, atol=3e-3 if precise else 1.5e-2, rtol=1e-3 if precise else 1e-2)
     assert_same_set(picked, cand, idx, valid)
 
 
@@ -175,7 +177,7 @@ def test_selection_by_both_tokens_and_a_pass_that_selects_nothing(monkeypatch):
     the same output)."""
     monkeypatch.setattr(triton_decode, "PROGRAMS", 8)
     got, want, picked, cand, idx, valid = run_both(2, 2, "none", 4, 2, None, 0, select_both=True)
-    torch.testing.assert_close(got, want, atol=1.5e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, atol=3e-3, rtol=1e-3)
     assert_same_set(picked, cand, idx, valid)
     layer, _ = build(2, 2, "none", seed=5)
     qg = torch.randn(B, H, 8, D, generator=torch.Generator().manual_seed(1))
@@ -227,10 +229,10 @@ def test_a_layer_decodes_through_the_kernels_as_through_torch(monkeypatch):
     shape = ModelShape(1, 2 * H, H, D)
     layers = [SpecacheLayer(shape, config, B, 512, torch.float32, torch.device("cpu"),
                             Transfer(torch.device("cpu"), residual_in_store=False)) for _ in range(2)]
-    got = drive(layers[0], 4, 11, monkeypatch, kernels=True)
-    want = drive(layers[1], 4, 11, monkeypatch, kernels=False)
+    got = drive(layers[0], 3, 11, monkeypatch, kernels=True)
+    want = drive(layers[1], 3, 11, monkeypatch, kernels=False)
     for (o1, i1, v1), (o2, i2, v2) in zip(got, want):
-        torch.testing.assert_close(o1, o2, atol=1.5e-2, rtol=1e-2)
+        torch.testing.assert_close(o1, o2, atol=3e-3, rtol=1e-3)
         same = sum(len(set(i1[r, h][v1[r, h]].tolist()) & set(i2[r, h][v2[r, h]].tolist()))
                    for r in range(B) for h in range(H))
         assert torch.equal(v1.sum(-1), v2.sum(-1)) and v2.sum() > 0 and same >= 0.9 * int(v2.sum())

@@ -38,6 +38,9 @@ from engine.kvcache.guide_triton import MIN_DOT, _padded, launch
 from engine.kvcache.outliers import OutlierKeys
 
 PROGRAMS = 256  # splits per pass: enough (row, KV head, split) programs for this many at least
+# the guide's key dots split the scaled queries into two fp16 parts (PRECISE) up to this head size (past it,
+# the second dot's registers spill: one fp16 dot, scores to fp16's rounding of the scaled queries)
+PRECISE_HEAD = 128
 EXACT_BLOCK = 16  # exact keys per block of the merge (more: spills at head_dim 128)
 
 
@@ -106,7 +109,7 @@ def _geometry(buf: DecodeBuffers, p: DecodePass) -> dict:
     per = -(-blocks // splits) * block
     return {"block": block, "splits": max(1, -(-max(p.nq, 1) // per)), "per": per, "mp": _padded(m, MIN_DOT),
             "bd": _padded(d, MIN_DOT), "op": MIN_DOT, "warps": 4 if d <= 64 else 8,
-            "cp": _padded(max(buf.fidx.shape[2], block), 1)}
+            "cp": _padded(max(buf.fidx.shape[2], block), 1), "precise": d <= PRECISE_HEAD}
 
 
 def _held(buf: DecodeBuffers, p: DecodePass) -> torch.Tensor:
@@ -157,7 +160,7 @@ def _split(buf: DecodeBuffers, p: DecodePass, q, qr, held, geo: dict):
         "decode", kernels()[0], (b * h, geo["splits"]), *head, vc, vc.stride(0), vc.stride(1), vs, vz, vs.stride(0), vs.stride(1), *side, _rows(buf.qend, p), ml, acc,
         h, m, d, buf.sinks, count, geo["per"], p.scaling, p.softcap or 0.0, G=buf.keys.group, GV=v.group,
         BITS=buf.keys.bits, BLOCK_N=geo["block"], BLOCK_D=geo["bd"], MP=geo["mp"], OP=geo["op"],
-        HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, num_warps=geo["warps"])
+        HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, PRECISE=geo["precise"], num_warps=geo["warps"])
     return (ml, acc) if ok else None
 
 
@@ -214,7 +217,7 @@ def _select(buf: DecodeBuffers, p: DecodePass, q, qr, held, stat, cand, geo: dic
         "decode", kernels()[2], (b * h, geo["splits"]), *head, *side, _rows(buf.qend, p), stat, cand, h, m, d, buf.sinks, count, p.tokens,
         -1 if p.select_both else p.select, geo["per"], p.scaling, p.softcap or 0.0, G=buf.keys.group,
         BITS=buf.keys.bits, BLOCK_N=geo["block"], BLOCK_D=geo["bd"], MP=geo["mp"], OP=geo["op"], CP=geo["cp"],
-        HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, num_warps=geo["warps"])
+        HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, PRECISE=geo["precise"], num_warps=geo["warps"])
 
 
 def unpack(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

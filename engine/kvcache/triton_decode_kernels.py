@@ -3,8 +3,9 @@ engine/kvcache/triton_decode.py). Imported only where they run (CUDA, or Triton'
 
 The guide's dots take fp16 operands on the tensor cores with fp32 accumulation: the key codes are small
 integers (exact in fp16) and the key scale is folded into the queries (a block of tokens lies inside one key
-group, so q . k = (q * s) . c + q . z), the outlier channels likewise; the values are dequantized in registers
-(c * s + z, rounded to fp16) and multiplied by the probabilities rounded to fp16. The exact part (sinks,
+group, so q . k = (q * s) . c + q . z), the outlier channels likewise, the scaled queries split into two fp16
+parts where the head is small enough for the second dot's registers (PRECISE); the values are dequantized in
+registers (c * s + z, rounded to fp16) and multiplied by the probabilities rounded to fp16. The exact part (sinks,
 fetched set, residual window) multiplies in the exact buffers' own type."""
 import triton
 import triton.language as tl
@@ -20,7 +21,20 @@ def _capped(s, scaling, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _key_scores(q, kc, ks, kz, n0, d, dm, D, G: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _codes_dot(qs, code, PRECISE: tl.constexpr):
+    """qs [MP, N] fp32 times small-integer codes [N, BLOCK] on fp16 tensor cores -> fp32; PRECISE: qs split into
+    its fp16 part and the fp16 of the rest, two dots (the codes are exact in fp16: nearly fp32's products)."""
+    hi = qs.to(tl.float16)
+    c = tl.trans(code.to(tl.float16))
+    out = tl.dot(hi, c)
+    if PRECISE:
+        out += tl.dot((qs - hi.to(tl.float32)).to(tl.float16), c)
+    return out
+
+
+@triton.jit
+def _key_scores(q, kc, ks, kz, n0, d, dm, D, G: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                PRECISE: tl.constexpr):
     """q [MP, BLOCK_D] fp32 against the quantized keys of tokens [n0, n0 + BLOCK_N) (inside one group) of
     one head (kc, ks, kz: the head's codes, scale, zero) -> raw scores [MP, BLOCK_N] fp32."""
     R: tl.constexpr = G // 8
@@ -33,13 +47,12 @@ def _key_scores(q, kc, ks, kz, n0, d, dm, D, G: tl.constexpr, BITS: tl.constexpr
         code += ((byte.to(tl.int32) >> (tt // R)[:, None]) & 1) << p
     s = tl.load(ks + j * D + d, mask=dm, other=0).to(tl.float32)
     z = tl.load(kz + j * D + d, mask=dm, other=0).to(tl.float32)
-    qs = (q * s[None, :]).to(tl.float16)
-    sc = tl.dot(qs, tl.trans(code.to(tl.float16)))
-    return sc + tl.sum(q * z[None, :], 1)[:, None]
+    return _codes_dot(q * s[None, :], code, PRECISE) + tl.sum(q * z[None, :], 1)[:, None]
 
 
 @triton.jit
-def _outlier_scores(qo, oc, os_, oz, n0, O, G: tl.constexpr, OP: tl.constexpr, BLOCK_N: tl.constexpr):
+def _outlier_scores(qo, oc, os_, oz, n0, O, G: tl.constexpr, OP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISE: tl.constexpr):
     """qo [MP, OP] (the queries at the outlier channels) against their 4-bit keys of tokens [n0, n0 + BLOCK_N)
     (oc: the head's codes, two channels a byte; os_, oz: scale and zero per group) -> [MP, BLOCK_N] fp32."""
     o = tl.arange(0, OP)
@@ -50,8 +63,7 @@ def _outlier_scores(qo, oc, os_, oz, n0, O, G: tl.constexpr, OP: tl.constexpr, B
     j = n0 // G
     s = tl.load(os_ + j * O + o, mask=om, other=0).to(tl.float32)
     z = tl.load(oz + j * O + o, mask=om, other=0).to(tl.float32)
-    qs = (qo * s[None, :]).to(tl.float16)
-    return tl.dot(qs, tl.trans(code.to(tl.float16))) + tl.sum(qo * z[None, :], 1)[:, None]
+    return _codes_dot(qo * s[None, :], code, PRECISE) + tl.sum(qo * z[None, :], 1)[:, None]
 
 
 @triton.jit
@@ -75,11 +87,11 @@ def _values(vc, vs, vz, n0, d, dm, D, GV: tl.constexpr, BITS: tl.constexpr, BLOC
 @triton.jit
 def _guide_scores(q, qo, kc, ks, kz, oc, os_, oz, n0, d, dm, D, O, scaling, softcap, G: tl.constexpr,
                   BITS: tl.constexpr, BLOCK_N: tl.constexpr, OP: tl.constexpr, HAS_OUT: tl.constexpr,
-                  SOFTCAP: tl.constexpr):
+                  SOFTCAP: tl.constexpr, PRECISE: tl.constexpr):
     """Scaled (and capped) guide scores of a block: the main guide plus the outlier channels."""
-    sc = _key_scores(q, kc, ks, kz, n0, d, dm, D, G, BITS, BLOCK_N)
+    sc = _key_scores(q, kc, ks, kz, n0, d, dm, D, G, BITS, BLOCK_N, PRECISE)
     if HAS_OUT:
-        sc += _outlier_scores(qo, oc, os_, oz, n0, O, G, OP, BLOCK_N)
+        sc += _outlier_scores(qo, oc, os_, oz, n0, O, G, OP, BLOCK_N, PRECISE)
     return _capped(sc, scaling, softcap, SOFTCAP)
 
 
@@ -100,7 +112,7 @@ def guide_split_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, ks_s
                        fm_sh, qend_ptr, ml_ptr, acc_ptr, H, M, D, S, O, SPLIT, scaling, softcap,
                        G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, MP: tl.constexpr, OP: tl.constexpr, HAS_OUT: tl.constexpr,
-                       SOFTCAP: tl.constexpr):
+                       SOFTCAP: tl.constexpr, PRECISE: tl.constexpr):
     """One (row, KV head, split) of the guide region: flash-decoding statistics (max, sum) and the value
     accumulator over the split's guide-only positions (neither a sink nor fetched, below the row's qend)."""
     bh, sp = tl.program_id(0), tl.program_id(1)
@@ -119,7 +131,7 @@ def guide_split_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, ks_s
         tok = n0 + tl.arange(0, BLOCK_N)
         s = _guide_scores(q, qo, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh,
                           oc + b * oc_sb + h * oc_sh, os_ + b * os_sb + h * os_sh, oz + b * os_sb + h * os_sh, n0, d,
-                          dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP, HAS_OUT, SOFTCAP)
+                          dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP, HAS_OUT, SOFTCAP, PRECISE)
         held = tl.load(fm + b * fm_sb + h * fm_sh + tok, mask=tok < hi, other=1)
         s = tl.where(((tok < hi) & (tok >= S) & (held == 0))[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -291,7 +303,7 @@ def select_weights_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, k
                           oc_sb, oc_sh, os_, oz, os_sb, os_sh, fm, fm_sb, fm_sh, qend_ptr, stat_ptr, cand, H, M, D, S,
                           O, T, sel, SPLIT, scaling, softcap, G: tl.constexpr, BITS: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MP: tl.constexpr, OP: tl.constexpr,
-                          CP: tl.constexpr, HAS_OUT: tl.constexpr, SOFTCAP: tl.constexpr):
+                          CP: tl.constexpr, HAS_OUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISE: tl.constexpr):
     """The next step's candidates of one (row, KV head, split): the selecting queries' probabilities in the one
     softmax (decode_merge_kernel's max and sum), summed per position over the guide-only positions; the split's
     CP largest kept as it goes (a sort of the running list and each block) and written as candidate keys (_keys)
@@ -312,7 +324,7 @@ def select_weights_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, k
         tok = n0 + tl.arange(0, BLOCK_N)
         s = _guide_scores(q, qo, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh,
                           oc + b * oc_sb + h * oc_sh, os_ + b * os_sb + h * os_sh, oz + b * os_sb + h * os_sh, n0, d,
-                          dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP, HAS_OUT, SOFTCAP)
+                          dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP, HAS_OUT, SOFTCAP, PRECISE)
         held = tl.load(fm + b * fm_sb + h * fm_sh + tok, mask=tok < hi, other=1)
         run = _top(run, _keys(_weights(s, picks, m, l_all), tok, (tok < hi) & (tok >= S) & (held == 0)), CP, BLOCK_N)
     tl.store(cand + (bh * tl.num_programs(1) + sp) * CP + tl.arange(0, CP), run)
