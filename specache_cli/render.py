@@ -194,6 +194,8 @@ def print_timings(result: Result) -> None:
         if c.get("acceptance_rate") is not None:  # exact mode: how well the drafts did
             line += (f", drafts accepted {100 * c['acceptance_rate']:.0f}%, {c['tokens_per_verify']:.1f} tokens "
                      f"per verification")
+        if c.get("backend"):
+            line += f" · kernels {c['backend']['name']}"
     err_console.print(line + "[/]", highlight=False, soft_wrap=True)
 
 

@@ -41,7 +41,7 @@ def test_integer_kernels_equal_their_reference_and_stay_within_the_bound(kind, b
     n, k = 136, 512
     held = held_from_raw(random_tensor(kind, n, k, seed=3), kind, n, k)
     x, bias = activations(5, k), torch.randn(n)
-    call = dk.DecodeCall(held, bias, f"int{bits}")
+    call = dk.decode_call(held, bias, f"int{bits}")
     assert call.kernel == f"int{bits}"
     got = call(x)
     ref = dk.int_reference(x, held, bias, bits)
@@ -58,7 +58,7 @@ def test_int16_activations_are_much_closer_to_the_exact_product_than_int8():
     held = held_from_raw(random_tensor(Q.Q5_0, n, k, seed=1), Q.Q5_0, n, k)
     x = activations(1, k, seed=2)
     exact = held.decode(x, None)
-    err = {bits: (dk.DecodeCall(held, None, f"int{bits}")(x) - exact).norm() / exact.norm() for bits in (8, 16)}
+    err = {bits: (dk.decode_call(held, None, f"int{bits}")(x) - exact).norm() / exact.norm() for bits in (8, 16)}
     assert err[16] < err[8] / 50 and err[16] < 1e-4
 
 
@@ -114,11 +114,11 @@ def test_a_held_linear_takes_the_chosen_kernel_in_decode_and_the_exact_one_in_pr
 
 def test_the_lean_call_declines_what_it_cannot_read():
     held = held_from_raw(random_tensor(Q.Q8_0, 32, 64), Q.Q8_0, 32, 64)
-    call = dk.DecodeCall(held, None, "int8")
+    call = dk.decode_call(held, None, "int8")
     assert call(torch.randn(9, 64)) is None  # more than 8 rows
     assert call(torch.randn(2, 64).double()) is None
     assert call(torch.randn(64, 2).t()) is None  # not contiguous
     assert call(torch.randn(2, 32)) is None  # wrong width
-    assert dk.decode_call(held, None, "int8").kernel == "int8"
+    assert call.kernel == "int8"
     dense = held_from_raw(random_tensor(Q.F32, 32, 64), Q.F32, 32, 64)
     assert dk.decode_call(dense, None, "int8") is None  # fp32 weights: the general path

@@ -10,6 +10,7 @@ from transformers import Gemma3TextConfig, MistralConfig
 from typer.testing import CliRunner
 
 from engine import native
+from engine.backends import kernels
 from engine.config import CacheConfig
 from engine.generate.steps import prefill
 from engine.kvcache import layer_classes, make_cache, sliding
@@ -205,11 +206,12 @@ def test_a_bf16_prefill_chunk_of_a_window_layer_takes_the_bf16_kernel_within_bf1
 
 
 def test_the_sliding_kernel_is_chosen_per_device_from_the_table(monkeypatch):
-    """The table names the CPU's kernel; a device it does not name, and a CPU without the library, take torch."""
+    """The backends' table names the CPU's; a device it does not name, and a CPU without the library, take torch."""
     assert sliding.sliding_kernel(torch.device("meta")) == "torch"
     monkeypatch.setattr(native, "lib", lambda: None)
     assert sliding.sliding_kernel(torch.device("cpu")) == "torch"
     monkeypatch.setattr(native, "lib", lambda: object())
     assert sliding.sliding_kernel(torch.device("cpu")) == "native"
-    monkeypatch.setitem(sliding.SLIDING_KERNELS, "cpu", "torch")
+    monkeypatch.setattr(kernels, "backends", lambda: {})  # a table that names no backend for the CPU
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
     assert sliding.sliding_kernel(torch.device("cpu")) == "torch"

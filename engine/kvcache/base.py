@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache
 
+from engine.backends.kernels import describe
 from engine.config import CacheConfig
 from engine.kvcache.passes import (  # noqa: F401  (part of this module's API: the layers import them here)
     SDPA_BACKENDS,
@@ -288,6 +289,7 @@ class KVCache(Cache):
             stats["sliding_window_layers"] = len(windows)
             stats.update(windows[0].run_stats(windows))  # (the window, and the kernel its decode passes take)
         stats.update(self.decode_stats)
+        stats["backend"] = describe(self.lengths.device)
         return stats
 
     def allocated_device_bytes(self) -> int:

@@ -10,6 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import native
+from engine.backends.kernels import backend_for
 
 
 @dataclass(frozen=True)
@@ -227,11 +228,9 @@ def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, t
     contiguous rows, holding every position first..start+T-1 once, in order (the chunk's own last).
     -> [1, H_kv, G*T, D] fp32, or None where the kernel does not apply (no native library or no
     AVX512-BF16, other layouts, a window under 64): the caller then takes the exact path."""
-    lib = native.lib()
     pieces = [(k, v) for k, v in pieces if k.shape[2]]
     b, h, t, d = q.shape
-    if lib is None or b != 1 or not 1 <= len(pieces) <= 3 or d % 32 or d > 256 or 0 < window < 64 or \
-            not 0 <= first <= start or not lib.specache_prefill_attention_available():
+    if b != 1 or not 1 <= len(pieces) <= 3 or d % 32 or d > 256 or 0 < window < 64 or not 0 <= first <= start:
         return None
     dtype = pieces[0][0].dtype
     if dtype not in (torch.float32, torch.bfloat16) or any(x.dtype != dtype or x.stride(-1) != 1
@@ -240,19 +239,8 @@ def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, t
         return None
     if sum(k.shape[2] for k, _ in pieces) != start + t - first:
         return None
-    hk = pieces[0][0].shape[1]
-    qg = grouped_query(q, hk).float().contiguous()  # [1, H_kv, G*T, D]
-    out = torch.empty_like(qg)
-    args = native.PrefillArgs(H=hk, G=h // hk, T=t, D=d, start=start, npieces=len(pieces),
-                              src_bf16=int(dtype == torch.bfloat16), nthreads=native.threads(), first=first,
-                              window=window, scaling=scaling,
-                              q=qg.data_ptr(), q_sh=qg.stride(1), out=out.data_ptr())
-    for i, (k, v) in enumerate(pieces):
-        args.k[i], args.v[i] = k.data_ptr(), v.data_ptr()
-        args.n[i], args.sr[i], args.sh[i] = k.shape[2], k.stride(2), k.stride(1)
-    if lib.specache_prefill_attention(args) != 0:
-        return None
-    return out
+    qg = grouped_query(q, pieces[0][0].shape[1]).float().contiguous()  # [1, H_kv, G*T, D]
+    return backend_for(q.device).prefill_attention(qg, pieces, scaling, start, first, window)
 
 
 # The code of a bf16 prefill chunk's attention (prepare_model's prefill dtype: where the CPU has native bf16), by

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from engine import native
+from engine.backends.kernels import backend_for
 from engine.kvcache import codes, guide_triton
 from engine.kvcache.codes import (
     _VR,
@@ -122,52 +123,9 @@ def _torch_scores(q: Tensor, qk: QuantizedKeys, n: int, dtype: torch.dtype) -> T
     return out.view(b, h, nq, n)
 
 
-def _inner_contiguous(t: Tensor, dim: int) -> bool:
-    """True when dims [dim:] of t are laid out contiguously (strides of size-1 dims do not matter)."""
-    if t.is_contiguous():  # the usual case: a batch-row slice of a guide buffer
-        return True
-    expected = 1
-    for size, stride in reversed(list(zip(t.shape[dim:], t.stride()[dim:]))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _native_guide(kernel: str, x: Tensor, qg: QuantizedKeys | QuantizedValues, n: int, tail: tuple[int, ...],
-                  groups: int) -> Tensor | None:
-    """One of the native guide kernels (``kernel``: its C name) over x [B, H, Q, *] and the guide ``qg``: fp32
-    [B, H, Q, n] scores or [B, H, Q, D] weighted values, or None when the library is unavailable or the layout
-    does not apply (``tail``: the codes' shape after [B, H, blocks]; ``groups``: the scale's last dim)."""
-    lib = native.lib()
-    if lib is None:
-        return None
-    b, h, nq, _ = x.shape
-    d, g, bits = qg.head_dim, qg.group, qg.bits
-    codes, scale, zero = qg.codes, qg.scale, qg.zero
-    if (codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
-            or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != tail
-            or scale.shape[3] != groups or zero.shape != scale.shape or zero.stride() != scale.stride()
-            or not _inner_contiguous(codes, 2) or not _inner_contiguous(scale, 2)):
-        return None
-    xf = x if x.dtype == torch.float32 else x.float()
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
-    width = n if isinstance(qg, QuantizedKeys) else d
-    out = torch.empty(b, h, nq, width, dtype=torch.float32)
-    rc = getattr(lib, kernel)(
-        xf.data_ptr(), xf.stride(0), xf.stride(1), xf.stride(2),
-        codes.data_ptr(), codes.stride(0), codes.stride(1), scale.data_ptr(), zero.data_ptr(),
-        scale.stride(0), scale.stride(1), out.data_ptr(), b, h, nq, d, n, g, bits, native.threads())
-    return out if rc == 0 else None
-
-
 def _native_scores(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor | None:
-    """``guide_scores`` by the native kernel, or None when it is unavailable or does not apply."""
-    d = q.shape[-1]
-    if d % 8 or d > 1024:
-        return None
-    return _native_guide("specache_guide_scores", q, qk, n, (qk.bits, qk.group // 8, d), d)
+    """``guide_scores`` by the CPU's backend (engine.backends.native_cpu), or None where it does not apply."""
+    return backend_for("cpu").guide_scores(q, qk, n)
 
 
 def guide_scores_reference(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor:
@@ -237,9 +195,8 @@ def _torch_weighted_values(p: Tensor, qv: QuantizedValues, n: int, dtype: torch.
 
 
 def _native_weighted_values(p: Tensor, qv: QuantizedValues, n: int) -> Tensor | None:
-    """``guide_weighted_values`` by the native kernel, or None when unavailable / not applicable."""
-    d = qv.head_dim
-    return _native_guide("specache_guide_weighted_values", p, qv, n, (qv.bits, _VR, d), d // qv.group)
+    """``guide_weighted_values`` by the CPU's backend, or None where it does not apply."""
+    return backend_for("cpu").guide_values(p, qv, n)
 
 
 def guide_weighted_values_reference(p: Tensor, qv: QuantizedValues, n: int) -> Tensor:

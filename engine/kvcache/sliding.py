@@ -11,11 +11,9 @@ from position s writes slots of positions up to s + T - 1 - capacity, and its fi
 positions from s - W + 1, so capacity >= W + T - 1 suffices (sizes.sliding_slots)."""
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from engine import native
+from engine.backends.kernels import backend_for
 
 from engine.config import CacheConfig
 from engine.kvcache.base import (
@@ -33,19 +31,12 @@ from engine.kvcache.sizes import layer_kv_bytes_per_token, sliding_kept_tokens, 
 from engine.kvcache.transfer import Transfer
 
 
-# The code that computes a sliding-window layer's decode attention, by device type: "native", the C kernel
-# (engine/native/guide_kernels.c specache_sliding_attention: one call per layer and pass instead of ~10 torch
-# ops; Gemma 3 270M's 15 window layers took ~23% of a decode step in torch, bench-results/gemma3-llama-cpp.md),
-# where the library is built; every other device, and a CPU without it, the torch reference
-# (SlidingWindowLayer.attend_torch). sliding_kernel() says which one a run gets (--json: run_stats).
-SLIDING_KERNELS = {"cpu": "native"}
-
-
 def sliding_kernel(device: torch.device) -> str:
-    """Which code decodes the sliding-window layers on this device: "native" or "torch" (SLIDING_KERNELS)."""
-    if SLIDING_KERNELS.get(device.type) == "native" and native.lib() is not None:
-        return "native"
-    return "torch"
+    """Which code decodes the sliding-window layers on this device (--json: run_stats): its backend's
+    (engine.backends: "native" on a CPU with the library, one call per layer and pass instead of ~10 torch
+    ops), else "torch", the reference (SlidingWindowLayer.attend_torch)."""
+    backend = backend_for(device)
+    return backend.implements()["sliding_attention"] if backend.available() else "torch"
 
 
 class SlidingWindowLayer(CacheLayer):
@@ -99,7 +90,7 @@ class SlidingWindowLayer(CacheLayer):
         """q [b, H, T, D] -> [b, T, H, D]: exact attention over the ring, masked to each query's window. A
         decode pass (fp32) takes the device's kernel (sliding_kernel), else the torch reference."""
         if not step.prefill and not step.fixed and q.dtype == torch.float32 and self.k.dtype == torch.float32 \
-                and sliding_kernel(q.device) == "native":
+                and sliding_kernel(q.device) != "torch":
             return self.attend_native(q, scaling, step, softcap)
         if step.prefill and step.compute == torch.bfloat16 and softcap is None and q.shape[0] == 1 and q.is_cpu:
             out = self.attend_prefill_bf16(q, scaling, step)
@@ -128,18 +119,9 @@ class SlidingWindowLayer(CacheLayer):
         qg = grouped_query(q, self.shape.kv_heads)  # [b, H_kv, G*T, D]
         if qg.stride(3) != 1 or qg.stride(2) != qg.shape[3]:
             qg = qg.contiguous()
-        start = step.start.to(torch.long).contiguous()
-        b, h, nq, d = qg.shape
-        out = torch.empty(b, h, nq, d, dtype=torch.float32)
-        k, v, pos = self.k, self.v, self.pos
-        a = native.SlidingArgs(B=b, H=h, G=self.shape.group, T=step.n_new, D=d, C=k.shape[2], W=self.window,
-                               row0=step.rows.start, nthreads=native.threads(), scaling=scaling,
-                               softcap=softcap or 0.0, q=qg.data_ptr(), q_sb=qg.stride(0), q_sh=qg.stride(1),
-                               k=k.data_ptr(), v=v.data_ptr(), k_sb=k.stride(0), k_sh=k.stride(1), pos=pos.data_ptr(),
-                               pos_sb=pos.stride(0), start=start.data_ptr(), out=out.data_ptr())
-        rc = native.lib().specache_sliding_attention(ctypes.byref(a))
-        if rc != 0:
-            raise RuntimeError(f"native sliding-window attention failed (rc {rc})")
+        out = backend_for(q.device).sliding_attention(self, qg, scaling, step, softcap)
+        if out is None:  # (the backend declined these inputs)
+            return self.attend_torch(q, scaling, step, softcap)
         return ungroup_output(out, self.shape.heads, step.n_new)
 
     def attend_torch(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import native
+from engine.backends.kernels import backend_for
 
 BLOCK = 32
 Q40_FMT, Q41_FMT, Q80_FMT, Q50_FMT, Q51_FMT = 2, 3, 9, 10, 11  # a GGUF's own 32-weight blocks (linear_kernels.c)
@@ -32,8 +32,7 @@ def native_rows(data: torch.Tensor, fmt: int, n0: int, n1: int, k: int,
     on the way). Needs the native library."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native_rows rebuilds fp32 or bf16, not {dtype}")
-    out = torch.empty(n1 - n0, k, dtype=dtype)
-    rc = native.lib().specache_unpack(data.data_ptr(), fmt, n0, n1, k, out.data_ptr(), int(dtype == torch.bfloat16),
-                                      native.threads())
-    assert rc == 0, f"specache_unpack: rc {rc}"
+    out = backend_for("cpu").unpack_rows(data, fmt, n0, n1, k, dtype)
+    if out is None:
+        raise RuntimeError("native_rows needs the native library")
     return out

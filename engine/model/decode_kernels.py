@@ -32,6 +32,7 @@ import os
 import torch
 
 from engine import native
+from engine.backends.kernels import backend_for
 
 ENV = "SPECACHE_DECODE_LINEAR"
 CHOICES = ("exact", "int8", "int16")
@@ -58,41 +59,15 @@ def choose(setting: str | None = None) -> str:
     return raw
 
 
-class DecodeCall:
-    """x [..., K] (1-8 rows, fp32, contiguous) @ W^T (+ bias) by one native kernel on a held block weight,
-    with the kernel, the weight's pointer, format and shape and the bias bound once: a decode step makes
-    ~130 (Gemma 3 270M) to ~210 (SmolLM2) of these calls. Returns None where it does not apply (the caller's
-    general path then runs)."""
-
-    __slots__ = ("fn", "fixed", "bias", "n", "k", "kernel", "held", "tail")
-
-    def __init__(self, held, bias: torch.Tensor | None, kernel: str):
-        lib = native.lib()
-        self.kernel, self.held = kernel, held  # held: kept alive with the pointer bound below
-        self.fn = lib.specache_int8_linear if kernel in BITS else lib.specache_packed_linear
-        self.tail = (BITS[kernel],) if kernel in BITS else ()
-        self.n, self.k = held.shape
-        self.fixed = (held.data.data_ptr(), held.fmt, self.n, self.k)
-        self.bias = bias.data_ptr() if bias is not None else None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        rows = x.numel() // self.k
-        if not 0 < rows <= 8 or x.shape[-1] != self.k or x.dtype != torch.float32 or not x.is_contiguous():
-            return None
-        y = torch.empty(*x.shape[:-1], self.n)
-        rc = self.fn(x.data_ptr(), self.k, rows, *self.fixed, self.bias, y.data_ptr(), self.n, native.threads(),
-                     *self.tail)
-        return y if rc == 0 else None
-
-
-def decode_call(held, bias: torch.Tensor | None, kernel: str) -> DecodeCall | None:
+def decode_call(held, bias: torch.Tensor | None, kernel: str):
     """The bound call for a held weight under the chosen kernel; None where neither native kernel takes it
     (no native library, a dense fp32 weight, a bias the kernel cannot read)."""
-    if native.lib() is None or not hasattr(held, "fmt") or not hasattr(held, "data"):
+    if not hasattr(held, "fmt") or not hasattr(held, "data"):
         return None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.device.type != "cpu"):
         return None
-    return DecodeCall(held, bias, kernel if kernel in BITS and held.fmt in INT8_FMTS else "exact")
+    bits = BITS[kernel] if kernel in BITS and held.fmt in INT8_FMTS else None
+    return backend_for("cpu").bind_linear(held, bias, bits)
 
 
 def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import native
+from engine.backends.kernels import backend_for
 from engine.model.linear_passes import IN_PREFILL
 
 MAX_ROWS = 64  # decode rows (batch x tokens of a step) the native calls take; more: the torch path
@@ -26,16 +26,7 @@ def _takes(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, res: torch.Tensor | None = None) -> torch.Tensor | None:
     """res + (x * rsqrt(mean(x^2) + eps)) * scale over the last dim of x (fp32, contiguous, 1-64 rows, outside a
     prefill pass) by the native call; None where it does not apply (the caller's torch path then runs)."""
-    lib = native.lib()
-    if lib is None or not _takes(x) or scale.dtype != torch.float32 or not scale.is_contiguous():
-        return None
-    if res is not None and (res.shape != x.shape or res.dtype != torch.float32 or not res.is_contiguous()):
-        return None
-    n = x.shape[-1]
-    out = torch.empty_like(x)
-    rc = lib.specache_rms_norm(x.data_ptr(), scale.data_ptr(), None if res is None else res.data_ptr(),
-                               out.data_ptr(), x.numel() // n, n, eps)
-    return out if rc == 0 else None
+    return backend_for(x.device).rms_norm(x, scale, eps, res) if _takes(x) else None
 
 
 def norm_rope(parts: tuple[tuple[torch.Tensor, torch.Tensor | None], ...], head_dim: int, eps: float,
@@ -43,8 +34,7 @@ def norm_rope(parts: tuple[tuple[torch.Tensor, torch.Tensor | None], ...], head_
     """In place, for each (y, scale) of parts, y [b, T, heads * head_dim] a projection's output: each head's RMSNorm
     by scale (skipped for None), then the rope of cos / signed sin [b or 1, 1, T, head_dim] (rope_tables).
     False, touching nothing, where the native call does not take every part (the caller's torch path then runs)."""
-    lib = native.lib()
-    if lib is None or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+    if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
         return False
     b, t = parts[0][0].shape[0], parts[0][0].shape[1]
     if cos.shape != sin.shape or cos.shape[-2:] != (t, head_dim) or cos.shape[0] not in (1, b):
@@ -54,14 +44,7 @@ def norm_rope(parts: tuple[tuple[torch.Tensor, torch.Tensor | None], ...], head_
             return False
         if scale is not None and (scale.dtype != torch.float32 or not scale.is_contiguous()):
             return False
-    cs_rows = cos.shape[0] * t
-    for y, scale in parts:
-        rc = lib.specache_norm_rope(y.data_ptr(), b * t, y.shape[-1] // head_dim, head_dim,
-                                    None if scale is None else scale.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
-                                    cs_rows)
-        if rc != 0:
-            raise RuntimeError(f"native norm and rope failed (rc {rc})")
-    return True
+    return backend_for(cos.device).norm_rope(parts, head_dim, eps, cos, sin)
 
 
 def use_decode_norms(model: torch.nn.Module, on: bool) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import native
+from engine.backends.kernels import backend_for
 from engine.model.block_formats import (BF16_FMT, BLOCK, CODE_BYTES, F16_FMT, FORMAT_NAMES, FORMATS,
                                         GGUF_BLOCK_FMTS, HALF_FMTS, MIN_FMTS, Q40_FMT, Q50_FMT, Q51_FMT, Q80_FMT,
                                         native_rows)
@@ -30,10 +30,9 @@ class PackedWeight:
     shape: tuple[int, int]
 
     def __post_init__(self) -> None:
-        # the kernel and the arguments that never change, bound once (a decode step makes ~200 calls)
-        lib = native.lib()  # None without the native library: rows rebuilt by torch, no decode kernel
-        object.__setattr__(self, "_kernel", lib.specache_packed_linear if lib is not None else None)
-        object.__setattr__(self, "_fixed", (self.data.data_ptr(), self.fmt, self.shape[0], self.shape[1]))
+        # the kernel and the arguments that never change, bound once (a decode step makes ~200 calls); None
+        # without the native library: rows rebuilt by torch, no decode kernel
+        object.__setattr__(self, "_kernel", backend_for(self.data.device).bind_packed(self.data, self.fmt, self.shape))
 
     @property
     def nbytes(self) -> int:
@@ -44,11 +43,7 @@ class PackedWeight:
         (The per-call checks are few: a decode step makes ~200 of these calls.)"""
         if self._kernel is None or x.dim() != 2 or x.shape[1] != self.shape[1] or not _kernel_takes(x, bias):
             return None
-        rows, n = x.shape[0], self.shape[0]
-        y = torch.empty(rows, n, dtype=torch.float32)
-        rc = self._kernel(x.data_ptr(), x.stride(0), rows, *self._fixed, bias.data_ptr() if bias is not None else None,
-                          y.data_ptr(), n, native.threads())
-        return y if rc == 0 else None
+        return self._kernel(x, bias)
 
     @property
     def kind(self) -> str:
@@ -152,16 +147,11 @@ HeldWeight = PackedWeight | DenseWeight  # what a weightless SkinnyLinear comput
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """Pack an fp32 CPU weight [N, K] whose values are exactly affine4 (tried first) or scaled8
     blocks; None if neither fits, K is not a multiple of 32, or the native kernels are missing."""
-    lib = native.lib()
-    if (lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
             or not weight.is_contiguous() or weight.shape[1] % BLOCK or weight.shape[1] < BLOCK):
         return None
-    n, k = weight.shape
-    for fmt, packer in ((4, lib.specache_pack_affine4), (8, lib.specache_pack_scaled8)):
-        data = torch.empty(n, k // BLOCK * FORMATS[fmt], dtype=torch.uint8)
-        if packer(weight.data_ptr(), n, k, data.data_ptr()) == 0:
-            return PackedWeight(fmt, data, (n, k))
-    return None
+    packed = backend_for(weight.device).pack_weight(weight, FORMATS)
+    return PackedWeight(packed[0], packed[1], tuple(weight.shape)) if packed is not None else None
 
 
 def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -174,16 +164,10 @@ def _kernel_takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [R <= 8, K] @ weight[N, K]^T (+ bias) by the native kernel; None where it does not apply
     (not available, not fp32, not contiguous, or gradients wanted)."""
-    lib = native.lib()
-    if lib is None or weight.dtype != torch.float32 or not weight.is_contiguous() or not _kernel_takes(x, bias) \
+    if weight.dtype != torch.float32 or not weight.is_contiguous() or not _kernel_takes(x, bias) \
             or (weight.requires_grad and torch.is_grad_enabled()):
         return None
-    rows, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(rows, n, dtype=torch.float32)
-    rc = lib.specache_skinny_linear(x.data_ptr(), x.stride(0), rows, weight.data_ptr(), n, k,
-                                    bias.data_ptr() if bias is not None else None, y.data_ptr(), n, native.threads())
-    return y if rc == 0 else None
+    return backend_for(weight.device).linear(x, weight, bias)
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:

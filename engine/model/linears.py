@@ -25,7 +25,8 @@ import torch
 
 from engine.native import calibrate
 from engine.native.calibrate import skinny_torch_linear
-from engine.model.decode_kernels import DecodeCall, decode_call
+from engine.backends.native_cpu import DecodeCall
+from engine.model.decode_kernels import decode_call
 from engine.model.held_weights import HeldWeight, PackedWeight, native_linear, pack_weight
 from engine.model.linear_passes import IN_PREFILL, ROW_INVARIANT
 

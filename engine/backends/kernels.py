@@ -1,0 +1,137 @@
+"""The device kernels' contract: one `Kernels` class whose methods are the engine's hot spots, implemented
+by a backend module each, the backend chosen once per device type from one declared table.
+
+Every hook takes torch tensors and returns the hook's result, or None (False for an in-place hook) where
+this backend does not take the call (no library, a layout or dtype it lacks): the caller then runs its
+torch code, which is the reference of that hook and lives beside the caller (engine.kvcache.quant's
+_torch_scores, a layer's attend_torch, a module's forward). `Kernels` itself is that reference backend:
+every hook declines. The hooks:
+
+  guide_scores(q, keys, n)                   q @ K^T over a guide's packed 1/2-bit keys    engine.kvcache.quant
+  guide_values(p, values, n)                 p @ V over its packed values                  engine.kvcache.quant
+  sliding_attention(layer, qg, scaling, step, softcap)  a window layer's decode pass       engine.kvcache.sliding
+  prefill_attention(qg, pieces, ...)         a bf16 prefill chunk's causal attention       engine.kvcache.passes
+  rms_norm(x, scale, eps, res)               a decode step's RMSNorm (+ residual)          engine.model.decode_norms
+  norm_rope(parts, head_dim, eps, cos, sin)  a step's head norms and rope, in place        engine.model.decode_norms
+  linear(x, weight, bias)                    a step's few rows @ an fp32 weight            engine.model.held_weights
+  bind_linear(held, bias, bits)              a bound call for a held block weight's rows   engine.model.decode_kernels
+  bind_packed(data, fmt, shape)              a packed weight's bound exact call            engine.model.held_weights
+  unpack_rows(data, fmt, n0, n1, k, dtype)   a held block weight's rows rebuilt            engine.model.block_formats
+  pack_weight(weight, record_bytes)          an fp32 weight repacked as exact blocks       engine.model.held_weights
+
+A backend is one module of this package whose Kernels subclass is registered (`@register`) with its
+`name`, the device types it serves (`devices`) and its `rank` among them; `backends()` is the table they make
+(device type -> the backends in rank order), found by importing the package's modules, so a new backend is
+one new file. `backend_for(device)` chooses the first available one once per device type and process, and
+`describe` names the choice (the cache's stats: the timing line and --json).
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import ClassVar
+
+import torch
+
+HOOKS = ("guide_scores", "guide_values", "sliding_attention", "prefill_attention", "rms_norm", "norm_rope", "linear",
+         "bind_linear", "bind_packed", "unpack_rows", "pack_weight")
+PACKAGE = "engine.backends"
+REGISTERED: dict[str, type] = {}  # name -> the registered Kernels subclass
+_CHOSEN: dict[str, "Kernels"] = {}
+
+
+class Kernels:
+    """The reference backend, and the contract every backend implements (see the module's docstring)."""
+
+    name: ClassVar[str] = "torch"
+    devices: ClassVar[tuple[str, ...]] = ()  # device types it serves (the reference serves every one)
+    rank: ClassVar[int] = 0  # its place among a device's backends: lowest first
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this backend runs in this process (its library built, its compiler present)."""
+        return True
+
+    def guide_scores(self, q, keys, n):
+        return None
+
+    def guide_values(self, p, values, n):
+        return None
+
+    def sliding_attention(self, layer, qg, scaling, step, softcap):
+        return None
+
+    def prefill_attention(self, qg, pieces, scaling, start, first, window):
+        return None
+
+    def rms_norm(self, x, scale, eps, res):
+        return None
+
+    def norm_rope(self, parts, head_dim, eps, cos, sin):
+        return False
+
+    def linear(self, x, weight, bias):
+        return None
+
+    def bind_linear(self, held, bias, bits):
+        return None
+
+    def bind_packed(self, data, fmt, shape):
+        return None
+
+    def unpack_rows(self, data, fmt, n0, n1, k, dtype):
+        return None
+
+    def pack_weight(self, weight, record_bytes):
+        return None
+
+    def implements(self) -> dict[str, str]:
+        """hook -> the backend whose code runs it: this one's where it defines the hook, else "torch"."""
+        return {hook: self.name if getattr(type(self), hook) is not getattr(Kernels, hook) else Kernels.name
+                for hook in HOOKS}
+
+
+REFERENCE = Kernels()
+
+
+def register(cls: type) -> type:
+    """Class decorator: a backend module's Kernels subclass, by its name."""
+    if not issubclass(cls, Kernels) or cls.name in REGISTERED:
+        raise ValueError(f"backend {cls.name!r}: not a Kernels subclass, or registered twice")
+    REGISTERED[cls.name] = cls
+    return cls
+
+
+def backends() -> dict[str, list[type]]:
+    """The table: device type -> its backends in rank order, from every module of this package."""
+    for module in pkgutil.iter_modules(importlib.import_module(PACKAGE).__path__):
+        importlib.import_module(f"{PACKAGE}.{module.name}")
+    table: dict[str, list[type]] = {}
+    for cls in sorted(REGISTERED.values(), key=lambda c: (c.rank, c.name)):
+        for kind in cls.devices:
+            table.setdefault(kind, []).append(cls)
+    return table
+
+
+def backend_for(device: torch.device | str) -> Kernels:
+    """The device type's backend (the first available one of backends(), chosen once), else the reference."""
+    kind = torch.device(device).type
+    if kind not in _CHOSEN:
+        chosen = next((cls for cls in backends().get(kind, ()) if cls.available()), None)
+        if chosen is None:
+            return REFERENCE  # (not kept: a library may still come, as a test's stand-in does)
+        _CHOSEN[kind] = chosen()
+    return _CHOSEN[kind]
+
+
+def forget() -> None:
+    """Choose again on the next backend_for (tests that switch a library off)."""
+    _CHOSEN.clear()
+
+
+def describe(device: torch.device | str) -> dict:
+    """The device's backend and the hooks its torch reference runs instead (the cache's stats: --json)."""
+    backend = backend_for(device)
+    name = backend.name if backend.available() else Kernels.name
+    return {"name": name, "reference_hooks": [hook for hook, by in backend.implements().items()
+                                              if by == Kernels.name or name == Kernels.name]}
