@@ -15,6 +15,7 @@ PACKAGES = ("engine", "specache_cli", "profiles")
 LAYERS = [
     {"engine", "engine.errors", "engine.config", "engine.paths", "engine.machine"},
     {"engine.native"},
+    {"engine.backends"},
     {"engine.inputs"},
     {"engine.model"},
     {"engine.kvcache"},
