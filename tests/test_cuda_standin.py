@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from engine.backends.streams import SYNC, StandinStreams, SyncStreams, streams_for
+from engine.config import CacheConfig, GenerationConfig
 from engine.errors import DoesNotFit
 from engine.kvcache import guide_triton
 from engine.kvcache.transfer import HostStore, Transfer, overlap_share
+from tests.conftest import cuda_layout
 
 CPU = torch.device("cpu")
 BOUND = 1.0  # seconds every stand-in wait may take in these tests before it fails
@@ -200,7 +202,6 @@ def test_a_held_side_stream_is_waited_for_not_read_stale():
     store.transfer.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the in-place gather never marks its prefetch issued: the next wait hangs")
 def test_the_in_place_prefetch_is_fetched_without_a_deadlock(kernel_gather):
     """The pinned store read in place by the gather kernel on the side stream (no worker thread), then the
     next prefetch and the fetch of the set: each returns (a prefetch marked pending but never issued would
@@ -270,3 +271,86 @@ def test_pinning_more_than_may_be_pinned_is_refused_before_anything_is_pinned():
     streams.pin(transfer._mappings[0].address, 1)  # (pinned elsewhere: the device refuses it again)
     with pytest.raises(DoesNotFit, match="pinning 0.0 GiB of the exact host store failed"):
         transfer.pin_host(available=1 << 40)
+
+
+# --- whole runs: CUDA's orchestration decodes the tokens of the synchronous path -------------------------------
+
+
+def standin_caches(monkeypatch) -> list[Transfer]:
+    """Every cache built from here on in the CUDA layout (tests/conftest.py cuda_layout) with a stand-in of its
+    own for its streams. -> the list their Transfers are added to."""
+    import engine.kvcache
+
+    cuda_layout(monkeypatch)
+    made: list[Transfer] = []
+
+    def transfer(device: torch.device) -> Transfer:
+        made.append(Transfer(device, streams=StandinStreams(wait_seconds=STANDIN_RUN_BOUND)))
+        return made[-1]
+
+    monkeypatch.setattr(engine.kvcache, "Transfer", transfer)
+    return made
+
+
+STANDIN_RUN_BOUND = 20.0  # (a whole run's waits: generous, the machine may be busy; a lost signal still fails)
+SPECACHE = {"k": 16, "group": 32, "residual": 16, "sinks": 4, "chunk_size": 64}
+
+
+def generate(model, prompts, config, max_tokens=16):
+    from engine.generate.engine import Engine, Finished
+
+    return next(e for e in Engine(model, config).generate(prompts, GenerationConfig(max_tokens=max_tokens))
+                if isinstance(e, Finished))
+
+
+@pytest.mark.parametrize("prefetch,path", [("current", "kernel"), ("speculative", "kernel"), ("current", "thread")])
+def test_specache_through_cudas_orchestration_decodes_the_synchronous_tokens(tiny_model, monkeypatch, kernel_gather,
+                                                                             prefetch, path):
+    """Rows of different lengths, specache in the CUDA layout: with the stand-in's streams (the prefetch read in
+    place by the gather kernel, or gathered by the worker thread and copied on the side stream) the tokens are
+    those of the synchronous run, and every prefetch was waited for."""
+    config = CacheConfig(mode="specache", prefetch=prefetch, **SPECACHE)
+    ps = [list(range(3, 3 + n)) for n in (130, 97, 181)]
+    cuda_layout(monkeypatch)
+    plain = generate(tiny_model, ps, config)
+    if path == "thread":
+        monkeypatch.setattr(guide_triton, "FAILED", {"gather": "switched off by the test"})
+    made = standin_caches(monkeypatch)
+    got = generate(tiny_model, ps, config)
+    assert got.tokens == plain.tokens
+    assert got.cache_stats["fetch_path"] == path
+    (transfer,) = made
+    assert transfer.streams.launches > 0 and transfer._worker is None and transfer.streams.pinned == {}  # closed
+
+
+@pytest.mark.parametrize("mode", ["full", "specache", "speculative"])
+def test_graph_replay_through_cudas_orchestration_decodes_the_eager_tokens(tiny_model, monkeypatch, kernel_gather,
+                                                                          mode):
+    """SPECACHE_CUDA_GRAPHS=1 with the stand-in's streams: passes recorded (warmed up on a side stream first,
+    then captured: no host sync, the prefetch joined back) and replayed give the eager tokens."""
+    config = (CacheConfig(mode="full", chunk_size=64) if mode == "full" else
+              CacheConfig(mode="specache", prefetch="current" if mode == "specache" else "speculative", **SPECACHE))
+    ps = [list(range(5, 5 + n)) for n in (60, 133, 97)]
+    cuda_layout(monkeypatch)
+    eager = generate(tiny_model, ps, config, max_tokens=14)
+    made = standin_caches(monkeypatch)
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    replayed = generate(tiny_model, ps, config, max_tokens=14)
+    assert replayed.tokens == eager.tokens
+    (transfer,) = made
+    assert transfer.streams.graphs >= 1
+
+
+def test_exact_mode_verifies_through_the_streamed_buffers(tiny_model, monkeypatch):
+    """Exact mode with the stand-in's streams: each layer's copy queued on the side stream, waited for by its
+    attention; the tokens those of the synchronous run, and the overlap measured."""
+    config = CacheConfig(mode="exact", gamma=4, chunk_size=64, k=16, residual=32, group=32, sinks=4)
+    ps = [list(range(7, 7 + n)) for n in (150, 97)]
+    plain = generate(tiny_model, ps, config, max_tokens=12)
+    made = standin_caches(monkeypatch)
+    got = generate(tiny_model, ps, config, max_tokens=12)
+    assert got.tokens == plain.tokens
+    (transfer,) = made
+    assert transfer.stream_verify and transfer.verify.passes == got.cache_stats["verifies"] > 0
+    assert transfer.verify.waits > 0 and got.cache_stats["verify_overlap_share"] is not None
+    assert transfer.streams.launches >= 2 * transfer.verify.passes

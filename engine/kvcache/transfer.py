@@ -182,7 +182,10 @@ class HostStore:
             self.idx_host = streams.pinned_zeros(fshape[:3], torch.long)
             self.idx_ready = streams.event()
             self.ready = streams.event()
-            self.issued = threading.Event()  # set by the worker once `ready` is recorded
+        # set while no worker job of this layer is outstanding: cleared when one is queued, set by the job once
+        # `ready` is recorded (the in-place gather records `ready` itself: it leaves it set)
+        self.issued = threading.Event()
+        self.issued.set()
         self.pending = False
 
     def write_span(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
