@@ -170,7 +170,7 @@ def test_the_worker_threads_prefetch_lands_only_when_the_compute_stream_waits():
     """No pinned store: the worker thread gathers into staging and queues the copy on the side stream; the
     fetched set is not written until fetched() makes the compute stream wait for `ready`."""
     store, k, v = standin_store(pinned=False)
-    transfer, streams = store.transfer, store.streams
+    transfer = store.transfer
     assert store.asynchronous and transfer.threaded and not transfer.pinned and store.stage_k.shape == store.fk.shape
     idx = torch.randint(0, 40, (2, 3, 8), generator=torch.Generator().manual_seed(1))
     store.prefetch(slice(0, 2), idx)
@@ -251,6 +251,24 @@ def test_a_fixed_prefetch_without_the_kernel_refuses():
     assert not store.can_gather_now()
     with pytest.raises(RuntimeError, match="cannot be fixed-shape"):
         store.prefetch(slice(0, 2), torch.zeros(2, 3, 8, dtype=torch.long), fixed=True)
+
+
+def test_a_gather_kernel_that_does_not_run_stops_a_fixed_pass(kernel_gather, monkeypatch):
+    """gather_now in a recorded pass when the kernel refuses (a launch error): said, never a silent stale set."""
+    store, _, _ = standin_store(pinned=True)
+    monkeypatch.setattr(guide_triton, "gather_rows", lambda *args, **kwargs: False)
+    with pytest.raises(RuntimeError, match="in-place gather did not run"):
+        store.gather_now(slice(0, 2), torch.zeros(2, 3, 8, dtype=torch.long))
+    store.transfer.close()
+
+
+def test_a_store_dropped_while_pinned_is_unpinned_before_its_memory_goes():
+    import gc
+
+    streams = StandinStreams(wait_seconds=BOUND)
+    standin_store(pinned=True, streams=streams)
+    gc.collect()  # (the store and its Transfer are gone, never closed: each mapping unpins itself)
+    assert streams.pinned == {}
 
 
 def test_reads_and_host_waits_go_through_the_streams():

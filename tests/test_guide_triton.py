@@ -133,7 +133,8 @@ def test_triton_gather_of_the_missing_slots_keeps_the_others(gather_here):
     want = torch.gather(store_k, 2, idx[..., None].expand(-1, -1, -1, 40))
     assert torch.equal(fk[only], want[only]) and (fk[~only] == 7.0).all() and (fv[~only] == -7.0).all()
     # corrected_rows_fixed: the prefetched positions old_idx (some invalid) reused, the rest from the store
-    old_idx = torch.where(torch.rand(2, 2, 16, generator=gen) < 0.5, idx, torch.randint(0, 90, (2, 2, 16), generator=gen))
+    pick = torch.rand(2, 2, 16, generator=gen) < 0.5
+    old_idx = torch.where(pick, idx, torch.randint(0, 90, (2, 2, 16), generator=gen))
     old_idx = old_idx[..., torch.randperm(16, generator=gen)]
     old_valid = torch.rand(2, 2, 16, generator=gen) < 0.8
     old_k = torch.gather(store_k, 2, old_idx[..., None].expand(-1, -1, -1, 40))

@@ -294,7 +294,8 @@ class StandinStreams(Streams):
         deadline = time.monotonic() + self.wait_seconds
         with self.lock:
             if stream.busy == me and target > stream.ran:
-                raise RuntimeError(f"{what}: stream {stream.name} waits for its own later work (a deadlock on a device)")
+                raise RuntimeError(f"{what}: stream {stream.name} waits for its own later work "
+                                   "(a deadlock on a device)")
             while stream.ran < target or stream.busy not in (None, me):
                 if stream.held or stream.busy not in (None, me):
                     left = deadline - time.monotonic()

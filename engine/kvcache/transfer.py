@@ -3,8 +3,8 @@
 On the CPU the store and the "device" are the same memory and every call is a plain copy.
 
 On a device with memory of its own and asynchronous streams (CUDA; engine.backends.streams, whose
-stand-in runs this code on CPU tensors in the tests) the store lives in host memory pinned in place at exactly its bytes
-(Transfer.pin_host, once the cache is built; mapped into the device's address space). A prefetch
+stand-in runs this code on CPU tensors in the tests) the store lives in host memory pinned in place at
+exactly its bytes (Transfer.pin_host, once the cache is built; mapped into the device's address space). A prefetch
 must not stall the GPU: a Triton kernel on a side stream reads the selected rows straight from the
 pinned store into the device's fetched set (engine.kvcache.guide_triton.gather_rows), recording a
 `ready` event. Without Triton (or after a launch error) the fallback is a worker thread: the indices
@@ -284,7 +284,8 @@ class HostStore:
             idx = self.idx_host[rows, :, :n]
             gather_rows(self.k[rows], idx, self.stage_k[rows, :, :n])
             gather_rows(self.v[rows], idx, self.stage_v[rows, :, :n])
-            fk, fv, sk, sv = self.fk[rows, :, :n], self.fv[rows, :, :n], self.stage_k[rows, :, :n], self.stage_v[rows, :, :n]
+            fk, fv = self.fk[rows, :, :n], self.fv[rows, :, :n]
+            sk, sv = self.stage_k[rows, :, :n], self.stage_v[rows, :, :n]
             self.streams.launch(self.transfer.stream, lambda: (fk.copy_(sk, non_blocking=True),
                                                                fv.copy_(sv, non_blocking=True)))
             self.ready.record(self.transfer.stream)
