@@ -12,34 +12,27 @@ PREFETCH = ("speculative", "current")
 GROUPS = (32, 64, 128)  # key quantization groups (tokens); values use gcd(group, head_dim) channels (sizes.value_group)
 OUTLIERS_MAX = 16  # outlier key channels per KV head at most (engine/kvcache/outliers.py)
 ROTATIONS = ("none", "hadamard", "auto")  # engine/kvcache/rotation.py (which checks it is the same list)
-# per guide bits, from `specache bench fidelity` on the three shipped documents (README, Results): Hadamard
-# took 1 bit from 0.952 / 0.0168 (top-1 / KL) to 0.981 / 0.0018 and 2 bits at k 128 from 0.974 / 0.0034 to
-# 0.978 / 0.0009 (at k 512 0.997 / 0.0004 -> 0.992 / 0.0001: one token in 242, KL 4x lower)
-# "auto" (bench-results/fidelity-models.md): the Hadamard per layer unless it measurably errs far more than none on
-# the layer's first keys and values (engine/kvcache/rotation.py: Gemma 3's global layers; SmolLM2 and Qwen2 keep it
-# on every layer)
+# per guide bits, chosen by `specache bench fidelity` on the three shipped documents (docs/results.md, "Guide
+# rotation and corrected speculation" and "The defaults on other real models"; bench-results/fidelity-models.md).
+# "auto": the Hadamard per layer unless it measurably errs far more than none on the layer's first keys and values
+# (engine/kvcache/rotation.py)
 DEFAULT_ROTATION = {1: "auto", 2: "auto"}
-# outlier key channels per guide bits, from the same bench (bench-results/fidelity-2bit-k512-outliers.md,
-# fidelity-2bit-k128-outliers.md): 2 bits with 2 took k 512 from 0.992 / 9.0e-5 to 0.997 / 8.8e-5 and k 128 (the
-# CPU default) from 0.978 / 0.0009 to 0.997 / 0.0008, for ~1% more device bytes. 1 bit with 4, k 128, 64 forced
-# tokens on three documents (bench-results/fidelity-models.md): SmolLM2 0.938 / 0.0134 -> 0.953 / 0.0095,
-# Qwen2.5-Coder-1.5B report.pdf 0.938 -> 0.953 (origin 0.984 both, KL 0.0078 -> 0.0046), Gemma 3 270M
-# 0.990 / 0.0145 -> 0.984 / 0.0129, for ~6% more device bytes (a 1-bit code spends its range on the large channels)
+# outlier key channels per guide bits, from the same bench (docs/results.md, "Outliers as the 2-bit default" and "The
+# defaults on other real models"; bench-results/fidelity-2bit-k512-outliers.md, fidelity-2bit-k128-outliers.md)
 DEFAULT_OUTLIERS = {1: 4, 2: 2}
 RESIDUAL = 64  # newest tokens kept exact on the device (the residual window R)
 SINKS = 4  # first tokens kept exact on the device (the attention sinks S)
 CHUNK_SIZE = 512  # prefill chunk, tokens
 # With the current prefetch (a CPU: the fetched set is read in place from RAM, nothing crosses a bus), a k left to
 # the model profile's default adapts (CacheConfig.k_grows, fetch_k): doubled for a 1-bit guide (ONE_BIT_K), and at
-# least the cache's length / K_SHARE in whole 32s. Measured (bench-results/fidelity-models.md, 64 forced tokens):
-# SmolLM2-135M 1 bit, k 128 -> 256: report.pdf 0.922 -> 0.953, federalist 0.938 -> 0.984 (KL 0.0093 -> 0.0035,
-# 0.0110 -> 0.0053) for 32.2 against 26.6 MiB of device bytes; K_SHARE 64 on Qwen2.5-Coder-1.5B's 16.9k-token
-# federalist: k 128 -> 288, top-1 0.969 -> 0.984, KL 0.0008 -> 0.0005, 16-bit device fraction 0.170 -> 0.180 (k 512:
-# 1.000 / 0.0003 / 0.193); K_SHARE 64 left SmolLM2's 2-bit federalist (8.1k tokens) at k 128, 0.953 / KL 0.0012,
-# K_SHARE 32 takes it to k 256, 0.984 / 0.0004 (report.pdf, 6.4k: k 224, KL 0.0012 -> 0.0004); documents under
-# K_SHARE x k tokens (4k at k 128) keep the profile's k.
+# least the cache's length / K_SHARE in whole 32s; documents under K_SHARE x k tokens (4k at k 128) keep the
+# profile's k. Measured: docs/results.md, "A default k that adapts" (bench-results/fidelity-models.md).
 ONE_BIT_K = 2
 K_SHARE = 32
+# k with the current prefetch for a model without a profile (CacheConfig's k is the speculative prefetch's):
+# the model defaults are CacheConfig's field defaults and this, declared here once (engine.plan.profile_types'
+# ModelProfile takes them as its own defaults; a profile in profiles/models/ declares its own)
+K_CURRENT = 128
 
 
 def outliers_for(bits: int, outliers: int | None) -> int:
@@ -124,7 +117,7 @@ class CacheConfig:
     mode: str = "specache"
     bits: int = setting(2, "Guide code width, 1 or 2", default_rule="the model profile's", choices=(1, 2), label="{}b",
                         plan=0)
-    group: int = setting(64, "Quantization group size: 32, 64 or 128 tokens of a key channel (values: min(group, "
+    group: int = setting(64, "Quantization group size: 32, 64 or 128 tokens of a key channel (values: gcd(group, "
                          "head_dim) channels of a token)", default_rule="the model profile's", choices=GROUPS,
                          label="g{}", plan=1)
     k: int = setting(256, "Exact positions fetched per layer and KV head each step", default_rule="the model profile's",
@@ -241,8 +234,8 @@ class GenerationConfig:
         return self.temperature == 0 and self.repeat_penalty == 1.0 and self.no_repeat_ngram == 0
 
 
-# What summarize / ask use unless told otherwise: the row of `specache bench task` picked in the README
-# ("Results", decoding table). The engine's own GenerationConfig() keeps every processor off.
+# What summarize / ask use unless told otherwise: the row of `specache bench task` picked in docs/results.md
+# ("Task quality", decoding table). The engine's own GenerationConfig() keeps every processor off.
 # no_repeat_ngram 4: in bench-results/task.md it removed the one repeated 6-gram (greedy specache), left the
 # full cache's summary unchanged and agreed best with it; repeat_penalty 1.3 rewrote the full cache's summary.
 DECODING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,

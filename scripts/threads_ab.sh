@@ -1,5 +1,5 @@
 #!/bin/bash
-# CPU threads A/B (README, --threads): summarize a document with every thread count from 1 to the
+# CPU threads A/B (docs/results.md, "CPU threads"): summarize a document with every thread count from 1 to the
 # cores, quiet and with one core kept busy by another process, 2 rounds each; prints prefill seconds
 # and decode ms per token per run. Usage: scripts/threads_ab.sh [DOC] [MAX_TOKENS]
 set -euo pipefail

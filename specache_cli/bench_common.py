@@ -25,7 +25,7 @@ from engine.config import PREFETCH
 from engine.errors import BadArgument
 from engine.model.loading import load_model
 from engine.plan.profiles import loaded_model_profile, model_defaults, profile_k
-from specache_cli.console import err_console
+from specache_cli.console import err_console, print_warning
 from specache_cli.options import MODEL_HELP
 from specache_cli.render import emit_json
 
@@ -121,7 +121,7 @@ def load_bench_model(model: Optional[str], device: str, quiet: bool, threads: Op
         torch.set_num_threads(threads)
 
     status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False, soft_wrap=True))
-    lm = load_model(model, device=device, on_status=status, classes=classes)
+    lm = load_model(model, device=device, on_status=status, classes=classes, on_warning=print_warning)
     if not quiet:
         err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}), window {lm.max_context} tokens, "
                           f"loaded in {lm.load_seconds:.1f} s[/]", highlight=False, soft_wrap=True)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
-import json
 import re
 import sys
 from dataclasses import replace
@@ -25,13 +25,12 @@ from engine.errors import (
 from engine.inputs.documents import STDIN
 from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, count_tokens, summarize_many
 from engine.jobs.workers import WorkerConfig, ask_tasks, import_ray, run_job, summarize_tasks, validate
-from engine.model.embedded import EMBEDDED_NAME
 from engine.kvcache import policy
-from engine.model.loading import estimate_weight_bytes, load_model, resolve_model_dir
-from engine.model.sources import resolve_source
+from engine.model.files import model_files
+from engine.model.loading import estimate_weight_bytes, load_model
 from engine.plan.planner import check_fits_before_load
 from engine.paths import cache_root
-from engine.plan.profiles import load_model_profile, model_defaults
+from engine.plan.profiles import model_defaults
 from engine.plan.threads import choose_threads
 from specache_cli.console import err_console, guarded, print_error, print_warning
 from specache_cli.options import (
@@ -68,8 +67,6 @@ def parse_batch(batch: str) -> int | None:
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-EMBEDDED_SPECS = (None, "", "default", EMBEDDED_NAME, "smollm2-135m")  # --model values naming the embedded model
-EMBEDDED_PROFILE = "smollm2-135m"
 PROMPT_SLACK = 512  # tokens a prompt may add around the document and question (chat template, labels)
 # the settings that size buffers in tokens (engine.config.Setting.tokens): bounded by the model's window
 WINDOW_FLAGS = {name: declared for name, declared in settings().items() if declared.tokens}
@@ -89,21 +86,6 @@ def check_device(device: str, dtype: str) -> None:
         index = int(device.partition(":")[2] or 0)
         if index >= torch.cuda.device_count():
             raise BadArgument(f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s)")
-
-
-def model_window(spec: str | None) -> int | None:
-    """The model's context window in tokens, read without loading it: the embedded model's profile,
-    or max_position_embeddings of the model's config.json (a GGUF's is converted once, in seconds;
-    None when the config does not say). A model that does not resolve is refused here, before any load."""
-    if spec in EMBEDDED_SPECS:
-        return load_model_profile(EMBEDDED_PROFILE).max_context
-    _, path = resolve_model_dir(spec)
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ModelLoadError(f"{spec}/config.json cannot be read ({type(exc).__name__}: {exc})") from None
-    window = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return window if isinstance(window, int) and window > 0 else None
 
 
 def check_window(cache: CacheOptions, max_tokens: int, window: int) -> None:
@@ -158,10 +140,9 @@ class Session:
             self.store_max_bytes = max_bytes_from(cache.cache_max_gb)
         except ValueError as exc:
             raise BadArgument(f"--cache-max-gb: {exc}") from None
-        window = model_window(model.model)
-        if window is not None:
-            check_window(cache, gen.max_tokens, window)
-        if model.model in EMBEDDED_SPECS or not cache.no_store:  # the converted model and the store live there
+        self.files = model_files(model.model, self.status)  # --model resolved once for the command
+        check_window(cache, gen.max_tokens, self.files.window)
+        if self.files.source.kind == "embedded" or not cache.no_store:  # the converted model and the store live there
             check_folder(cache_root())
         self.longest_text = ""  # the longest document (and question) read: bounds the cache flags
         self._runner: Runner | None = None
@@ -182,9 +163,8 @@ class Session:
             if self.pick_threads:
                 self.set_threads(m.threads)
             self.check_fits()
-            lm = load_model(m.model, device=m.device, dtype=m.dtype, on_status=self.status)
+            lm = load_model(self.files, device=m.device, dtype=m.dtype, on_status=self.status, on_warning=print_warning)
             self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
-            check_window(self.cache_opts, self.gen.max_tokens, lm.max_context)  # when config.json did not say
             defaults = model_defaults(lm, self.overrides.get("prefetch"))
             cache = CacheConfig(mode=self.cache_opts.cache, **defaults).with_overrides(**self.overrides)
             floor = min(lm.max_context, self.gen.max_tokens + PROMPT_SLACK)  # no call is shorter than this bound
@@ -204,13 +184,11 @@ class Session:
         m = self.model_opts
         if m.device.startswith("cuda") or (m.device == "auto" and torch.cuda.is_available()):
             return  # the GPU's check runs after loading (plan_for_run), with the device's own free memory
-        name, path = resolve_model_dir(m.model, self.status)
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        window = int(config.get("max_position_embeddings") or 4096)
-        context = min(window, self.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)
+        files = self.files
+        context = min(files.window, self.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)
         try:
-            check_fits_before_load(config, estimate_weight_bytes(resolve_source(m.model), m.dtype), context,
-                                   self.policy, self.overrides, name=name)
+            check_fits_before_load(files.config, estimate_weight_bytes(files, m.dtype), context,
+                                   self.policy, self.overrides, name=files.name)
         except ProfileError:
             return  # a config without the model's shapes: the load itself reports what is wrong
 
@@ -348,6 +326,7 @@ def worker_runner(session: Session) -> Runner:
     """The Runner an actor builds from the driver's Session (quietly: the driver shows progress)."""
     own = copy.copy(session)
     own.quiet = True
+    own.files = dataclasses.replace(session.files, on_status=None)
     own.pick_threads = False  # the actor's threads: --threads-per-worker
     return own.runner
 

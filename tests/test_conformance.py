@@ -1,4 +1,4 @@
-"""Conformance: every architecture the engine accepts (engine.model.support.CHECKED) gives the model's
+"""Conformance: every architecture the engine accepts (engine.model.families) gives the model's
 own greedy tokens, as transformers' eager `generate` does, in every mode where the output must be
 exact: full, specache with k >= context (both prefetches) and exact; kivi equals a KIVI reference
 that applies the model's own windows and softcap. Tiny random models (tests/tiny_archs.py) with
@@ -18,7 +18,7 @@ from engine.kvcache import make_cache, sliding_windows
 from engine.kvcache.rotation import rotation_matrix
 from engine.kvcache.sizes import quant_boundary
 from engine.model.loading import prepare_model
-from engine.model.support import CHECKED
+from engine.model.families import checked
 from tests.conftest import kivi_guide_part
 from tests.tiny_archs import ARCHS, REFUSED, VOCAB, WINDOW, eager_greedy, save_model_dir, tiny_model
 
@@ -56,7 +56,7 @@ def generate(model, ps, config: CacheConfig, store=None, **kwargs) -> Finished:
 
 
 def test_every_checked_model_type_is_in_the_conformance_test():
-    assert {tiny_model(n).config.model_type for n in ARCHS} == set(CHECKED)
+    assert {tiny_model(n).config.model_type for n in ARCHS} == set(checked())
 
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3"])

@@ -254,7 +254,7 @@ def test_the_conversion_writes_what_transformers_gguf_readers_give(tmp_path, mon
 
     path = write_gemma_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
     fast = converted_files(ensure_converted(path, "tiny"))
-    monkeypatch.setattr(gguf_convert, "FAST_CONVERSION", ())
+    monkeypatch.setattr(gguf_convert, "held_architecture", lambda arch: False)
     monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "slow"))
     slow_dir = ensure_converted(path, "tiny")
     assert slow_dir == converted_dir(path, "tiny") and "slow" in str(slow_dir)
@@ -301,6 +301,6 @@ def test_the_real_gemma3_conversion_writes_what_transformers_gguf_readers_give(t
     from engine.model.gguf_convert import ensure_converted
 
     fast = converted_files(ensure_converted(REAL, "real"))
-    monkeypatch.setattr(gguf_convert, "FAST_CONVERSION", ())
+    monkeypatch.setattr(gguf_convert, "held_architecture", lambda arch: False)
     monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "slow"))
     assert fast == converted_files(ensure_converted(REAL, "real"))

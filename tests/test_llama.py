@@ -124,7 +124,7 @@ HEAVY = ("transformers.modeling_utils", "torch._dynamo", "torch.distributed.tens
 @pytest.mark.slow
 def test_a_run_imports_no_transformers_modeling(tmp_path):
     """`specache summarize` on the embedded model (our Llama) imports none of what transformers' modeling
-    code brings (~90 MB of RSS, README "Memory"); --dtype and the result as a normal run."""
+    code brings (~90 MB of RSS, docs/results.md, "Memory"); --dtype and the result as a normal run."""
     doc = tmp_path / "doc.txt"
     doc.write_text("The committee met on Tuesday. It approved the budget and adjourned. " * 30)
     code = ("import json, sys\n"

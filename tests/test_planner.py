@@ -62,7 +62,7 @@ def run_cli(*args: str, env: dict | None = None):
 def test_kv_and_guide_sizes(mistral):
     assert S.kv_elements_per_token(mistral) == 2 * 32 * 8 * 128
     assert S.kv_bytes_per_token(mistral) == 128 * 1024  # 128 KiB per token in fp16
-    # design page: 1-bit g64 = 1.5 bits (0.094x fp16), g32 = 2, 2-bit g64 = 2.5, g32 = 3
+    # guide bits per element (docs/planner.md): 1-bit g64 = 1.5 bits (0.094x fp16), g32 = 2, 2-bit g64 = 2.5, g32 = 3
     assert [S.guide_bits_per_element(b, g) for b, g in ((1, 64), (1, 32), (2, 64), (2, 32))] == [1.5, 2, 2.5, 3]
     assert S.guide_bits_per_element(1, 64) / 16 == pytest.approx(0.094, abs=5e-4)
     assert S.guide_bytes(mistral, 32768, 1, 64) == 384 * MIB
@@ -196,7 +196,7 @@ def test_model_profile_from_hf_config(tmp_path, mistral):
         assert m.name == "My-Mistral"
         assert (m.layers, m.heads, m.kv_heads, m.head_dim, m.parameters, m.max_context) == \
             (32, 32, 8, 128, mistral.parameters, 32768)
-        assert (m.default_bits, m.default_k, m.default_k_current) == (2, 256, 128)  # UNPROFILED_DEFAULTS
+        assert (m.default_bits, m.default_k, m.default_k_current) == (2, 256, 128)  # CacheConfig's defaults and K_CURRENT
     small = model_profile_from_config({**MISTRAL_CONFIG, "hidden_size": 576, "num_attention_heads": 9,
                                        "num_key_value_heads": 3, "intermediate_size": 1536, "num_hidden_layers": 30,
                                        "vocab_size": 49152, "tie_word_embeddings": True})
@@ -394,7 +394,7 @@ def test_cpu_profile_counts_the_exact_store_on_the_device():
 
 def test_plan_for_run(a6000, mistral):
     mp = P.plan_for_run(MISTRAL_CONFIG, 32768, POLICIES["specache"], hardware=a6000)
-    # a config without a profile: UNPROFILED_DEFAULTS' 2-bit guide, k 256 speculative (the GPU's prefetch); with the
+    # a config without a profile: CacheConfig's 2-bit guide, k 256 speculative (the GPU's prefetch); with the
     # 1-bit k 64 guide of the first defaults it was (51, 64)
     assert (mp.max_batch, mp.k) == (35, 256)
     assert P.plan_for_run(mistral, 32768, POLICIES["full"], hardware=a6000).max_batch == 7

@@ -1,6 +1,6 @@
 """CPU threads for a run (engine/plan/threads.py, --threads): the free cores of a short /proc/stat
 sample unless --threads or $OMP_NUM_THREADS says; 2 threads on a 2-core machine with one core
-busy elsewhere ran 3x slower than 1 (README, --threads)."""
+busy elsewhere ran 3x slower than 1 (docs/results.md, "CPU threads")."""
 from __future__ import annotations
 
 import json

@@ -77,6 +77,11 @@ class Engine:
         self.dtype, self.device = param.dtype, param.device
 
     # ---- the pieces -----------------------------------------------------------------------
+    def cache_length(self, context: int) -> int:
+        """The tokens a cache is made for, for calls of up to `context` tokens (prompt + answer): what the
+        planner sizes and the cache's k grows with (CacheConfig.fetch_k) are this one length."""
+        return context + 2 + decode_headroom(self.policy)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache of this engine's mode for `batch` rows of up to `max_len` tokens (close it after)."""
         return make_cache(self.model.config, self.config, batch, max_len, self.dtype, self.device, self.policy)
@@ -103,7 +108,7 @@ class Engine:
         to it after its prefill otherwise; labels name each row's document in the store. A prompt of no
         tokens (a text that tokenizes to nothing) raises EmptyDocument: there is nothing to condition on."""
         check_prompts(prompts)
-        max_len = max(len(p) for p in prompts) + gen.max_tokens + 2 + decode_headroom(self.policy)
+        max_len = self.cache_length(max(len(p) for p in prompts) + gen.max_tokens)
         with self.new_cache(len(prompts), max_len) as cache:
             t0 = time.perf_counter()
             infos, writing, last = yield from self.fill(cache, prompts, shared_prefix, prefixes, labels)

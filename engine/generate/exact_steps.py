@@ -17,7 +17,7 @@ from engine.kvcache.policies.exact import expected_tokens
 from engine.model.linear_passes import row_invariant
 
 # exact mode's pass costs when they are not timed (GammaChooser.timed), relative to a verification
-# of one token: a draft pass, and what each further verified token adds (measured: README "Results")
+# of one token: a draft pass, and what each further verified token adds (measured: docs/results.md, "Exact mode")
 UNTIMED_DRAFT = 0.5
 UNTIMED_VERIFY_SLOPE = 0.1
 

@@ -63,7 +63,8 @@ def plain_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker, histo
 def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
                       history: list[list[int]] | None = None,
                       finished: list[bool] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """SpeCache decoding (design page, Algorithms 2 and 3). Yields (output ids [B], their logits) per step.
+    """SpeCache decoding (the paper's Algorithms 2 and 3; docs/algorithm.md). Yields (output ids [B], their logits)
+    per step.
 
     history: each row's tokens so far (its prompt). With it and cache.config.resync, a missed
     speculation is re-synced: the speculative token of step t+1 comes from the speculative token

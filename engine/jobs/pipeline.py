@@ -45,20 +45,20 @@ class Runner:
         self.engine = Engine(self.lm.model, self.cache, use, self.policy)  # runs every model call of the jobs
 
     def batch_size(self, rows: int, context: int) -> int:
-        """How many of `rows` sequences of `context` tokens to decode together."""
+        """How many of `rows` sequences of `context` tokens (prompt + answer) to decode together. The plan
+        (--json "plan") names the k the cache will fetch: the one its length grows it to (fetch_k)."""
         policy = self.engine.policy
+        length = self.engine.cache_length(context)
         if self.batch is not None:
             self.plan = {"batch": min(self.batch, rows), "chosen_by": "flag"}
-            if policy.fetches:
-                self.plan["k"] = self.cache.k
-            return min(self.batch, rows)
-        model = replace(model_profile_from_config(self.lm.model.config, parameters=held_parameters(self.lm.model)),
-                        held_weight_bytes=held_bytes(self.lm.model)["total"])
-        mp = plan_for_run(model, context, policy, self.cache, batch_limit=rows, weights_resident=True)
-        self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
-                     "max_batch_for_context": mp.max_batch, "context": context}
+        else:
+            model = replace(model_profile_from_config(self.lm.model.config, parameters=held_parameters(self.lm.model)),
+                            held_weight_bytes=held_bytes(self.lm.model)["total"])
+            mp = plan_for_run(model, length, policy, self.cache, batch_limit=rows, weights_resident=True)
+            self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
+                         "max_batch_for_context": mp.max_batch, "context": context}
         if policy.fetches:
-            self.plan["k"] = self.cache.k
+            self.plan["k"] = self.cache.fetch_k(length)
         return self.plan["batch"]
 
     def complete(self, prompt: list[int] | P.Prompt, label: str, max_tokens: int, result: Result,

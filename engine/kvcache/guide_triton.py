@@ -21,8 +21,9 @@ import torch
 MIN_DOT = 16  # tl.dot's smallest dimension: the queries are padded to it
 
 
-FAILED: dict[str, str] = {}  # per family ("guide", "gather"): the first launch error; then the fallback runs
-FALLBACK = {"guide": "the torch code computes the guide", "gather": "a worker thread gathers the fetched rows"}
+FAILED: dict[str, str] = {}  # per family ("guide", "gather", "decode"): the first launch error; then the fallback runs
+FALLBACK = {"guide": "the torch code computes the guide", "gather": "a worker thread gathers the fetched rows",
+            "decode": "the torch code decodes (engine/kvcache/triton_layer.py)"}
 
 
 def launch(family: str, kernel, grid, *args, **meta) -> bool:

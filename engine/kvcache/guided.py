@@ -50,6 +50,7 @@ from engine.kvcache.sizes import (
 )
 from engine.kvcache.guided_rows import GuidedRows
 from engine.kvcache.transfer import HostStore, Transfer
+from engine.kvcache.triton_layer import triton_applies, triton_attend
 from engine.kvcache.watch import WatchedLayer
 
 NEG_INF = float("-inf")
@@ -292,6 +293,9 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         if not step.fixed and not exact_region and fused_applies(self, q):  # one native call: below
             self.fused = self.fused or FusedDecode(self)
             return ungroup_output(self.fused(qg, scaling, step, softcap).to(q.dtype), self.shape.heads, t)
+        out = triton_attend(self, qg, scaling, step, softcap) if not exact_region and triton_applies(self, q) else None
+        if out is not None:  # CUDA, where it applies: the fused Triton kernels (engine/kvcache/triton_layer.py)
+            return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
         nq = max(self.qend_host[rows]) if self.use_guide else 0
         if step.fixed and self.use_guide:  # the guide's whole capacity, its columns past a row's qend masked

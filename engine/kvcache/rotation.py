@@ -52,9 +52,8 @@ def rotation_matrix(name: str, d: int, device: torch.device | str = "cpu") -> to
     return None if name == "none" else _matrix("hadamard", d, torch.device(device))
 
 
-# auto keeps the rotation (chosen by `bench fidelity`, README "Results") unless it errs this much more than none:
-# on SmolLM2 and Qwen2.5-Coder-1.5B the two measure within ~1.3x layer by layer, on Gemma 3's global layers the
-# rotation errs 1.7-4.2x more (its output error 0.40 against 0.06 without it; bench-results/fidelity-models.md)
+# auto keeps the rotation (chosen by `bench fidelity`) unless it errs this much more than none; the per-layer errors on
+# SmolLM2, Qwen2.5-Coder-1.5B and Gemma 3 that set it: docs/results.md, "The defaults on other real models"
 KEEP_MARGIN = 1.5
 
 

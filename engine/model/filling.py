@@ -18,34 +18,48 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, Gemma2Te
 from engine.errors import ModelLoadError
 from engine.model.file_checks import check_folder_weights, check_tensors_fit
 from engine.model.attention import ATTENTION_NAME, register_with_transformers
-from engine.model.gguf_header import HELD_ARCHITECTURES, check_architecture
+from engine.model.gguf_header import check_architecture, held_architecture
 from engine.model.gguf_tensors import MappedRows, TensorFile, dense_from_raw, held_from_file
 from engine.model.held_model import HeldEmbedding
 from engine.model.held_weights import DenseWeight
 from engine.model.linears import SkinnyLinear
-from engine.model.gemma import GEMMA_FAMILIES, GemmaCausalLM, own_gemma_config
-from engine.model.llama import FAMILIES, CausalLM, family_config, why_not_own
+from engine.model import families
+from engine.model.gemma import GemmaCausalLM, gemma_config, why_not_gemma
+from engine.model.llama import CausalLM, family_config, why_not_own
 from engine.native import release_freed_memory
 
 
-def own_config(folder: Path, gguf: bool = True):
+def own_config(folder: Path, gguf: bool = True, config: dict | None = None):
     """The config engine.model.llama runs this folder with (a converted GGUF's, or a folder of safetensors
-    files), None when it does not (a model type outside its FAMILIES, ...: engine.model.llama.why_not_own;
-    a folder with .bin weights) and transformers' classes load it."""
+    files), None when it does not and transformers' classes load it (held_config says why)."""
+    return held_config(folder, gguf, config)[0]
+
+
+def held_config(folder: Path, gguf: bool = True, config: dict | None = None) -> tuple[object | None, str | None]:
+    """(own_config's config, None), or (None, why the engine's decoders do not run this folder: a model
+    type whose family (engine.model.families) names no decoder of ours, a key or feature they lack
+    (why_not_own, why_not_gemma), weights that are not safetensors files). config: its config.json's
+    values, if already read."""
     if not gguf and (not any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
-        return None
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if config.get("model_type") in GEMMA_FAMILIES:
-        return own_gemma_config(config)
-    if config.get("model_type") not in FAMILIES:
-        return None
-    own = family_config(config)
-    return own if why_not_own(own) is None else None
+        return None, "its weights are not all safetensors files"
+    if config is None:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    kind = config.get("model_type")
+    decoder = getattr(families.family(kind), "decoder", None)
+    if decoder == "gemma":
+        own = gemma_config(config)
+        why = why_not_gemma(own)
+    elif decoder == "llama":
+        own = family_config(config)
+        why = why_not_own(own)
+    else:
+        return None, f"model type {kind!r} has no decoder of the engine's own"
+    return (own, None) if why is None else (None, why)
 
 
 def own_model(config) -> CausalLM:
     """Our decoder for own_config's config (build it under `with torch.device("meta")`)."""
-    return GemmaCausalLM(config) if config.model_type in GEMMA_FAMILIES else CausalLM(config)
+    return GemmaCausalLM(config) if families.family(config.model_type).decoder == "gemma" else CausalLM(config)
 
 
 def load_folder_model(folder: Path, config, dtype: torch.dtype, held: bool) -> torch.nn.Module | None:
@@ -117,10 +131,10 @@ def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: boo
                     config=None) -> torch.nn.Module:
     """The model of a GGUF file: built without weights, then filled tensor by tensor from the file;
     held=True keeps the linears and the embedding in their blocks (no fp32 copy). Architectures outside
-    gguf_header.HELD_ARCHITECTURES load through transformers (dequantized). config: own_config's, to
+    gguf_header.held_architecture refuses load through transformers (dequantized). config: own_config's, to
     build engine.model.llama's model; None: transformers' class."""
     tensors = TensorFile(gguf_path)
-    if tensors.arch not in HELD_ARCHITECTURES:
+    if not held_architecture(tensors.arch):
         check_architecture(tensors.arch, gguf_path)
         return transformers_model(gguf_path.parent, dtype, gguf_file=gguf_path.name)
     if config is not None:

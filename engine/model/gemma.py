@@ -17,6 +17,7 @@ from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
 
 from engine.model import decode_norms
+from engine.model import families
 from engine.model.attention import ATTENTION_NAME
 from engine.model.llama import (DYNAMIC_ROPE, CausalLM, DecoderModel, Output, apply_rope, attention_function,
                                 kept_positions, rope_tables)
@@ -30,20 +31,15 @@ class GemmaFamily:
     required: tuple[str, ...]
 
 
-_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "head_dim", "hidden_activation", "rms_norm_eps", "tie_word_embeddings",
-         "rope_parameters", "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
-         "final_logit_softcapping", "attn_logit_softcapping")
-GEMMA_FAMILIES = {
-    "gemma2": GemmaFamily(head_norms=False, rope_by_layer_type=False, passes_softcap=True, required=_KEYS),
-    "gemma3_text": GemmaFamily(head_norms=True, rope_by_layer_type=True, passes_softcap=False,
-                               required=_KEYS + ("use_bidirectional_attention",)),
-}
+GEMMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "hidden_activation", "rms_norm_eps", "tie_word_embeddings",
+              "rope_parameters", "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
+              "final_logit_softcapping", "attn_logit_softcapping")  # what a Gemma family's config must hold
 
 
 def why_not_gemma(config) -> str | None:
     """Why this Gemma config cannot run in our decoders (None: it can)."""
-    family = GEMMA_FAMILIES[config.model_type]
+    family = families.spec(config.model_type, "gemma")
     missing = [key for key in family.required if not hasattr(config, key)]
     if missing:
         return f"config.json lacks {', '.join(missing)}"
@@ -193,14 +189,15 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaCausalLM(CausalLM):
-    """The causal LM of a GEMMA_FAMILIES model type, named as transformers names it (model.embed_tokens,
+    """The causal LM of a model type whose family names the "gemma" decoder (engine.model.families), named
+    as transformers names it (model.embed_tokens,
     model.layers, model.norm, lm_head); built on the meta device, filled by the loader; forward as
     engine.model.llama.CausalLM's."""
 
     def __init__(self, config):
         nn.Module.__init__(self)
         config._attn_implementation = config._attn_implementation or ATTENTION_NAME
-        self.config, family = config, GEMMA_FAMILIES[config.model_type]
+        self.config, family = config, families.spec(config.model_type, "gemma")
         self.model = DecoderModel(config, family, GemmaDecoderLayer, GemmaRMSNorm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         with torch.device("cpu"):  # also inside the loader's meta-device build: a value (fp32, as transformers')
@@ -238,9 +235,14 @@ class GemmaCausalLM(CausalLM):
         return Output(logits)
 
 
-def own_gemma_config(values: dict) -> PreTrainedConfig | None:
-    """A converted Gemma GGUF's (or a folder's) config.json values -> our config, None when our decoders do
-    not run it (why_not_gemma)."""
+def gemma_config(values: dict) -> PreTrainedConfig:
+    """A converted Gemma GGUF's (or a folder's) config.json values -> our config (unchecked: why_not_gemma)."""
     config = PreTrainedConfig(**values)
     config.use_cache = values.get("use_cache", True)
+    return config
+
+
+def own_gemma_config(values: dict) -> PreTrainedConfig | None:
+    """gemma_config, None when our decoders do not run it (why_not_gemma)."""
+    config = gemma_config(values)
     return config if why_not_gemma(config) is None else None

@@ -19,15 +19,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from engine.errors import ModelLoadError
 from engine.model.gguf_config import GEMMA_TOKENIZERS, Given, config_dict, gguf_tokenizer
-from engine.model.gguf_header import HELD_ARCHITECTURES, check_architecture, read_header
+from engine.model.gguf_header import check_architecture, held_architecture, read_header
 from engine.model.sources import GGUF_POINTER
 from engine.paths import cache_root
 
 IDENTITY_HEAD = 16 << 20  # bytes hashed at the start of the file (metadata, tokenizer) and
 IDENTITY_TAIL = 1 << 20  # at its end, with its size: the file's identity without reading 5 GB
 CONVERSION_VERSION = 1  # bump when the converted folder's contents change
-# the architectures whose config and tokenizer are made from the header (engine.model.gguf_config)
-FAST_CONVERSION = HELD_ARCHITECTURES
 
 
 def identity(path: Path) -> str:
@@ -93,9 +91,9 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
 
 def config_and_tokenizer(path: Path, arch: str):
     """The GGUF's transformers config and tokenizer, and its header read with arrays where they were made from
-    it (a held architecture, FAST_CONVERSION), else None; refused in one line where transformers cannot."""
+    it (a held architecture: gguf_header.held_architecture), else None; refused in one line where transformers cannot."""
     try:
-        header = read_header(path, arrays=True) if arch in FAST_CONVERSION else None
+        header = read_header(path, arrays=True) if held_architecture(arch) else None
         if header is not None:  # (config_dict, gguf_tokenizer: the same as transformers' GGUF readers)
             tokens = header.fields.get("tokenizer.ggml.tokens")
             config = AutoConfig.for_model(**config_dict(header, len(tokens) if isinstance(tokens, list) else None))

@@ -19,11 +19,16 @@ from gguf import GGUFValueType as V
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from engine.errors import ModelLoadError
+from engine.model import families
 
-# architectures whose GGUF tensors map one to one onto the Hugging Face model's parameters (Q and K
-# rows permuted back for llama-style files): held in their blocks. Other architectures transformers
-# reads from GGUF load through transformers (dequantized to fp32).
-HELD_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+def held_architecture(arch: str) -> bool:
+    """Whether a GGUF architecture's tensors map one to one onto the Hugging Face model's parameters (Q and
+    K rows permuted back for llama-style files) and are held in their blocks: a registered family's
+    (engine.model.families). Other architectures transformers reads from GGUF load through transformers
+    (dequantized to fp32)."""
+    return arch in families.held_architectures()
 
 
 @dataclass(frozen=True)

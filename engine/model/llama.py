@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
 
-from engine.model import decode_norms
+from engine.model import decode_norms, families
 from engine.model.attention import ATTENTION_NAME, specache_attention
 
 # rope types whose tables depend on the sequence (transformers' dynamic_rope_update rewrites them)
@@ -36,21 +36,15 @@ class Family:
     fused: bool = False  # Phi-3: one qkv_proj and one gate_up_proj (gate, then up) instead of q/k/v and gate/up
 
 
-def _flag(name: str) -> Callable[[PreTrainedConfig], bool]:
+def flag(name: str) -> Callable[[PreTrainedConfig], bool]:
+    """A Family bias rule: the config's own boolean `name`."""
     return lambda config: bool(getattr(config, name))
 
 
-_NO, _YES = (lambda config: False), (lambda config: True)
-_STRUCTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "rope_parameters")
-FAMILIES = {
-    "llama": Family(_flag("attention_bias"), _flag("attention_bias"), _flag("mlp_bias")),  # family_config's defaults
-    "mistral": Family(_NO, _NO, _NO, windows="config", required=_STRUCTURE + ("head_dim", "sliding_window")),
-    "qwen2": Family(_YES, _NO, _NO, windows="layer_types", required=_STRUCTURE + ("sliding_window", "layer_types")),
-    "qwen3": Family(_flag("attention_bias"), _flag("attention_bias"), _NO, head_norms=True, windows="layer_types",
-                    required=_STRUCTURE + ("head_dim", "attention_bias", "sliding_window", "layer_types")),
-    "phi3": Family(_NO, _NO, _NO, windows="config", required=_STRUCTURE + ("sliding_window",), fused=True),
-}
+NO, YES = (lambda config: False), (lambda config: True)
+STRUCTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "rope_parameters")
+
 
 # transformers' LlamaConfig defaults, for keys a config.json leaves out (tests/test_llama.py compares); the other
 # families take a config.json only with every key they read (what transformers writes, as for a converted GGUF)
@@ -83,9 +77,10 @@ def family_config(values: dict) -> PreTrainedConfig:
 
 
 def why_not_own(config) -> str | None:
-    """Why this config cannot run in our decoders (None: it can): a model type not in FAMILIES, a key
-    its family reads missing, an activation other than SiLU, a rope whose tables change with the sequence."""
-    family = FAMILIES.get(getattr(config, "model_type", None))
+    """Why this config cannot run in our decoders (None: it can): a model type no family of this decoder
+    registers (engine.model.families), a key its family reads missing, an activation other than SiLU, a
+    rope whose tables change with the sequence."""
+    family = families.spec(getattr(config, "model_type", None), "llama")
     if family is None:
         return f"model type {getattr(config, 'model_type', None)!r}"
     missing = [key for key in family.required if not hasattr(config, key)]
@@ -289,7 +284,7 @@ def kept_positions(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch
 
 
 class CausalLM(nn.Module):
-    """The causal LM of a FAMILIES model type: model.{embed_tokens, layers, norm} and lm_head, named as
+    """The causal LM of a model type whose family names the "llama" decoder (engine.model.families): model.{embed_tokens, layers, norm} and lm_head, named as
     transformers names them; built on the meta device (`with torch.device("meta")`), its parameters then
     given by the loader. forward takes what the engine's steps pass (input_ids, position_ids, cache,
     logits_to_keep; other keyword arguments go on to the attention function, as in transformers)
@@ -299,7 +294,7 @@ class CausalLM(nn.Module):
         super().__init__()
         config._attn_implementation = config._attn_implementation or ATTENTION_NAME
         self.config = config
-        self.model = DecoderModel(config, FAMILIES[config.model_type])
+        self.model = DecoderModel(config, families.spec(config.model_type, "llama"))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq, self.rope_scaling = rope_inverse_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

@@ -22,16 +22,18 @@ from engine.errors import BadArgument, ModelLoadError
 from engine.model.attention import ATTENTION_NAME, register_with_transformers
 from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
 from engine.model.file_checks import check_folder_before_planning, check_folder_weights
-from engine.model.filling import load_folder_model, load_gguf_model, own_config, transformers_model
-from engine.model.gguf_convert import ensure_converted, take_fresh
-from engine.model.gguf_header import HELD_ARCHITECTURES, estimate_held_bytes, read_header
+from engine.model.files import ModelFiles, model_files
+from engine.model.filling import held_config, load_folder_model, load_gguf_model, own_config, \
+    transformers_model
+from engine.model.gguf_convert import take_fresh
+from engine.model.gguf_header import estimate_held_bytes, held_architecture
 from engine import native
 from engine.model import decode_kernels
 from engine.model.decode_norms import use_decode_norms
 from engine.model.linear_passes import cpu_has_native_bf16
 from engine.model.linears import use_skinny_linears
 from engine.model.llama import CausalLM
-from engine.model.sources import GGUF_POINTER, ModelSource, resolve_source
+from engine.model.sources import GGUF_POINTER, ModelSource
 from engine.model.support import attention_modules, check_supported
 from engine.native import release_freed_memory
 
@@ -62,14 +64,13 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
-def resolve_model_dir(spec: str | None, on_status: Callable[[str], None] | None = None) -> tuple[str, Path]:
+def resolve_model_dir(spec: "str | None | ModelFiles", on_status: Callable[[str], None] | None = None
+                      ) -> tuple[str, Path]:
     """Map --model (engine.model.sources: the embedded model, a .gguf file, a Hugging Face id in the local
     cache, ollama:NAME[:TAG] or a folder) to (name, a folder with its config.json and tokenizer). A GGUF's
     folder is converted once (config, tokenizer and chat template; the weights stay in the file)."""
-    source = resolve_source(spec)
-    if source.gguf is not None:
-        return source.name, ensure_converted(source.gguf, source.name, on_status)
-    return source.name, source.folder
+    files = model_files(spec, on_status)
+    return files.name, files.folder
 
 
 def fingerprint(path: Path) -> str:
@@ -93,43 +94,59 @@ def pick_device(device: str) -> torch.device:
 
 
 def load_model(
-    spec: str | None = None,
+    spec: "str | None | ModelFiles" = None,
     device: str = "auto",
     dtype: str = "auto",
     on_status: Callable[[str], None] | None = None,
     classes: str = "auto",
+    on_warning: Callable[[str], None] | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from local files only, with our attention function. classes:
     "auto" builds a llama, mistral, qwen2, qwen3 or phi3 GGUF (or safetensors folder) in engine.model.llama, a
     gemma2 / gemma3 one in engine.model.gemma (no transformers modeling import),
     everything else in transformers' classes; "transformers" always in transformers' (the `hf` baseline,
-    which needs their generate, and the tests that compare the two)."""
+    which needs their generate, and the tests that compare the two). spec: --model, or the run's
+    ModelFiles (engine.model.files: resolved once for the command). on_warning: told once, with the
+    reason, when "auto" falls back to transformers' classes (slower, and fp32 weights on the CPU)."""
     hf_logging.disable_progress_bar()  # stderr is for our own progress
     start = time.perf_counter()
-    source = resolve_source(spec)
+    files = model_files(spec, on_status)
+    source = files.source
     dev = pick_device(device)
     torch_dtype, prefill_dtype = resolve_dtype(dtype, dev)
     with native.announcing(on_status):  # a first-use compile of the native kernels is said on on_status
-        path = source.folder if source.gguf is None else ensure_converted(source.gguf, source.name, on_status)
+        path = files.folder
         if source.gguf is None:
             check_folder_weights(path)  # every safetensors header against its file, before anything reads one
-        own = own_config(path, gguf=source.gguf is not None) if classes == "auto" else None
+        own, why = held_config(path, source.gguf is not None, files.config) if classes == "auto" else (None, None)
         try:  # given our config, AutoTokenizer does not build transformers' (engine.model.llama: why)
             tokenizer = load_tokenizer(path, own)
             if source.gguf is not None:
                 model = load_gguf_model(source.gguf, path, torch_dtype, held=holds_blocks(dev, dtype), config=own)
             else:
                 model = load_folder_model(path, own, torch_dtype, holds_blocks(dev, dtype)) if own else None
+            fallback = model is None and classes == "auto"
             if model is None:
                 model = transformers_model(path, torch_dtype)
         except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as exc:  # (the last: a config.json
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # its class refuses)
             raise ModelLoadError(f"could not load the model in {path}: {first}") from exc
-        prepare_model(model.to(dev), prefill_dtype)
-    config = json.loads((path / "config.json").read_text())
-    max_context = int(config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 4096))
+        prepare_model(model.to(dev), prefill_dtype)  # (refuses a model whose attention the engine does not run)
+    if fallback and on_warning is not None:
+        on_warning(f"{files.name} runs in transformers' classes, not the engine's own decoders "
+                   f"({why or 'its weights are named otherwise'}): slower, its weights in {torch_dtype}")
+    if dev.type == "cpu" and on_warning is not None and native.lib() is None and native.native_error():
+        on_warning(native_fallback(native.native_error()))
     fp = fingerprint(path) + ("-held" if getattr(model, "specache_held", False) else "")
-    return LoadedModel(model, tokenizer, source.name, path, fp, max_context, time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, source.name, path, fp, files.window, time.perf_counter() - start)
+
+
+def native_fallback(error: str) -> str:
+    """The one line a run shows when the native CPU kernels could not be built or loaded: the compiler's
+    (or loader's) first error line and the path taken instead."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    first = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0] if lines else "")
+    return f"the native CPU kernels are unavailable ({first[:300]}): torch's kernels run instead, slower"
 
 
 def load_tokenizer(path: Path, own=None):
@@ -159,19 +176,22 @@ def load_tokenizer(path: Path, own=None):
     return AutoTokenizer.from_pretrained(path, local_files_only=True, **({"config": own} if own else {}))
 
 
-def estimate_weight_bytes(source: ModelSource, dtype: str = "auto") -> int:
+def estimate_weight_bytes(model: "ModelSource | ModelFiles", dtype: str = "auto") -> int:
     """The weights' bytes once loaded on the CPU, before loading: a GGUF's blocks as held (fp32 with
     --dtype float32), a folder's weights as held (16-bit safetensors of engine.model.llama's families as
     they are, else in fp32: 16-bit files double)."""
+    files = model if isinstance(model, ModelFiles) else ModelFiles(model)
+    source = files.source
     if source.gguf is not None:
-        header = read_header(source.gguf)
-        if holds_blocks(torch.device("cpu"), dtype) and header.arch in HELD_ARCHITECTURES:
+        header = files.header
+        if holds_blocks(torch.device("cpu"), dtype) and held_architecture(header.arch):
             return estimate_held_bytes(header)
         return sum(int(np.prod(t.ne)) for t in header.tensors.values()) * 4
-    config = json.loads((source.folder / "config.json").read_text(encoding="utf-8"))
+    config = files.config
     check_folder_before_planning(source.folder, config)
     sixteen = str(config.get("torch_dtype") or config.get("dtype") or "").endswith(("float16", "bfloat16"))
-    if sixteen and holds_blocks(torch.device("cpu"), dtype) and own_config(source.folder, gguf=False) is not None:
+    if sixteen and holds_blocks(torch.device("cpu"), dtype) and \
+            own_config(source.folder, gguf=False, config=config) is not None:
         return source.size_bytes  # held as they are (load_folder_model)
     return source.size_bytes * (2 if sixteen else 1)
 

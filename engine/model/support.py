@@ -2,7 +2,7 @@
 
 A model is run only when its attention is one the engine was checked to reproduce token for token
 against transformers' own eager attention (tests/test_conformance.py: every mode, prompts longer
-than the windows): the architectures in CHECKED. Anything else (a model type not checked, an
+than the windows): the model families of engine.model.families (families.checked()). Anything else (a model type not checked, an
 attention module that bypasses the attention interface, a feature such as attention sinks that the
 engine does not implement) is refused with one UnsupportedModel line naming the model type and what
 is missing, never run with a different attention."""
@@ -13,18 +13,7 @@ import inspect
 import torch
 
 from engine.errors import UnsupportedModel
-
-# model_type -> what the conformance test checks on it (README, "Models")
-CHECKED: dict[str, str] = {
-    "llama": "Llama (also llama3 rope scaling)",
-    "mistral": "Mistral, with and without a sliding window",
-    "qwen2": "Qwen2, with and without sliding-window layers",
-    "qwen3": "Qwen3",
-    "gemma2": "Gemma 2 (attention-logit softcapping, sliding-window layers)",
-    "gemma3_text": "Gemma 3 text models (sliding-window layers)",
-    "gemma3": "Gemma 3 multimodal checkpoints (4B and up), text prompts: the text decoder's attention",
-    "phi3": "Phi-3, with and without a sliding window",
-}
+from engine.model import families
 
 # what is known to be missing for a model type the engine does not run
 KNOWN_GAPS: dict[str, str] = {
@@ -57,14 +46,15 @@ def missing_feature(model_type: str, modules: list[torch.nn.Module]) -> str:
 
 
 def check_supported(model: torch.nn.Module) -> None:
-    """Raise UnsupportedModel unless the engine reproduces this model's attention: a CHECKED model
-    type, one attention module per layer, each using the attention interface."""
+    """Raise UnsupportedModel unless the engine reproduces this model's attention: a checked model
+    type (a registered family), one attention module per layer, each using the attention interface."""
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
     modules = attention_modules(model)
-    if model_type not in CHECKED:
+    checked = families.checked()
+    if model_type not in checked:
         raise UnsupportedModel(f"model type '{model_type}' is not supported: {missing_feature(model_type, modules)} "
-                               f"(supported: {', '.join(CHECKED)})")
+                               f"(supported: {', '.join(checked)})")
     layers = config.get_text_config().num_hidden_layers
     if len(modules) != layers or [m.layer_idx for m in modules] != list(range(layers)):
         raise UnsupportedModel(f"model type '{model_type}' is not supported: found {len(modules)} attention "

@@ -9,19 +9,13 @@ from typing import Any
 
 import yaml
 
-from engine.config import GROUPS
+from engine.config import GROUPS, K_CURRENT, CacheConfig
 from engine.errors import ProfileError
 
 MIB = 1024**2
 KINDS = ("cuda", "cpu")
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 PCIE_GBPS_PER_LANE = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}  # GB/s per lane, after line encoding
-# The guide of a model without a profile: what held on every real model measured (SmolLM2-135M,
-# Qwen2.5-Coder-1.5B, Gemma-3-270M; bench-results/fidelity-models.md): 2 bits (with engine.config's 2 outlier
-# channels and Hadamard rotation), k 128 with current prefetch (the CPU's), 256 with speculative. Before that
-# measurement a model of 1B parameters or more got 1 bit and k 64: Qwen2.5-Coder-1.5B top-1 0.891 / KL 0.074 on
-# report.pdf.
-UNPROFILED_DEFAULTS = {"default_bits": 2, "default_k": 256, "default_k_current": 128}
 
 
 def _check(ok: bool, source: str, field: str, problem: str) -> None:
@@ -108,10 +102,11 @@ class ModelProfile:
     vocab_size: int
     max_context: int
     parameters: int
-    default_bits: int = 1
-    default_group: int = 64
-    default_k: int = 64  # with speculative prefetch (the GPU default)
-    default_k_current: int | None = None  # with current prefetch (the CPU default); None: default_k
+    # the cache defaults by model: a profile's own, else a model without one gets CacheConfig's (engine.config)
+    default_bits: int = CacheConfig.bits
+    default_group: int = CacheConfig.group
+    default_k: int = CacheConfig.k  # with speculative prefetch (the GPU default)
+    default_k_current: int | None = K_CURRENT  # with current prefetch (the CPU default); None: default_k
     sliding_window: int | None = None  # the model's sliding window W (Mistral v0.1, Gemma 2/3, ...)
     sliding_window_layers: int = 0  # how many layers attend within it (each keeps only its window)
     hf_id: str = ""

@@ -21,13 +21,13 @@ from typing import Any, Iterator
 
 from engine.errors import BadArgument, ProfileError
 from engine.kvcache.passes import sliding_windows
+from engine.model import families
 from engine.model.embedded import EMBEDDED_NAME
 from engine.model.gguf_convert import ensure_converted
 from engine.model.gguf_header import estimate_held_bytes, read_header
 from engine.model.held_model import held_bytes, held_parameters
 from engine.model.sources import OLLAMA_PREFIX, is_gguf_file, resolve_source
 from engine.plan.profile_types import (  # noqa: F401  (the types are part of this module's API)
-    UNPROFILED_DEFAULTS,
     HardwareProfile,
     ModelProfile,
     hardware_from_yaml,
@@ -70,14 +70,15 @@ def model_profile_from_config(config: Any, name: str | None = None, source: str 
                             head_dim=int(cfg.get("head_dim") or hidden // heads), hidden_size=hidden,
                             intermediate_size=intermediate, vocab_size=vocab)
     if parameters is None:
+        known = families.family(cfg.get("model_type"))
         parameters = estimate_parameters(shape, bool(cfg.get("tie_word_embeddings", False)),
-                                         bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
+                                         bool(cfg.get("attention_bias", known is not None and known.qkv_bias)))
     label = name or cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model"
     window, window_layers = sliding_layers(cfg, layers)
     return ModelProfile(
         name=str(label), display_name=str(label), **vars(shape),
         max_context=int(cfg.get("max_position_embeddings") or 2048), parameters=int(parameters),
-        **UNPROFILED_DEFAULTS, sliding_window=window,
+        sliding_window=window,
         sliding_window_layers=window_layers, source=source)
 
 

@@ -1,4 +1,4 @@
-"""SpeCache (the design page): the guide plus, per layer and KV head, the exact K/V of the top-k
+"""SpeCache (Jie et al., ICML 2025; docs/algorithm.md): the guide and, per layer and KV head, the exact K/V of the top-k
 positions, selected by the attention row of the speculative token (prefetch "speculative") or of the
 token itself (prefetch "current") and fetched from the exact host store."""
 from __future__ import annotations

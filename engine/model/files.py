@@ -1,0 +1,98 @@
+"""A model named by --model, resolved once for a whole command: where its files are (engine.model.sources),
+its GGUF header (read once), the folder of its config.json and tokenizer (a GGUF's converted once, when
+first needed) and its config.json (read once). Everything that reads the model before or while loading
+it (the window check, the fit check, the load, the planner) takes this one object.
+
+The model's context window has one rule (context_window): the config's own length key, else
+FALLBACK_WINDOW; a GGUF's is its header's `<arch>.context_length` (what its converted config holds), read
+without converting the file."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import ModelLoadError
+from engine.model.gguf_convert import ensure_converted
+from engine.model.gguf_header import Header, read_header
+from engine.model.sources import ModelSource, resolve_source
+
+# the config keys that give a model's window, in the order transformers' config classes use them
+WINDOW_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+FALLBACK_WINDOW = 4096  # a config that names no window: what most of today's small models were trained with
+
+
+def context_window(config: dict) -> int:
+    """The model's context window in tokens: the first positive integer of WINDOW_KEYS in its config
+    (or its text_config, for a multimodal wrapper), else FALLBACK_WINDOW."""
+    for values in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        for key in WINDOW_KEYS:
+            value = values.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return FALLBACK_WINDOW
+
+
+@dataclass
+class ModelFiles:
+    """--model resolved once (see the module's docstring). on_status: where a first conversion says so."""
+
+    source: ModelSource
+    on_status: Callable[[str], None] | None = None
+    _header: Header | None = field(default=None, repr=False)
+    _folder: Path | None = field(default=None, repr=False)
+    _config: dict | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.source.gguf is not None
+
+    @property
+    def header(self) -> Header:
+        """The GGUF's header (a GGUF source only)."""
+        if self._header is None:
+            self._header = read_header(self.source.gguf)
+        return self._header
+
+    @property
+    def folder(self) -> Path:
+        """The folder with config.json and the tokenizer: the model's own, or its GGUF's converted once."""
+        if self._folder is None:
+            self._folder = self.source.folder if not self.is_gguf else \
+                ensure_converted(self.source.gguf, self.source.name, self.on_status)
+        return self._folder
+
+    @property
+    def config(self) -> dict:
+        """config.json's values. Raises ModelLoadError when it cannot be read as a JSON object."""
+        if self._config is None:
+            path = self.folder / "config.json"
+            try:
+                config = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError) as exc:
+                raise ModelLoadError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
+            if not isinstance(config, dict):
+                raise ModelLoadError(f"{path} is not a JSON object")
+            self._config = config
+        return self._config
+
+    @property
+    def window(self) -> int:
+        """The context window (context_window), a GGUF's from its header without converting it."""
+        if self.is_gguf and self._config is None:
+            length = self.header.fields.get(f"{self.header.arch}.context_length")
+            if isinstance(length, int) and length > 0:
+                return length
+        return context_window(self.config)
+
+
+def model_files(spec: "str | None | ModelFiles", on_status: Callable[[str], None] | None = None) -> ModelFiles:
+    """--model -> its ModelFiles (resolve_source, once); a ModelFiles is returned as it is."""
+    if isinstance(spec, ModelFiles):
+        return spec
+    return ModelFiles(resolve_source(spec), on_status)
