@@ -190,3 +190,30 @@ def test_a_watched_cache_replays_with_its_guide_checks_after_each_pass(tiny_mode
     assert a["checks"] == b["checks"] >= 4 and not b["lost"]
     assert b["coverage_vs_oracle"] == pytest.approx(a["coverage_vs_oracle"], abs=1e-4)
 
+
+
+def test_graphs_are_recorded_where_the_cache_streams_record_them(tiny_model, monkeypatch):
+    """SPECACHE_CUDA_GRAPHS=1 replays where the cache's streams record graphs (CUDA's, or their stand-in: not the
+    CPU's), and a recording is warmed up on a side stream first, then captured (record_graph): with the
+    stand-in the warm-up runs when the compute stream waits for it, before the capture."""
+    import engine.kvcache
+    from engine.backends.streams import StandinStreams
+    from engine.kvcache.transfer import Transfer
+
+    streams = StandinStreams(wait_seconds=5.0)
+    monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, streams=streams))
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    cache = make_cache(tiny_model.config, CacheConfig(mode="full"), 1, 64, torch.float32, torch.device("cpu"))
+    assert graphs.graphs_wanted(cache)
+    seen = []
+
+    def run() -> torch.Tensor:
+        seen.append((streams.current_stream().name, streams.capturing))
+        return torch.ones(2)
+
+    graph, out = graphs.record_graph(streams, run)
+    assert seen == [("side1", 0), ("compute", 1)] and out.tolist() == [1, 1] and streams.graphs == 1
+    graph.replay()
+    assert seen[-1] == ("compute", 1) and graph.replays == 1
+    decode = graphs.DecodeGraphs(tiny_model, cache, steps.forward)
+    assert decode.record.func is graphs.record_graph and decode.record.args == (streams,)

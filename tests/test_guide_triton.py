@@ -73,44 +73,82 @@ def test_a_kernel_that_fails_is_said_once_and_the_fallback_takes_over(monkeypatc
     assert guide_triton.available("guide")
 
 
-def test_triton_gather_takes_the_selected_rows():
+@pytest.fixture
+def gather_here(monkeypatch):
+    """The gather kernel where it runs (CUDA compiled, or CPU tensors in Triton's interpreter), a failure kept to
+    the test (it would switch the gather off for the rest of the process)."""
+    if DEVICE.type == "cpu" and not guide_triton.interpreted():
+        pytest.skip("CPU tensors reach the gather kernel only in Triton's interpreter (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(guide_triton, "FAILED", {})
+
+
+def as_store(t: torch.Tensor) -> torch.Tensor:
+    """t where the gather reads the exact store from: on CUDA page-locked host memory (mapped into the device's
+    address space: a kernel reads it over the bus), else the CPU tensor itself."""
+    return t.pin_memory() if DEVICE.type == "cuda" else t
+
+
+def test_triton_gather_takes_the_selected_rows(gather_here):
     """The fetch's gather (on CUDA from the pinned store, in place): K and V rows at the selected positions
     of each head, from a batch-row slice of the store into a slice of the fetched set."""
     gen = torch.Generator().manual_seed(3)
     store_k, store_v = torch.randn(3, 2, 90, 40, generator=gen), torch.randn(3, 2, 90, 40, generator=gen)
     idx = torch.randint(0, 90, (2, 2, 70), generator=gen)
-    fk, fv = torch.zeros(3, 2, 80, 40), torch.zeros(3, 2, 80, 40)
-    assert guide_triton.gather_rows(store_k[1:], store_v[1:], idx, fk[1:, :, :70], fv[1:, :, :70])
+    fk, fv = torch.zeros(3, 2, 80, 40, device=DEVICE), torch.zeros(3, 2, 80, 40, device=DEVICE)
+    src_k, src_v = as_store(store_k), as_store(store_v)
+    assert guide_triton.gather_rows(src_k[1:], src_v[1:], idx.to(DEVICE), fk[1:, :, :70], fv[1:, :, :70])
+    fk, fv = fk.cpu(), fv.cpu()
     want = idx[..., None].expand(-1, -1, -1, 40)
     assert torch.equal(fk[1:, :, :70], torch.gather(store_k[1:], 2, want))
     assert torch.equal(fv[1:, :, :70], torch.gather(store_v[1:], 2, want))
     assert not fk[0].any() and not fk[:, :, 70:].any()  # nothing else written
+    assert not guide_triton.FAILED
 
 
-def test_triton_gather_of_the_missing_slots_keeps_the_others():
-    """The corrected set's gather in a recorded pass (transfer.corrected_rows_fixed on CUDA): only the slots
-    asked for are read from the store and written; the others keep the rows the prefetch brought; the
-    result equals the torch path's (the same function without the kernel)."""
+def test_cpu_tensors_are_not_handed_to_a_compiled_gather(monkeypatch):
+    """Outside the interpreter a compiled kernel cannot read CPU tensors: the gather does not apply (the caller
+    gathers otherwise) and is not switched off."""
+    monkeypatch.setattr(guide_triton, "FAILED", {})
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    t = torch.zeros(1, 1, 4, 8)
+    assert not guide_triton.gather_applies(t, t, torch.zeros(1, 1, 2, dtype=torch.long), t[:, :, :2], t[:, :, :2])
+    assert not guide_triton.gather_rows(t, t, torch.zeros(1, 1, 2, dtype=torch.long), t[:, :, :2], t[:, :, :2])
+    assert not guide_triton.FAILED
+
+
+def test_triton_gather_of_the_missing_slots_keeps_the_others(gather_here):
+    """The corrected set's gather in a recorded pass (transfer.corrected_rows_fixed from a pinned store): only
+    the slots asked for are read from the store and written; the others keep the rows the prefetch brought;
+    the result equals the torch path's (the same function without the kernel)."""
     from engine.kvcache import transfer
 
     gen = torch.Generator().manual_seed(4)
     store_k, store_v = torch.randn(2, 2, 90, 40, generator=gen), torch.randn(2, 2, 90, 40, generator=gen)
     only = torch.rand(2, 2, 16, generator=gen) < 0.4
     idx = torch.randint(0, 90, (2, 2, 16), generator=gen)
-    fk, fv = torch.full((2, 2, 16, 40), 7.0), torch.full((2, 2, 16, 40), -7.0)
-    assert guide_triton.gather_rows(store_k, store_v, idx, fk, fv, only=only)
+    fk, fv = torch.full((2, 2, 16, 40), 7.0, device=DEVICE), torch.full((2, 2, 16, 40), -7.0, device=DEVICE)
+    src_k, src_v = as_store(store_k), as_store(store_v)
+    assert guide_triton.gather_rows(src_k, src_v, idx.to(DEVICE), fk, fv, only=only.to(DEVICE))
+    fk, fv = fk.cpu(), fv.cpu()
     want = torch.gather(store_k, 2, idx[..., None].expand(-1, -1, -1, 40))
     assert torch.equal(fk[only], want[only]) and (fk[~only] == 7.0).all() and (fv[~only] == -7.0).all()
     # corrected_rows_fixed: the prefetched positions old_idx (some invalid) reused, the rest from the store
-    old_idx = torch.where(torch.rand(2, 2, 16, generator=gen) < 0.5, idx, torch.randint(0, 90, (2, 2, 16), generator=gen))
+    pick = torch.rand(2, 2, 16, generator=gen) < 0.5
+    old_idx = torch.where(pick, idx, torch.randint(0, 90, (2, 2, 16), generator=gen))
     old_idx = old_idx[..., torch.randperm(16, generator=gen)]
     old_valid = torch.rand(2, 2, 16, generator=gen) < 0.8
     old_k = torch.gather(store_k, 2, old_idx[..., None].expand(-1, -1, -1, 40))
     old_v = torch.gather(store_v, 2, old_idx[..., None].expand(-1, -1, -1, 40))
-    k, v, reused = transfer.corrected_rows_fixed(old_k, old_v, store_k, store_v, idx, old_idx, old_valid)
-    assert torch.equal(k, want) and torch.equal(v, torch.gather(store_v, 2, idx[..., None].expand(-1, -1, -1, 40)))
+    on = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    want_v = torch.gather(store_v, 2, idx[..., None].expand(-1, -1, -1, 40))
     expect = ((idx[..., :, None] == old_idx[..., None, :]) & old_valid[..., None, :]).any(-1)
-    assert torch.equal(reused, expect) and reused.any() and (~reused).any()
-    five = torch.full_like(store_k, 5.0)  # a store that differs: which slots came from where
-    k, _, _ = transfer.corrected_rows_fixed(old_k, old_v, five, five, idx, old_idx, old_valid)
-    assert torch.equal(k[reused], want[reused]) and (k[~reused] == 5.0).all()
+    for in_place in (True, False):  # the kernel's masked gather from the store, and the torch path
+        k, v, reused = transfer.corrected_rows_fixed(*on(old_k, old_v), src_k, src_v, *on(idx, old_idx, old_valid),
+                                                     in_place=in_place)
+        assert torch.equal(k.cpu(), want) and torch.equal(v.cpu(), want_v)
+        assert torch.equal(reused.cpu(), expect) and expect.any() and (~expect).any()
+    five = as_store(torch.full_like(store_k, 5.0))  # a store that differs: which slots came from where
+    k, _, _ = transfer.corrected_rows_fixed(*on(old_k, old_v), five, five, *on(idx, old_idx, old_valid), in_place=True)
+    k = k.cpu()
+    assert torch.equal(k[expect], want[expect]) and (k[~expect] == 5.0).all()
+    assert not guide_triton.FAILED

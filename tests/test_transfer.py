@@ -227,15 +227,16 @@ def test_the_exact_store_takes_the_bytes_the_planner_counts(tiny_model):
 def test_a_store_that_cannot_be_pinned_is_refused_before_anything_is_pinned():
     """On CUDA the store is pinned once the cache is built; more than can be pinned (RAM available less the
     planner's reserve) is one DoesNotFit naming both sizes, raised before any memory is locked (checked
-    here on the CPU with the CUDA flag set: the refusal comes before any call into CUDA)."""
+    here on the CPU with the streams' stand-in, which counts what is pinned)."""
+    from engine.backends.streams import StandinStreams
     from engine.errors import DoesNotFit
 
-    transfer = Transfer(torch.device("cpu"))
+    streams = StandinStreams()
+    transfer = Transfer(torch.device("cpu"), streams=streams)
     transfer.host_tensor((2, 4, 1024, 64), torch.float16)
-    transfer.cuda = True
     with pytest.raises(DoesNotFit, match=r"needs 0\.0 GiB of pinned RAM and 0\.0 GiB can be pinned"):
         transfer.pin_host(available=1024)
-    assert transfer._registered == []
+    assert transfer._registered == [] and streams.pinned == {}
 
 
 def test_sdpa_backends_are_chosen_per_device_from_one_table(monkeypatch):

@@ -1,13 +1,15 @@
 """Exact mode's verification stream (engine.kvcache.transfer.VerifyStream): on CUDA each layer's exact
 K/V are copied from the host store into two device buffers, double-buffered. No GPU here: the staged
-path is forced on the CPU (Transfer.stream_verify), where its copies are plain copies, so the buffer
-rotation, the rows with different starts and the reads are checked against the in-place path."""
+path is forced on the CPU (Transfer.stream_verify), where its copies are plain copies, or run with the
+streams' stand-in (engine.backends.streams: the copies queued on a side stream, events between them), so
+the buffer rotation, the rows with different starts and the reads are checked against the in-place path."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import engine.generate.engine as eng
+from engine.backends.streams import StandinStreams
 from engine.config import CacheConfig
 from engine.kvcache import make_cache
 from engine.kvcache.transfer import HostStore, Transfer, VerifyStream, copy_prefix
@@ -28,13 +30,16 @@ def stores_of(n_layers: int, batch: int, heads: int, max_len: int, dim: int, tra
     return stores
 
 
-@pytest.mark.parametrize("waste,per_pos", [(0.0, True), (1.0, False)])
-def test_buffers_rotate_and_hold_each_layers_past(waste, per_pos):
+@pytest.mark.parametrize("waste,per_pos,streamed", [(0.0, True, False), (1.0, False, False), (0.0, True, True),
+                                                     (1.0, False, True)])
+def test_buffers_rotate_and_hold_each_layers_past(waste, per_pos, streamed):
     """5 layers through 2 buffers: begin copies layers 0 and 1; releasing layer l copies l + 2 into its
     buffer; a layer is readable only while its buffer holds it (in this pass); each buffer holds the
     layer's store rows [0, past); bytes: only the past of the pass's rows (one copy per row and head),
-    or whole rows (one copy) when the unused tail is small enough."""
-    transfer = Transfer(CPU, stream_verify=True)
+    or whole rows (one copy) when the unused tail is small enough. streamed: the stand-in's side stream
+    (the copies run when the attention waits for them; the overlap counted)."""
+    streams = StandinStreams(wait_seconds=5.0) if streamed else None
+    transfer = Transfer(CPU, stream_verify=True, streams=streams)
     verify = transfer.verify_stream()
     verify.whole_rows_waste = waste
     batch, heads, max_len, dim, past = 3, 2, 40, 8, 17
@@ -64,7 +69,33 @@ def test_buffers_rotate_and_hold_each_layers_past(waste, per_pos):
     assert verify.holds == [(2, 0), (2, 1)] and verify.passes == 2
     with pytest.raises(RuntimeError):
         verify.acquire(3, rows)
-    assert verify.stats() == {"verify_copy_bytes": 7 * per_layer // 2, "verify_overlap_share": None}  # 5 + 2 layers
+    share = 0.0 if streamed else None  # (the stand-in runs a copy when it is waited for: never ahead)
+    assert verify.stats() == {"verify_copy_bytes": 7 * per_layer // 2, "verify_overlap_share": share}  # 5 + 2 layers
+    if streamed:
+        assert verify.waits == 5 and streams.launches >= 7 and len(streams.recorded) == 2  # the buffers kept
+
+
+def test_a_streamed_copy_is_read_only_after_its_attention_waits():
+    """With the stand-in's streams a layer's copy is queued behind the release of the buffer's previous reader:
+    the buffer holds nothing of it until acquire() waits; a side stream held back fails the wait within its
+    bound instead of letting the attention read a buffer being written."""
+    streams = StandinStreams(wait_seconds=0.3)
+    transfer = Transfer(CPU, stream_verify=True, streams=streams)
+    verify = transfer.verify_stream()
+    stores = stores_of(3, 1, 2, 16, 4, transfer)
+    for s in stores:
+        verify.add(s)
+    rows = slice(0, 1)
+    verify.begin(rows, 10)
+    assert not verify.k.any()  # queued, not run
+    k, _ = verify.acquire(0, rows)
+    assert torch.equal(k[rows, :, :10], stores[0].k[rows, :, :10]) and not verify.k[1].any()  # layer 1 still queued
+    with streams.hold(transfer.stream):
+        verify.release(0)  # layer 2's copy, behind layer 1's
+        with pytest.raises(RuntimeError, match="held back"):
+            verify.acquire(1, rows)
+    k, _ = verify.acquire(1, rows)
+    assert torch.equal(k[rows, :, :10], stores[1].k[rows, :, :10])
 
 
 def test_copy_prefix_copies_only_the_prefix_per_row_and_head():

@@ -9,35 +9,35 @@ with the current prefetch; a watched layer keeps its queries and its guide check
 first pass is run eagerly to warm up, then recorded with static input ids; each later pass copies its ids
 in, does the cache's host bookkeeping (begin, then commit: the device lengths advance outside the graph),
 replays, and hands out a copy of the logits. `SPECACHE_CUDA_GRAPHS=1` turns it on (off by default until a
-GPU run has checked it: scripts/gpu_check.py); without CUDA the same protocol runs with an eager stand-in
-for the recorder (tests)."""
+GPU run has checked it: scripts/gpu_check.py). The recording is the cache's streams' (engine.backends.streams:
+CUDA graphs on CUDA; in the tests, the streams' stand-in on the CPU, or an eager recorder, eager_graph)."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
 import torch
 
+from engine.backends.streams import Streams
 from engine.generate.forward import PassOptions
 from engine.kvcache import KVCache
 
 
 def graphs_wanted(cache: KVCache) -> bool:
-    """Replay decode passes as CUDA graphs: asked for (SPECACHE_CUDA_GRAPHS=1), on CUDA, every layer capturable."""
-    return os.environ.get("SPECACHE_CUDA_GRAPHS") == "1" and cache.lengths.device.type == "cuda" and cache.capturable
+    """Replay decode passes as graphs: asked for (SPECACHE_CUDA_GRAPHS=1), on a device whose streams record
+    graphs (CUDA), every layer capturable."""
+    return (os.environ.get("SPECACHE_CUDA_GRAPHS") == "1" and cache.transfer.streams.records_graphs
+            and cache.capturable)
 
 
-def cuda_graph(run: Callable[[], torch.Tensor]):
-    """Warm `run` up on a side stream, then record it into a CUDA graph. -> (graph, its output tensor)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    return graph, out
+def record_graph(streams: Streams, run: Callable[[], torch.Tensor]):
+    """Warm `run` up on a side stream, then record it (Streams.capture). -> (graph, its output tensor)."""
+    side = streams.stream()
+    side.wait_stream(streams.current_stream())
+    streams.launch(side, run)
+    streams.current_stream().wait_stream(side)
+    return streams.capture(run)
 
 
 class EagerGraph:
@@ -60,8 +60,9 @@ class DecodeGraphs:
     one token; speculative_steps: the output token and the speculative one, keep 1, select 1), replayed
     from one recorded pass per (n, T, keep, select, logits_to_keep)."""
 
-    def __init__(self, model, cache: KVCache, forward, record=cuda_graph):
-        self.model, self.cache, self.forward, self.record = model, cache, forward, record
+    def __init__(self, model, cache: KVCache, forward, record=None):
+        self.model, self.cache, self.forward = model, cache, forward
+        self.record = record or functools.partial(record_graph, cache.transfer.streams)
         self.graphs: dict[tuple, tuple[object, torch.Tensor, torch.Tensor]] = {}  # key -> (graph, static ids, logits)
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
 
 import torch
@@ -113,20 +114,35 @@ def guide_weighted_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     return partial.sum(0).view(b, h, nq, d) if ok else None
 
 
+def gather_applies(src_k: torch.Tensor, src_v: torch.Tensor, idx: torch.Tensor, dst_k: torch.Tensor,
+                   dst_v: torch.Tensor, only: torch.Tensor | None = None) -> bool:
+    """Whether gather_rows' kernel runs on these tensors: Triton there and the gather not failed, a layout it
+    takes (the last dim of each contiguous, K and V alike), and a device Triton runs on (CPU tensors only in
+    Triton's interpreter: a compiled kernel handed host pointers would fail and switch the gather off)."""
+    if not available("gather") or idx.shape[-1] == 0 or (idx.device.type == "cpu" and not interpreted()):
+        return False
+    if src_k.stride() != src_v.stride() or dst_k.stride() != dst_v.stride():
+        return False
+    return all(t.stride(-1) == 1 for t in (src_k, src_v, dst_k, dst_v, idx)) and (only is None or only.stride(-1) == 1)
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET=1: with NumPy, on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def gather_rows(src_k: torch.Tensor, src_v: torch.Tensor, idx: torch.Tensor, dst_k: torch.Tensor,
                 dst_v: torch.Tensor, only: torch.Tensor | None = None) -> bool:
     """dst[b, h, j] = src[b, h, idx[b, h, j]] for K and V in one launch: src [b, H, L, D] (on CUDA the pinned
     host store, read in place over the bus: mapped memory), idx [b, H, k] and dst [b, H, k, D] on the
     device; the last dim of each contiguous. only [b, H, k] bool: those slots alone are read and written (the
-    rest of dst is kept). -> False where the kernel does not run (no Triton, a launch error, another layout):
-    the caller gathers otherwise."""
+    rest of dst is kept). -> False where the kernel does not run (gather_applies, or a launch error): the
+    caller gathers otherwise."""
+    if not gather_applies(src_k, src_v, idx, dst_k, dst_v, only):
+        return False
     ks = kernels()
     b, h, k = idx.shape
     d = src_k.shape[-1]
-    if not available("gather") or k == 0 or src_k.stride() != src_v.stride() or dst_k.stride() != dst_v.stride() \
-            or any(t.stride(-1) != 1 for t in (src_k, src_v, dst_k, dst_v)) or idx.stride(-1) != 1 \
-            or (only is not None and only.stride(-1) != 1):
-        return False
     mask = only.view(torch.uint8) if only is not None else idx  # (a pointer the kernel ignores without a mask)
     block = min(64, _padded(k, 1))
     return launch("gather", ks[2], (b * h, -(-k // block)), src_k, src_v, src_k.stride(0), src_k.stride(1),

@@ -11,32 +11,32 @@ import torch
 
 from engine.kvcache import guide_triton
 
-CUDA_HOST_REGISTER_PORTABLE_MAPPED = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped (a device address too)
-
 
 class HostMapping(mmap.mmap):
-    """Anonymous private memory (as malloc's) that CUDA may pin in place (cudaHostRegister, mapped:
-    asynchronous copies, and kernels may read it). Unpinned before it is unmapped, also when dropped
-    without unpin() (a registration outliving its mapping would refuse the next one at that address)."""
+    """Anonymous private memory (as malloc's) that a device with memory of its own may pin in place
+    (Streams.pin: page-locked and mapped, so that copies from it run asynchronously and kernels may read
+    it). Unpinned before it is unmapped, also when dropped without unpin() (a registration outliving its
+    mapping would refuse the next one at that address)."""
 
     address = nbytes = 0
     pinned = False
+    streams = None  # the Streams that pinned it
 
-    def pin(self) -> bool:
-        """Page-lock it. -> whether CUDA did."""
+    def pin(self, streams) -> bool:
+        """Page-lock it. -> whether the device did."""
         if not self.pinned:
-            err = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
-            self.pinned = int(err) == 0
+            self.pinned = streams.pin(self.address, self.nbytes)
+            self.streams = streams if self.pinned else None
         return self.pinned
 
     def unpin(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.streams.unpin(self.address)
             self.pinned = False
 
     def __del__(self) -> None:
         if self.pinned:
-            torch.cuda.synchronize()  # no copy from or to it is in flight
+            self.streams.synchronize()  # no copy from or to it is in flight
             self.unpin()
 
 
@@ -92,19 +92,19 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None
 
 
 def corrected_rows_fixed(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
-                         idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor):
+                         idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor, in_place: bool = False):
     """corrected_rows at fixed shapes and without a host read (a recorded pass, Step.fixed): each slot of idx
     [b, H_kv, k] matched against the k fetched positions old_idx (valid where old_valid) pairwise, the
-    matches taken from fk/fv [b, H_kv, k, D], every other slot read from the host store host_k/v: on CUDA by
-    the in-place gather for those slots only (the mapped store read over the bus), elsewhere gathered whole
-    and chosen by torch.where. -> (k rows, v rows, reused [b, H_kv, k] bool)."""
+    matches taken from fk/fv [b, H_kv, k, D], every other slot read from the host store host_k/v: with
+    in_place (a pinned, mapped store) by the kernel's gather of those slots only (the store read over the bus)
+    where it runs, else gathered whole and chosen by torch.where. -> (k rows, v rows, reused [b, H_kv, k] bool)."""
     d = fk.shape[-1]
     eq = (idx[..., :, None] == old_idx[..., None, :]) & old_valid[..., None, :]  # [b, H_kv, k, k]
     reused = eq.any(-1)
     rows = eq.to(torch.uint8).argmax(-1)[..., None].expand(-1, -1, -1, d)
     k, v = fk.gather(2, rows), fv.gather(2, rows)
     missing = ~reused
-    if k.is_cuda and guide_triton.gather_rows(host_k, host_v, idx, k, v, only=missing):
+    if in_place and guide_triton.gather_rows(host_k, host_v, idx, k, v, only=missing):
         return k, v, reused
     got_k = torch.empty(*idx.shape, d, dtype=host_k.dtype, device=host_k.device)
     got_v = torch.empty_like(got_k)

@@ -2,8 +2,9 @@
 
 On the CPU the store and the "device" are the same memory and every call is a plain copy.
 
-On a CUDA device the store lives in host memory pinned in place at exactly its bytes
-(Transfer.pin_host, once the cache is built; mapped into the device's address space). A prefetch
+On a device with memory of its own and asynchronous streams (CUDA; engine.backends.streams, whose
+stand-in runs this code on CPU tensors in the tests) the store lives in host memory pinned in place at
+exactly its bytes (Transfer.pin_host, once the cache is built; mapped into the device's address space). A prefetch
 must not stall the GPU: a Triton kernel on a side stream reads the selected rows straight from the
 pinned store into the device's fetched set (engine.kvcache.guide_triton.gather_rows), recording a
 `ready` event. Without Triton (or after a launch error) the fallback is a worker thread: the indices
@@ -25,6 +26,7 @@ import threading
 
 import torch
 
+from engine.backends.streams import Streams, streams_for
 from engine.errors import DoesNotFit
 from engine.kvcache import guide_triton
 from engine.kvcache.host_memory import (
@@ -46,8 +48,10 @@ GIB = 2**30
 
 
 class Transfer:
-    """The transfer resources of one cache, shared by its layers: on CUDA one side stream and one
-    worker thread (started on the first prefetch); nothing on the CPU. `close()` ends the thread.
+    """The transfer resources of one cache, shared by its layers: on an asynchronous device (CUDA) one side
+    stream and one worker thread (started on the first prefetch); nothing on the CPU. `close()` ends the
+    thread. streams: the device's (engine.backends.streams; default streams_for(device); tests pass the
+    stand-in on the CPU to run CUDA's orchestration there).
     stream_verify: exact mode's verification copies the store through VerifyStream's two device
     buffers (default: on CUDA; True on the CPU only in tests, where the copies are plain copies).
     residual_in_store: a guided layer's residual window is its host store's positions (default: where
@@ -55,14 +59,16 @@ class Transfer:
     own residual buffers there."""
 
     def __init__(self, device: torch.device, threaded: bool | None = None, stream_verify: bool | None = None,
-                 residual_in_store: bool | None = None):
+                 residual_in_store: bool | None = None, streams: Streams | None = None):
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.threaded = self.cuda if threaded is None else threaded
-        self.stream_verify = self.cuda if stream_verify is None else stream_verify
-        cpu = device.type == "cpu"  # (a meta device, for shapes: laid out as a GPU's)
-        self.residual_in_store = cpu if residual_in_store is None else residual_in_store and cpu
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.streams = streams or streams_for(device)
+        self.asynchronous = self.streams.asynchronous
+        self.threaded = self.asynchronous if threaded is None else threaded
+        self.stream_verify = self.asynchronous if stream_verify is None else stream_verify
+        # the store is the device's memory: the CPU's own (a meta device, for shapes, is laid out as a GPU's)
+        shared = device.type == "cpu" and not self.asynchronous
+        self.residual_in_store = shared if residual_in_store is None else residual_in_store and shared
+        self.stream = self.streams.stream() if self.asynchronous else None
         self._worker: PrefetchWorker | None = None
         self.verify: VerifyStream | None = None  # exact mode's, made by its first layer (verify_stream)
         self.host_tensors: list[torch.Tensor] = []  # the exact host store's tensors (host_tensor), all layers
@@ -94,7 +100,7 @@ class Transfer:
         asynchronously and a kernel may read them), after checking that they fit in the RAM that may be
         pinned (engine.machine.pinnable_bytes: what is available less the planner's reserve). Raises
         DoesNotFit, pinning nothing, when they do not. Nothing to do on the CPU."""
-        if not self.cuda or not self.host_tensors:
+        if not self.asynchronous or not self.host_tensors:
             return
         need = self.host_bytes_allocated()
         room = pinnable_bytes() if available is None else available
@@ -103,7 +109,7 @@ class Transfer:
                              f"{max(room, 0) / GIB:.1f} GiB can be pinned now (RAM available less a "
                              "reserve): lower --batch or the context")
         for mapping in self._mappings:
-            if not mapping.pin():
+            if not mapping.pin(self.streams):
                 self.unpin_host()
                 raise DoesNotFit(f"pinning {mapping.nbytes / GIB:.1f} GiB of the exact host store failed: lower "
                                  "--batch or the context")
@@ -112,7 +118,7 @@ class Transfer:
     def unpin_host(self) -> None:
         """Undo pin_host (the tensors stay valid, as pageable memory)."""
         if self._registered:
-            torch.cuda.synchronize(self.device)  # no copy from or to them is in flight
+            self.streams.synchronize()  # no copy from or to them is in flight
             for mapping in self._registered:
                 mapping.unpin()
             self._registered = []
@@ -146,8 +152,8 @@ class Transfer:
     def host_ready(self) -> None:
         """CUDA: wait for the copies queued into the pinned store (HostStore.write_span is asynchronous)
         before the CPU reads it (a document-store export, a row copy, the hit-rate count)."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.asynchronous:
+            self.streams.current_stream().synchronize()
 
 
 class HostStore:
@@ -156,8 +162,8 @@ class HostStore:
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, k_max: int,
                  dtype: torch.dtype, device: torch.device, transfer: Transfer):
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.transfer = transfer
+        self.transfer, self.streams = transfer, transfer.streams
+        self.asynchronous = transfer.asynchronous  # (CUDA's orchestration: streams, events, a pinned store)
         shape = (batch, kv_heads, max_len, head_dim)
         self.k = transfer.host_tensor(shape, dtype)  # [B, H_kv, L, D] host (pinned on CUDA: Transfer.pin_host)
         self.v = transfer.host_tensor(shape, dtype)
@@ -167,15 +173,19 @@ class HostStore:
         fetched = (lambda: untouched_zeros(fshape, dtype)) if device.type == "cpu" else \
             (lambda: torch.zeros(fshape, dtype=dtype, device=device))
         self.fk, self.fv = fetched(), fetched()
-        self.waits = self.ready_in_time = 0  # CUDA: fetches needed / already complete when needed
-        self.in_place = 0  # CUDA: fetches gathered by the kernel from the pinned store (_gather_in_place)
-        if self.cuda:
-            self.stage_k = torch.zeros(fshape, dtype=dtype, pin_memory=True)
-            self.stage_v = torch.zeros(fshape, dtype=dtype, pin_memory=True)
-            self.idx_host = torch.zeros(fshape[:3], dtype=torch.long, pin_memory=True)
-            self.idx_ready = torch.cuda.Event()
-            self.ready = torch.cuda.Event()
-            self.issued = threading.Event()  # set by the worker once `ready` is recorded
+        self.waits = self.ready_in_time = 0  # asynchronous: fetches needed / already complete when needed
+        self.in_place = 0  # asynchronous: fetches gathered by the kernel from the pinned store (_gather_in_place)
+        if self.asynchronous:
+            streams = self.streams
+            self.stage_k = streams.pinned_zeros(fshape, dtype)
+            self.stage_v = streams.pinned_zeros(fshape, dtype)
+            self.idx_host = streams.pinned_zeros(fshape[:3], torch.long)
+            self.idx_ready = streams.event()
+            self.ready = streams.event()
+        # set while no worker job of this layer is outstanding: cleared when one is queued, set by the job once
+        # `ready` is recorded (the in-place gather records `ready` itself: it leaves it set)
+        self.issued = threading.Event()
+        self.issued.set()
         self.pending = False
 
     def write_span(self, row: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -184,7 +194,7 @@ class HostStore:
         there; a strided copy would go through a pageable temporary, synchronously): readers on the CPU
         wait for them first (Transfer.host_ready)."""
         end = start + k.shape[1]
-        if not self.cuda:
+        if not self.asynchronous:
             self.k[row, :, start:end] = k
             self.v[row, :, start:end] = v
             return
@@ -196,7 +206,7 @@ class HostStore:
         """Exact K/V of one row's positions [start, end) on the compute device. -> [1, H_kv, n, D] each
         (CUDA: one asynchronous copy per KV head from the pinned store, as write_span)."""
         k, v = self.k[row : row + 1, :, start:end], self.v[row : row + 1, :, start:end]
-        if not self.cuda:
+        if not self.asynchronous:
             return k, v
         out_k = torch.empty(k.shape, dtype=k.dtype, device=self.device)
         out_v = torch.empty_like(out_k)
@@ -207,9 +217,9 @@ class HostStore:
 
     def prefetch(self, rows: slice, idx: torch.Tensor, fixed: bool = False) -> None:
         """Start fetching the exact K/V at idx [b, H_kv, k] (positions) into the device fetched set (fixed: a
-        recorded pass: CUDA's in-place gather on the side stream, which join() brings back into the pass)."""
+        recorded pass: the in-place gather on the side stream, which join() brings back into the pass)."""
         n = idx.shape[-1]
-        if not self.cuda:
+        if not self.asynchronous:
             gather_rows(self.k[rows], idx, self.fk[rows, :, :n])
             gather_rows(self.v[rows], idx, self.fv[rows, :, :n])
             return
@@ -225,15 +235,15 @@ class HostStore:
         self.transfer.submit(lambda: self._gather_and_copy(rows, n))
 
     def can_gather_now(self) -> bool:
-        """Whether gather_now runs here: on the CPU always; on CUDA with the store pinned (mapped) and the
-        Triton gather available (the store is read in place)."""
-        return not self.cuda or (self.transfer.pinned and guide_triton.available("gather"))
+        """Whether gather_now runs here: on the CPU always; on an asynchronous device with the store pinned
+        (mapped) and the Triton gather available (the store is read in place)."""
+        return not self.asynchronous or (self.transfer.pinned and guide_triton.available("gather"))
 
     def gather_now(self, rows: slice, idx: torch.Tensor) -> None:
         """Fetch the exact K/V at idx [b, H_kv, k] into the fetched set on the compute stream, in order with
         the pass (a fixed-shape pass, which a CUDA graph records: no worker thread, no side stream)."""
         n = idx.shape[-1]
-        if not self.cuda:
+        if not self.asynchronous:
             gather_rows(self.k[rows], idx, self.fk[rows, :, :n])
             gather_rows(self.v[rows], idx, self.fv[rows, :, :n])
             return
@@ -243,28 +253,29 @@ class HostStore:
     def join(self) -> None:
         """Make the compute stream wait for this layer's in-flight prefetch (the end of a recorded pass: a CUDA
         graph may not leave work on another stream; the next pass reads the set it brought)."""
-        if self.cuda and self.pending:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
+        if self.asynchronous and self.pending:
+            self.streams.current_stream().wait_event(self.ready)
             self.pending = False
 
     def _gather_in_place(self, rows: slice, idx: torch.Tensor, n: int, record: bool = True) -> bool:
-        """CUDA with the store pinned (mapped): one kernel on the side stream reads the selected rows of the
-        store where they lie, over the bus, into the fetched set (no worker thread, no CPU gather, no
-        staging copy), after what the compute stream queued so far (idx, and the attention that read the
-        set it replaces). -> False where the kernel does not run (the worker thread's path then)."""
+        """With the store pinned (mapped): one kernel on the side stream reads the selected rows of the store
+        where they lie, over the bus, into the fetched set (no worker thread, no CPU gather, no staging
+        copy), after what the compute stream queued so far (idx, and the attention that read the set it
+        replaces). -> False where the kernel does not run (the worker thread's path then)."""
+        k, v, fk, fv = self.k[rows], self.v[rows], self.fk[rows, :, :n], self.fv[rows, :, :n]
+        if not guide_triton.gather_applies(k, v, idx, fk, fv):
+            return False
         side = self.transfer.stream
         self.idx_ready.record()
         side.wait_event(self.idx_ready)
-        with torch.cuda.stream(side):
-            ok = guide_triton.gather_rows(self.k[rows], self.v[rows], idx, self.fk[rows, :, :n], self.fv[rows, :, :n])
-            if ok:
-                self.ready.record(side)
-        if ok:
-            if record:  # (not in a recorded pass: its idx is the graph's own memory)
-                idx.record_stream(side)
-            self.pending = True
-            self.in_place += 1
-        return ok
+        if not self.streams.launch(side, lambda: guide_triton.gather_rows(k, v, idx, fk, fv)):
+            return False
+        self.ready.record(side)
+        if record:  # (not in a recorded pass: its idx is the graph's own memory)
+            self.streams.record_stream(idx, side)
+        self.pending = True
+        self.in_place += 1
+        return True
 
     def _gather_and_copy(self, rows: slice, n: int) -> None:
         """Worker thread: gather the selected rows on the CPU, copy them to the device on the side stream."""
@@ -273,23 +284,25 @@ class HostStore:
             idx = self.idx_host[rows, :, :n]
             gather_rows(self.k[rows], idx, self.stage_k[rows, :, :n])
             gather_rows(self.v[rows], idx, self.stage_v[rows, :, :n])
-            with torch.cuda.stream(self.transfer.stream):
-                self.fk[rows, :, :n].copy_(self.stage_k[rows, :, :n], non_blocking=True)
-                self.fv[rows, :, :n].copy_(self.stage_v[rows, :, :n], non_blocking=True)
-                self.ready.record(self.transfer.stream)
+            fk, fv = self.fk[rows, :, :n], self.fv[rows, :, :n]
+            sk, sv = self.stage_k[rows, :, :n], self.stage_v[rows, :, :n]
+            self.streams.launch(self.transfer.stream, lambda: (fk.copy_(sk, non_blocking=True),
+                                                               fv.copy_(sv, non_blocking=True)))
+            self.ready.record(self.transfer.stream)
         finally:
             self.issued.set()
 
     def settle(self) -> None:
         """Make the compute stream wait for an in-flight prefetch, so that what follows on it (a row
         copy of the fetched set: KVCache.copy_row) reads the fetched K/V, not what they replace."""
-        if self.cuda and self.pending:
+        if self.asynchronous and self.pending:
             self.wait_issued()
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            self.streams.current_stream().wait_event(self.ready)
 
     def wait_issued(self) -> None:
-        if self.cuda and self.pending:
-            self.issued.wait()
+        """Wait (bounded) until the worker thread has issued this layer's prefetch (recorded `ready`)."""
+        if self.asynchronous and self.pending:
+            self.streams.wait_flag(self.issued, "a prefetch of the exact K/V was never issued")
 
     def fetched(self, rows: slice, fixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The fetched set for rows, after making the compute stream wait for the prefetch (fixed: in a
@@ -298,7 +311,7 @@ class HostStore:
             self.wait_issued()
             self.waits += 1
             self.ready_in_time += 0 if fixed else int(self.ready.query())
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            self.streams.current_stream().wait_event(self.ready)
             self.pending = False
         return self.fk[rows], self.fv[rows]
 
@@ -312,7 +325,7 @@ class HostStore:
         fk, fv = self.fetched(rows, fixed)
         if fixed:
             k, v, reused = corrected_rows_fixed(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx,
-                                                old_valid)
+                                                old_valid, in_place=self.asynchronous and self.transfer.pinned)
         else:
             k, v, reused = corrected_rows(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx,
                                           old_valid, bound)
@@ -325,6 +338,6 @@ class HostStore:
 
 
 def overlap_share(stores: list[HostStore]) -> float | None:
-    """Share of fetches whose copy had completed before the attention needed it (CUDA only)."""
+    """Share of fetches whose copy had completed before the attention needed it (asynchronous devices only)."""
     waits = sum(s.waits for s in stores)
     return sum(s.ready_in_time for s in stores) / waits if waits else None

@@ -7,16 +7,19 @@ from typing import Protocol
 
 import torch
 
+from engine.backends.streams import Streams
+
 WHOLE_ROWS_WASTE = 0.125  # verification copy: whole store rows in one copy when at most this share is unused
 
 
 class TransferSide(Protocol):
     """What a VerifyStream reads of its cache's transfer resources (engine.kvcache.transfer.Transfer)."""
 
-    cuda: bool
+    asynchronous: bool
     stream_verify: bool
     device: torch.device
-    stream: torch.cuda.Stream | None
+    streams: Streams
+    stream: object  # the side stream (None where the device is synchronous)
 
 
 class ExactStore(Protocol):
@@ -42,15 +45,16 @@ class VerifyStream:
     so two copies are always queued ahead of the attention that needs them, and layer l + 1's copy
     runs while layer l computes. A buffer is read only by the layer whose copy it holds in this pass
     (`holds`; anything else raises). A copy moves contiguous memory only (`copy_prefix`): a strided
-    host-to-device copy would go through a pageable temporary, synchronously. Without CUDA (tests:
-    Transfer(stream_verify=True) on the CPU) the copies are plain copies and there are no events.
+    host-to-device copy would go through a pageable temporary, synchronously. On a synchronous device
+    (tests: Transfer(stream_verify=True) on the CPU) the copies are plain copies and there are no events;
+    the streams' stand-in (engine.backends.streams) runs the streamed path on the CPU.
 
-    Counters: copied_bytes and passes (all verifications), waits / ready_in_time (CUDA: layers
+    Counters: copied_bytes and passes (all verifications), waits / ready_in_time (asynchronous: layers
     attended / whose copy had completed by then)."""
 
     def __init__(self, transfer: TransferSide):
-        self.transfer = transfer
-        self.cuda = transfer.cuda
+        self.transfer, self.streams = transfer, transfer.streams
+        self.asynchronous = transfer.asynchronous
         self.stores: list[ExactStore] = []  # one per layer, in layer order
         self.k: torch.Tensor | None = None  # [2, B, H_kv, L, D] on the device, allocated on the first pass
         self.v: torch.Tensor | None = None
@@ -60,9 +64,9 @@ class VerifyStream:
         self.whole_rows_waste = WHOLE_ROWS_WASTE
         self.copied_bytes = 0
         self.waits = self.ready_in_time = 0
-        if self.cuda:
-            self.ready = [torch.cuda.Event(), torch.cuda.Event()]  # side stream: buffer i's copy is done
-            self.free = [torch.cuda.Event(), torch.cuda.Event()]  # compute stream: buffer i's reader is done
+        if self.asynchronous:
+            self.ready = [self.streams.event(), self.streams.event()]  # side stream: buffer i's copy is done
+            self.free = [self.streams.event(), self.streams.event()]  # compute stream: buffer i's reader is done
 
     @property
     def staged(self) -> bool:
@@ -98,52 +102,55 @@ class VerifyStream:
         if self.holds[buf] != (self.passes, layer) or rows != self.rows:
             raise RuntimeError(f"verification: layer {layer} of rows {rows} is not in buffer {buf} "
                                f"(it holds {self.holds[buf]} of rows {self.rows}, pass {self.passes})")
-        if self.cuda:
+        if self.asynchronous:
             self.waits += 1
             self.ready_in_time += int(self.ready[buf].query())
-            torch.cuda.current_stream(self.transfer.device).wait_event(self.ready[buf])
+            self.streams.current_stream().wait_event(self.ready[buf])
         return self.k[buf], self.v[buf]
 
     def release(self, layer: int) -> None:
         """Layer `layer`'s attention is queued: its buffer takes layer + 2's copy once that is done."""
         buf = layer % 2
-        if self.cuda:
-            self.free[buf].record(torch.cuda.current_stream(self.transfer.device))
+        if self.asynchronous:
+            self.free[buf].record(self.streams.current_stream())
         self.holds[buf] = None
         if layer + 2 < len(self.stores):
             self._issue(layer + 2)
 
     def _issue(self, layer: int) -> None:
-        """Copy layer `layer`'s store rows [0, past) into buffer layer % 2 (side stream on CUDA)."""
-        buf, store, rows = layer % 2, self.stores[layer], self.rows
-        if not self.cuda:
-            n = copy_prefix(self.k[buf, rows], store.k[rows], self.past, self.whole_rows_waste)
-            n += copy_prefix(self.v[buf, rows], store.v[rows], self.past, self.whole_rows_waste)
+        """Copy layer `layer`'s store rows [0, past) into buffer layer % 2 (on the side stream where the
+        device is asynchronous)."""
+        buf, store, rows, past, waste = layer % 2, self.stores[layer], self.rows, self.past, self.whole_rows_waste
+        k, v = self.k[buf, rows], self.v[buf, rows]
+
+        def copy() -> int:
+            return copy_prefix(k, store.k[rows], past, waste) + copy_prefix(v, store.v[rows], past, waste)
+
+        if not self.asynchronous:
+            copy()
         else:
             side = self.transfer.stream
             side.wait_event(self.free[buf])  # the previous reader of this buffer is done with it
-            with torch.cuda.stream(side):
-                n = copy_prefix(self.k[buf, rows], store.k[rows], self.past, self.whole_rows_waste)
-                n += copy_prefix(self.v[buf, rows], store.v[rows], self.past, self.whole_rows_waste)
-                self.ready[buf].record(side)
+            self.streams.launch(side, copy)
+            self.ready[buf].record(side)
         self.holds[buf] = (self.passes, layer)
-        self.copied_bytes += n
+        self.copied_bytes += 2 * prefix_bytes(store.k[rows], past, waste)
 
     def _allocate(self) -> None:
         """The two buffer pairs, zeroed (rows past a row's own positions are read masked: never NaN)."""
         k = self.stores[0].k
         self.k = torch.zeros((2, *k.shape), dtype=k.dtype, device=self.transfer.device)  # [2, B, H_kv, L, D]
         self.v = torch.zeros_like(self.k)
-        if self.cuda:  # the side stream writes them: after the zero fill, and never freed under a copy
-            current = torch.cuda.current_stream(self.transfer.device)
+        if self.asynchronous:  # the side stream writes them: after the zero fill, and never freed under a copy
+            current = self.streams.current_stream()
             for event in self.free:
                 event.record(current)
-            self.k.record_stream(self.transfer.stream)
-            self.v.record_stream(self.transfer.stream)
+            self.streams.record_stream(self.k, self.transfer.stream)
+            self.streams.record_stream(self.v, self.transfer.stream)
 
     def stats(self) -> dict:
         """--json: mean bytes copied per verification, and the share of layers whose copy had completed
-        when their attention needed it (CUDA); None where the store is read in place."""
+        when their attention needed it (asynchronous devices); None where the store is read in place."""
         return {"verify_copy_bytes": self.copied_bytes // self.passes if self.passes else None,
                 "verify_overlap_share": round(self.ready_in_time / self.waits, 4) if self.waits else None}
 
@@ -157,8 +164,18 @@ def copy_prefix(dst: torch.Tensor, src: torch.Tensor, n: int, whole_rows_waste: 
         return 0
     if length - n <= whole_rows_waste * length:
         dst.copy_(src, non_blocking=True)
+    else:
+        flat_dst, flat_src = dst.view(b * h, length, d), src.view(b * h, length, d)
+        for i in range(b * h):
+            flat_dst[i, :n].copy_(flat_src[i, :n], non_blocking=True)
+    return prefix_bytes(src, n, whole_rows_waste)
+
+
+def prefix_bytes(src: torch.Tensor, n: int, whole_rows_waste: float) -> int:
+    """The bytes copy_prefix moves for src [b, H_kv, L, D] and n (known before the copy runs: it may be queued)."""
+    b, h, length, d = src.shape
+    if n == 0:
+        return 0
+    if length - n <= whole_rows_waste * length:
         return src.numel() * src.element_size()
-    flat_dst, flat_src = dst.view(b * h, length, d), src.view(b * h, length, d)
-    for i in range(b * h):
-        flat_dst[i, :n].copy_(flat_src[i, :n], non_blocking=True)
     return b * h * n * d * src.element_size()

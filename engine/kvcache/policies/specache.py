@@ -218,7 +218,7 @@ class SpecacheLayer(GuidedLayer):
             stats["prefetch_hit_rate"] = round(hits / total, 4) if total else None
         if self.watch is not None:
             stats["guide_check"] = self.watch.stats()
-        if self.store.cuda and self.topk:  # how the fetched rows crossed: a kernel reading the pinned store in
+        if self.store.asynchronous and self.topk:  # how the fetched rows crossed: a kernel reading the pinned store in
             in_place = sum(x.store.in_place for x in layers)  # place, or the worker thread's gather and copy
             stats["fetch_path"] = "kernel" if in_place else "thread"
         reused, total = int(sum(x.reused for x in layers)), int(sum(x.reuse_total for x in layers))

@@ -1,0 +1,374 @@
+"""CUDA's orchestration run on CPU tensors (engine.backends.streams.StandinStreams): the host store's prefetch
+(the worker thread's path and the in-place gather from the pinned store), its settles and joins, the
+verification stream and graph recording, each through the branches a CUDA device takes. A side stream's
+work runs only when something waits for it, so a read that skips its event reads stale rows; every wait is
+bounded, so a missed event or signal fails here within seconds instead of hanging a GPU."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.backends.streams import SYNC, StandinStreams, SyncStreams, streams_for
+from engine.config import CacheConfig, GenerationConfig
+from engine.errors import DoesNotFit
+from engine.kvcache import guide_triton
+from engine.kvcache.transfer import HostStore, Transfer, overlap_share
+from tests.conftest import cuda_layout
+
+CPU = torch.device("cpu")
+BOUND = 1.0  # seconds every stand-in wait may take in these tests before it fails
+
+
+def standin_store(pinned: bool, batch=2, heads=3, length=50, dim=16, k=8, streams=None):
+    """A HostStore under the stand-in, its rows [0, 40) written. -> (store, its K and V [batch, heads, 40, dim])."""
+    streams = streams or StandinStreams(wait_seconds=BOUND)
+    transfer = Transfer(CPU, streams=streams)
+    store = HostStore(batch, heads, length, dim, k, torch.float32, CPU, transfer)
+    if pinned:
+        transfer.pin_host()
+    gen = torch.Generator().manual_seed(batch * 10 + k)
+    keys, values = torch.randn(batch, heads, 40, dim, generator=gen), torch.randn(batch, heads, 40, dim, generator=gen)
+    for row in range(batch):
+        store.write_span(row, 0, keys[row, :, :25], values[row, :, :25])
+        store.write_span(row, 25, keys[row, :, 25:], values[row, :, 25:])
+    return store, keys, values
+
+
+def taken(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return torch.gather(src, 2, idx[..., None].expand(-1, -1, -1, src.shape[-1]))
+
+
+@pytest.fixture
+def kernel_gather(monkeypatch):
+    """The Triton gather on CPU tensors (its interpreter); a failure stays in this test."""
+    pytest.importorskip("triton")
+    if not guide_triton.interpreted():
+        pytest.skip("the gather kernel runs on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1)")
+    monkeypatch.setattr(guide_triton, "FAILED", {})
+
+
+# --- the stand-in itself -------------------------------------------------------------------------------------
+
+
+def test_side_stream_work_runs_when_waited_for_and_events_follow_it():
+    s = StandinStreams(wait_seconds=BOUND)
+    side, done = s.stream(), []
+    ready = s.event()
+    assert s.launch(side, lambda: done.append(1)) is True and done == []  # queued, not run
+    ready.record(side)
+    s.launch(side, lambda: done.append(2))
+    assert not ready.query() and s.launches == 2
+    s.current_stream().wait_event(ready)  # the compute stream is synchronous: the host runs side up to ready
+    assert done == [1] and ready.query()
+    side.synchronize()
+    assert done == [1, 2]
+    now = s.event()
+    now.record()  # on the compute stream: complete at once
+    assert now.query() and s.launch(s.compute, lambda: 7) == 7
+
+
+def test_a_side_stream_waits_on_another_and_runs_synchronously_inside_its_own_work():
+    s = StandinStreams(wait_seconds=BOUND)
+    a, b, log = s.stream(), s.stream(), []
+    s.launch(a, lambda: log.append("a"))
+    b.wait_stream(a)  # b's next work runs after a's
+    s.launch(b, lambda: (log.append(s.current_stream().name), s.launch(b, lambda: log.append("nested"))))
+    b.synchronize()
+    assert log == ["a", b.name, "nested"]
+
+
+def test_a_missed_event_or_a_held_stream_fails_within_the_bound():
+    s = StandinStreams(wait_seconds=0.2)
+    never = s.event()
+    with pytest.raises(RuntimeError, match="never recorded"):
+        s.current_stream().wait_event(never)
+    with pytest.raises(RuntimeError, match="never recorded"):
+        never.query()
+    side = s.stream()
+    ready = s.event()
+    with s.hold(side):
+        s.launch(side, lambda: None)
+        ready.record(side)
+        with pytest.raises(RuntimeError, match="held back"):
+            ready.synchronize()
+    ready.synchronize()  # released: runs
+    flag = threading.Event()
+    with pytest.raises(RuntimeError, match="the thing: no signal after 0.2 s"):
+        s.wait_flag(flag, "the thing")
+
+
+def test_a_held_stream_released_by_another_thread_completes_the_wait():
+    s = StandinStreams(wait_seconds=30.0)
+    side, done = s.stream(), []
+    ready = s.event()
+    with s.hold(side):
+        s.launch(side, lambda: done.append(1))
+        ready.record(side)
+        timer = threading.Timer(0.05, s.release, [side])
+        timer.start()
+        s.current_stream().wait_event(ready)  # blocks until the timer releases it
+        timer.join()
+    assert done == [1]
+
+
+def test_a_recording_refuses_host_syncs_and_work_left_on_another_stream():
+    s = StandinStreams(wait_seconds=BOUND)
+    side = s.stream()
+    ev = s.event()
+    ev.record(side)
+    with pytest.raises(RuntimeError, match="inside a recorded pass"):
+        s.capture(lambda: (ev.query(), torch.zeros(1))[1])
+    with pytest.raises(RuntimeError, match="work left on stream"):
+        s.capture(lambda: (s.launch(side, lambda: None), torch.zeros(1))[1])
+    side.synchronize()
+    out = torch.zeros(2)
+
+    def joined() -> torch.Tensor:
+        s.launch(side, lambda: out.add_(1))
+        done = s.event()
+        done.record(side)
+        s.current_stream().wait_event(done)
+        return out.clone()
+
+    graph, first = s.capture(joined)
+    assert first.tolist() == [1, 1]
+    graph.replay()  # (into the recording's output tensor)
+    assert graph.out is first and first.tolist() == [2, 2] and s.graphs == 1 and graph.replays == 1
+
+
+def test_a_stream_waiting_on_its_own_later_work_is_a_deadlock():
+    s = StandinStreams(wait_seconds=BOUND)
+    side = s.stream()
+    later = s.event()
+
+    def inner() -> None:
+        side.wait_event(later)  # (side runs this now: it would wait for work queued behind itself)
+
+    s.launch(side, inner)
+    s.launch(side, lambda: None)
+    later.record(side)
+    with pytest.raises(RuntimeError, match="own later work"):
+        side.synchronize()
+
+
+def test_the_cpu_has_no_streams_and_cuda_gets_its_own():
+    assert streams_for(CPU) is SYNC and isinstance(SYNC, SyncStreams) and not SYNC.asynchronous
+    with pytest.raises(RuntimeError, match="no streams"):
+        SYNC.stream()
+    assert SYNC.launch(None, lambda: 3) == 3 and SYNC.pinned_zeros((2,), torch.float16).dtype == torch.float16
+    assert not Transfer(CPU).asynchronous and Transfer(CPU).stream is None
+    meta = streams_for(torch.device("meta"))
+    assert meta is SYNC  # (a meta device, for shapes: nothing queued)
+
+
+# --- the host store's prefetch -------------------------------------------------------------------------------
+
+
+def test_the_worker_threads_prefetch_lands_only_when_the_compute_stream_waits():
+    """No pinned store: the worker thread gathers into staging and queues the copy on the side stream; the
+    fetched set is not written until fetched() makes the compute stream wait for `ready`."""
+    store, k, v = standin_store(pinned=False)
+    transfer = store.transfer
+    assert store.asynchronous and transfer.threaded and not transfer.pinned and store.stage_k.shape == store.fk.shape
+    idx = torch.randint(0, 40, (2, 3, 8), generator=torch.Generator().manual_seed(1))
+    store.prefetch(slice(0, 2), idx)
+    store.wait_issued()
+    assert store.pending and not store.fk.any()  # issued, queued on the side stream, not run
+    fk, fv = store.fetched(slice(0, 2))
+    assert torch.equal(fk, taken(k, idx)) and torch.equal(fv, taken(v, idx))
+    assert store.waits == 1 and overlap_share([store]) == 0.0 and transfer._worker is not None
+    idx2 = (idx + 3) % 40
+    store.prefetch(slice(1, 2), idx2[1:])  # one row of two
+    store.settle()  # a row copy's wait: the set is there for the compute stream
+    assert torch.equal(store.fk[1], taken(k, idx2)[1]) and torch.equal(store.fk[0], taken(k, idx)[0])
+    store.join()
+    assert not store.pending
+    transfer.close()
+    assert transfer._worker is None
+
+
+def test_a_held_side_stream_is_waited_for_not_read_stale():
+    store, k, _ = standin_store(pinned=False)
+    idx = torch.randint(0, 40, (2, 3, 8), generator=torch.Generator().manual_seed(2))
+    with store.streams.hold(store.transfer.stream):
+        store.prefetch(slice(0, 2), idx)
+        with pytest.raises(RuntimeError, match="held back"):
+            store.fetched(slice(0, 2))
+    store.pending = True  # (the failed wait left it set: the set was never read)
+    fk, _ = store.fetched(slice(0, 2))
+    assert torch.equal(fk, taken(k, idx))
+    store.transfer.close()
+
+
+def test_the_in_place_prefetch_is_fetched_without_a_deadlock(kernel_gather):
+    """The pinned store read in place by the gather kernel on the side stream (no worker thread), then the
+    next prefetch and the fetch of the set: each returns (a prefetch marked pending but never issued would
+    leave the next wait_issued waiting forever on a GPU; here it fails within the bound)."""
+    store, k, v = standin_store(pinned=True)
+    transfer, streams = store.transfer, store.streams
+    assert transfer.pinned and len(streams.pinned) == 2  # K and V mappings
+    idx = torch.randint(0, 40, (2, 3, 8), generator=torch.Generator().manual_seed(3))
+    store.prefetch(slice(0, 2), idx)
+    assert store.in_place == 1 and store.pending and not store.fk.any()  # queued on the side stream
+    assert streams.recorded == [(idx.data_ptr(), transfer.stream.name)]  # idx kept alive for the side stream
+    fk, fv = store.fetched(slice(0, 2))
+    assert torch.equal(fk, taken(k, idx)) and torch.equal(fv, taken(v, idx))
+    store.prefetch(slice(0, 2), (idx + 1) % 40)
+    store.settle()
+    assert torch.equal(store.fk, taken(k, (idx + 1) % 40))
+    assert store.in_place == 2 and transfer._worker is None
+    transfer.close()
+    assert streams.pinned == {}
+
+
+def test_a_fixed_pass_gathers_on_the_compute_stream_and_corrects_in_place(kernel_gather):
+    """A recorded pass's fetches: gather_now on the compute stream; prefetch(fixed) joined back at the pass's
+    end; the corrected set read through the kernel's masked gather from the pinned store."""
+    store, k, v = standin_store(pinned=True)
+    assert store.can_gather_now()
+    gen = torch.Generator().manual_seed(4)
+    idx = torch.randint(0, 40, (2, 3, 8), generator=gen)
+    store.gather_now(slice(0, 2), idx)
+    assert torch.equal(store.fk, taken(k, idx))
+    nxt = torch.randint(0, 40, (2, 3, 8), generator=gen)
+    store.prefetch(slice(0, 2), nxt, fixed=True)
+    assert store.streams.recorded == []  # (a recorded pass's idx is the graph's own memory)
+    store.join()
+    assert not store.pending and torch.equal(store.fv, taken(v, nxt))
+    want = torch.where(torch.rand(2, 3, 8, generator=gen) < 0.5, nxt, torch.randint(0, 40, (2, 3, 8), generator=gen))
+    valid = torch.ones(2, 3, 8, dtype=torch.bool)
+    reused = store.correct(slice(0, 2), want, nxt, valid, 40, fixed=True)
+    assert torch.equal(store.fk, taken(k, want)) and torch.equal(store.fv, taken(v, want))
+    assert torch.equal(reused, (want[..., :, None] == nxt[..., None, :]).any(-1))
+    store.transfer.close()
+
+
+def test_a_fixed_prefetch_without_the_kernel_refuses():
+    """Without the gather kernel a recorded pass cannot fetch: said, not hung."""
+    store, _, _ = standin_store(pinned=False)
+    assert not store.can_gather_now()
+    with pytest.raises(RuntimeError, match="cannot be fixed-shape"):
+        store.prefetch(slice(0, 2), torch.zeros(2, 3, 8, dtype=torch.long), fixed=True)
+
+
+def test_a_gather_kernel_that_does_not_run_stops_a_fixed_pass(kernel_gather, monkeypatch):
+    """gather_now in a recorded pass when the kernel refuses (a launch error): said, never a silent stale set."""
+    store, _, _ = standin_store(pinned=True)
+    monkeypatch.setattr(guide_triton, "gather_rows", lambda *args, **kwargs: False)
+    with pytest.raises(RuntimeError, match="in-place gather did not run"):
+        store.gather_now(slice(0, 2), torch.zeros(2, 3, 8, dtype=torch.long))
+    store.transfer.close()
+
+
+def test_a_store_dropped_while_pinned_is_unpinned_before_its_memory_goes():
+    import gc
+
+    streams = StandinStreams(wait_seconds=BOUND)
+    standin_store(pinned=True, streams=streams)
+    gc.collect()  # (the store and its Transfer are gone, never closed: each mapping unpins itself)
+    assert streams.pinned == {}
+
+
+def test_reads_and_host_waits_go_through_the_streams():
+    store, k, _ = standin_store(pinned=False)
+    rk, _ = store.read(1, 10, 20)
+    assert torch.equal(rk, k[1:2, :, 10:20])
+    store.transfer.host_ready()
+    assert store.host_bytes(40) == 2 * 40 * 3 * 16 * 4
+
+
+def test_pinning_more_than_may_be_pinned_is_refused_before_anything_is_pinned():
+    streams = StandinStreams(wait_seconds=BOUND)
+    transfer = Transfer(CPU, streams=streams)
+    transfer.host_tensor((2, 4, 1024, 64), torch.float16)
+    with pytest.raises(DoesNotFit, match=r"needs 0\.0 GiB of pinned RAM and 0\.0 GiB can be pinned"):
+        transfer.pin_host(available=1024)
+    assert streams.pinned == {} and not transfer.pinned
+    streams.pin(transfer._mappings[0].address, 1)  # (pinned elsewhere: the device refuses it again)
+    with pytest.raises(DoesNotFit, match="pinning 0.0 GiB of the exact host store failed"):
+        transfer.pin_host(available=1 << 40)
+
+
+# --- whole runs: CUDA's orchestration decodes the tokens of the synchronous path -------------------------------
+
+
+def standin_caches(monkeypatch) -> list[Transfer]:
+    """Every cache built from here on in the CUDA layout (tests/conftest.py cuda_layout) with a stand-in of its
+    own for its streams. -> the list their Transfers are added to."""
+    import engine.kvcache
+
+    cuda_layout(monkeypatch)
+    made: list[Transfer] = []
+
+    def transfer(device: torch.device) -> Transfer:
+        made.append(Transfer(device, streams=StandinStreams(wait_seconds=STANDIN_RUN_BOUND)))
+        return made[-1]
+
+    monkeypatch.setattr(engine.kvcache, "Transfer", transfer)
+    return made
+
+
+STANDIN_RUN_BOUND = 20.0  # (a whole run's waits: generous, the machine may be busy; a lost signal still fails)
+SPECACHE = {"k": 16, "group": 32, "residual": 16, "sinks": 4, "chunk_size": 64}
+
+
+def generate(model, prompts, config, max_tokens=16):
+    from engine.generate.engine import Engine, Finished
+
+    return next(e for e in Engine(model, config).generate(prompts, GenerationConfig(max_tokens=max_tokens))
+                if isinstance(e, Finished))
+
+
+@pytest.mark.parametrize("prefetch,path", [("current", "kernel"), ("speculative", "kernel"), ("current", "thread")])
+def test_specache_through_cudas_orchestration_decodes_the_synchronous_tokens(tiny_model, monkeypatch, kernel_gather,
+                                                                             prefetch, path):
+    """Rows of different lengths, specache in the CUDA layout: with the stand-in's streams (the prefetch read in
+    place by the gather kernel, or gathered by the worker thread and copied on the side stream) the tokens are
+    those of the synchronous run, and every prefetch was waited for."""
+    config = CacheConfig(mode="specache", prefetch=prefetch, **SPECACHE)
+    ps = [list(range(3, 3 + n)) for n in (130, 97, 181)]
+    cuda_layout(monkeypatch)
+    plain = generate(tiny_model, ps, config)
+    if path == "thread":
+        monkeypatch.setattr(guide_triton, "FAILED", {"gather": "switched off by the test"})
+    made = standin_caches(monkeypatch)
+    got = generate(tiny_model, ps, config)
+    assert got.tokens == plain.tokens
+    assert got.cache_stats["fetch_path"] == path
+    (transfer,) = made
+    assert transfer.streams.launches > 0 and transfer._worker is None and transfer.streams.pinned == {}  # closed
+
+
+@pytest.mark.parametrize("mode", ["full", "specache", "speculative"])
+def test_graph_replay_through_cudas_orchestration_decodes_the_eager_tokens(tiny_model, monkeypatch, kernel_gather,
+                                                                          mode):
+    """SPECACHE_CUDA_GRAPHS=1 with the stand-in's streams: passes recorded (warmed up on a side stream first,
+    then captured: no host sync, the prefetch joined back) and replayed give the eager tokens."""
+    config = (CacheConfig(mode="full", chunk_size=64) if mode == "full" else
+              CacheConfig(mode="specache", prefetch="current" if mode == "specache" else "speculative", **SPECACHE))
+    ps = [list(range(5, 5 + n)) for n in (60, 133, 97)]
+    cuda_layout(monkeypatch)
+    eager = generate(tiny_model, ps, config, max_tokens=14)
+    made = standin_caches(monkeypatch)
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    replayed = generate(tiny_model, ps, config, max_tokens=14)
+    assert replayed.tokens == eager.tokens
+    (transfer,) = made
+    assert transfer.streams.graphs >= 1
+
+
+def test_exact_mode_verifies_through_the_streamed_buffers(tiny_model, monkeypatch):
+    """Exact mode with the stand-in's streams: each layer's copy queued on the side stream, waited for by its
+    attention; the tokens those of the synchronous run, and the overlap measured."""
+    config = CacheConfig(mode="exact", gamma=4, chunk_size=64, k=16, residual=32, group=32, sinks=4)
+    ps = [list(range(7, 7 + n)) for n in (150, 97)]
+    plain = generate(tiny_model, ps, config, max_tokens=12)
+    made = standin_caches(monkeypatch)
+    got = generate(tiny_model, ps, config, max_tokens=12)
+    assert got.tokens == plain.tokens
+    (transfer,) = made
+    assert transfer.stream_verify and transfer.verify.passes == got.cache_stats["verifies"] > 0
+    assert transfer.verify.waits > 0 and got.cache_stats["verify_overlap_share"] is not None
+    assert transfer.streams.launches >= 2 * transfer.verify.passes
