@@ -50,8 +50,8 @@ def long_cmd(
         raise BadArgument("--tokens must be >= 2")
     texts = bench_texts(doc, LONG_DOC)
     lm, specs = run.load(specs)
-    files = model_files(run.model)
-    llama = LlamaCppRun(str(llama_cpp) if llama_cpp else None, files.source.gguf if files.is_gguf else None,
+    files = model_files(run.model) if llama_cpp else None  # llama.cpp reads the model's GGUF file
+    llama = LlamaCppRun(str(llama_cpp) if llama_cpp else None, files.source.gguf if files and files.is_gguf else None,
                         run.threads or os.cpu_count() or 1)
     child = ChildModel(run.model, run.device, threads=run.threads)
     result = drive(run_long(lm, texts, specs, LongGrid(length_list, depth_list, n_tokens, seed), child, llama,

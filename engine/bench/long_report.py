@@ -99,7 +99,7 @@ def long_plot(r: dict) -> bytes | None:
         ax.grid(alpha=0.3)
         ax.legend()
     model = r["environment"].get("model", {}).get("name", "?")
-    fig.suptitle(f"{model}, {r['environment'].get('cpu', '?')}, {r['environment']['torch_threads']} threads")
+    fig.suptitle(f"{model}; {r['environment'].get('cpu', '?')}; torch threads {r['environment']['torch_threads']}")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     return buf.getvalue()
