@@ -1,6 +1,6 @@
-"""`specache bench needle|fidelity|speed|decode|store`: run a bench, write <name>.json and <name>.md (and the
-needle heatmap PNG) to --out, print a table (or, with --json, the JSON) on stdout and progress on
-stderr. The benches themselves live in engine/bench/ (docs/bench.md)."""
+"""`specache bench needle|fidelity|speed|decode|store` (task, heatmap and long: their own modules, registered
+here): run a bench, write <name>.json and <name>.md (and the needle heatmap PNG) to --out, print a table (or,
+with --json, the JSON) on stdout and progress on stderr. The benches themselves live in engine/bench/ (docs/bench.md)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -49,6 +49,7 @@ from specache_cli.bench_common import (
     mib,
     print_table,
 )
+from specache_cli.bench_long_cmd import long_cmd
 from specache_cli.bench_task_cmd import heatmap_cmd, task_cmd
 from specache_cli.console import guarded
 from specache_cli.options import grouped
@@ -253,7 +254,7 @@ def show_store(result: dict) -> None:
 
 
 for _name, _command in (("needle", needle_cmd), ("fidelity", fidelity_cmd), ("speed", speed_cmd),
-                        ("decode", decode_cmd), ("store", store_cmd), ("task", task_cmd)):
+                        ("decode", decode_cmd), ("store", store_cmd), ("task", task_cmd), ("long", long_cmd)):
     bench_app.command(_name)(guarded(grouped(_command)))
 bench_app.command("heatmap")(guarded(heatmap_cmd))
 

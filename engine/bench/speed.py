@@ -237,15 +237,16 @@ def worker_main(spec_path: str, out_path: str) -> int:
     return 0
 
 
-def run_child(job: dict) -> Iterator[str | dict]:
-    """Run one mode in a child process; yields its progress lines, then its result dict."""
+def run_child(job: dict, module: str = "engine.bench.speed") -> Iterator[str | dict]:
+    """Run one mode in a child process (`python -m module JOB OUT`: speed's worker_main, or another bench's with
+    the same calling convention); yields its progress lines, then its result dict."""
     with tempfile.TemporaryDirectory(prefix="specache-bench-") as tmp:
         spec_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(job))
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        proc = subprocess.Popen([sys.executable, "-m", "engine.bench.speed", str(spec_path), str(out_path)],
+        proc = subprocess.Popen([sys.executable, "-m", module, str(spec_path), str(out_path)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         tail: list[str] = []
         assert proc.stderr is not None
@@ -257,7 +258,7 @@ def run_child(job: dict) -> Iterator[str | dict]:
         rc = proc.wait()
         if rc != 0 or not out_path.is_file():
             last = next((x for x in reversed(tail) if x.strip()), f"exit status {rc}")
-            raise WorkerFailed(f"speed worker for mode {job['mode']} failed: {last}")
+            raise WorkerFailed(f"{module.rsplit('.', 1)[-1]} worker for mode {job['mode']} failed: {last}")
         yield json.loads(out_path.read_text())
 
 
