@@ -24,7 +24,9 @@ from tests.tiny_archs import ARCHS, REFUSED, VOCAB, WINDOW, eager_greedy, save_m
 
 NEW = 24
 LENGTHS = (300, 237)  # unequal prompts, both longer than the windows
-BASE = dict(bits=2, group=32, residual=16, sinks=4, chunk_size=64)
+# the exact store in the compute dtype: the exactness limits hold relative to the stored K/V (a 16-bit store, the
+# CPU's default, rounds them: test_a_16_bit_store_rounds_what_k_at_context_attends)
+BASE = dict(bits=2, group=32, residual=16, sinks=4, chunk_size=64, store_dtype="fp32")
 MODES = {
     "full": dict(mode="full"),
     "specache": dict(mode="specache", k=1024, prefetch="speculative"),  # k >= context: every position exact
@@ -155,7 +157,8 @@ def test_kivi_equals_the_kivi_reference(name, bits, outliers):
     p = ps[0]
     group, residual, sinks, steps = 32, 16, 4, 24
     config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64,
-                         outliers=outliers, rotation="hadamard")  # set: the default's choice is per layer (auto)
+                         outliers=outliers, rotation="hadamard",  # set: the default's choice is per layer (auto)
+                         store_dtype="fp32")  # (its prefill reads the past from the store)
     cache = make_cache(model.config, config, 1, 400, torch.float32, torch.device("cpu"))
     *_, logits = prefill(model, cache, p, 0, 64)
     chosen_from = int(quant_boundary(torch.tensor(64), residual, group))  # the first chunk's quantized keys

@@ -208,17 +208,21 @@ def test_the_cpu_store_is_resident_only_where_written():
 
 def test_the_exact_store_takes_the_bytes_the_planner_counts(tiny_model):
     """The exact host store is allocated at exactly the bytes the planner counts for it (context x the
-    K/V bytes of a token over the layers, per row: sizes.kv_bytes_per_token, the planner's host rule),
-    no rounding (on CUDA those bytes are pinned in place: Transfer.pin_host); window mode keeps none."""
+    K/V bytes of a token over the layers, per row: sizes.kv_bytes_per_token at the store's element bytes,
+    sizes.store_element_bytes: 2 by default on a CPU, the compute dtype's for exact mode), no rounding (on
+    CUDA those bytes are pinned in place: Transfer.pin_host); window mode keeps none."""
     from engine.config import CacheConfig
     from engine.kvcache import ModelShape, make_cache
-    from engine.kvcache.sizes import kv_bytes_per_token
+    from engine.kvcache.sizes import kv_bytes_per_token, store_element_bytes
 
     shape = ModelShape.from_config(tiny_model.config)
-    for mode, batch, length in (("specache", 3, 517), ("kivi", 2, 300), ("exact", 1, 1000)):
-        cache = make_cache(tiny_model.config, CacheConfig(mode=mode, k=16), batch, length, torch.float32,
-                           torch.device("cpu"))
-        assert cache.transfer.host_bytes_allocated() == batch * length * kv_bytes_per_token(shape, 4)
+    for mode, batch, length, kept in (("specache", 3, 517, None), ("kivi", 2, 300, None), ("exact", 1, 1000, None),
+                                      ("specache", 2, 300, "fp32"), ("specache", 1, 300, "fp16")):
+        config = CacheConfig(mode=mode, k=16, store_dtype=kept)
+        cache = make_cache(tiny_model.config, config, batch, length, torch.float32, torch.device("cpu"))
+        element = 4 if mode == "exact" else store_element_bytes(config, True, 4)
+        assert element == (4 if mode == "exact" or kept == "fp32" else 2)
+        assert cache.transfer.host_bytes_allocated() == batch * length * kv_bytes_per_token(shape, element)
         assert cache.host_bytes() == 0  # (nothing committed yet)
     window = make_cache(tiny_model.config, CacheConfig(mode="window"), 2, 300, torch.float32, torch.device("cpu"))
     assert window.transfer.host_bytes_allocated() == 0

@@ -80,7 +80,7 @@ class DecodeArgs(ctypes.Structure):
                    ("out", _P), ("rot", _P), ("correct", _I64), ("reuse", _P), ("res_at_qend", _I64),
                    ("O", _I64), ("oidx", _P), ("oi_sb", _I64), ("oi_sh", _I64), ("oc", _P), ("oc_sb", _I64),
                    ("oc_sh", _I64), ("os", _P), ("oz", _P), ("os_sb", _I64), ("os_sh", _I64),
-                   ("softcap", ctypes.c_float)])
+                   ("softcap", ctypes.c_float), ("store_dtype", _I64)])
 
 
 class SlidingArgs(ctypes.Structure):

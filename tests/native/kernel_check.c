@@ -576,8 +576,8 @@ static void check_fetched_rows(const char *what, const DecodeArgs *a, const Deco
                 if (!r->fvalid[o]) continue;
                 const int64_t p = r->fidx[o], f = rr * a->fk_sb + h * a->fk_sh + j * a->D;
                 const int64_t src = rr * a->st_sb + h * a->st_sh + p * a->D;
-                if (p < 0 || memcmp(r->fk + f, a->store_k + src, (size_t)a->D * 4)
-                    || memcmp(r->fv + f, a->store_v + src, (size_t)a->D * 4))
+                if (p < 0 || memcmp(r->fk + f, (const float *)a->store_k + src, (size_t)a->D * 4)
+                    || memcmp(r->fv + f, (const float *)a->store_v + src, (size_t)a->D * 4))
                     bad_row = rr, bad_head = h, bad_slot = j;
             }
     check(bad_row < 0, "%s, threads %lld: every valid fetched slot holds the store's exact K/V row%s", what,
