@@ -102,6 +102,26 @@ def test_greedy_tokens_equal_transformers_eager(name, mode):
     assert result.tokens == refs
 
 
+def test_a_16_bit_store_rounds_what_k_at_context_attends():
+    """With a 16-bit store (bf16: the CPU's default) k >= context attends with every exact K/V past the residual
+    window rounded to 16 bits: its logits leave full's by that rounding only, where the fp32 store's (what the
+    exactness tests above set) equal them; an fp16 store (3 more mantissa bits; the torch path) leaves them by
+    less. Teacher-forced with full's own tokens."""
+    model, ps, refs = case("llama")
+    forced = refs[0]
+
+    def logits(**settings):
+        config = CacheConfig(**{**BASE, **settings})
+        return torch.stack(list(Engine(model, config).teacher_forced(ps[0], forced)))
+
+    full = logits(mode="full")
+    exact = logits(**MODES["specache-current"])
+    gap = {kept: float((logits(**{**MODES["specache-current"], "store_dtype": kept}) - full).abs().max())
+           for kept in ("bf16", "fp16")}
+    torch.testing.assert_close(exact, full, rtol=1e-4, atol=1e-4)
+    assert 1e-4 < gap["bf16"] < 0.02 * float(full.abs().max()) and gap["fp16"] < gap["bf16"], gap
+
+
 @pytest.mark.parametrize("mode", ["full", "specache", "exact"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window"])
 def test_document_store_hit_gives_the_models_tokens(name, mode, tmp_path):

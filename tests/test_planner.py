@@ -387,8 +387,15 @@ def test_nothing_fits_and_speedup_none():
 
 def test_cpu_profile_counts_the_exact_store_on_the_device():
     cpu, smol = load_hardware("cpu"), load_model_profile("smollm2-135m")
-    sp = P.plan(cpu, smol, 8192).mode("specache")
-    assert sp.device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 4)  # fp32 on the CPU
+    plan = P.plan(cpu, smol, 8192)
+    sp = plan.mode("specache")
+    assert sp.device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 2)  # bf16 on the CPU by default
+    assert sp.host_bytes_per_sequence == 8192 * S.kv_bytes_per_token(smol, 2)
+    assert sp.device_breakdown["residual_window"] > 0  # (the window keeps fp32 buffers of its own)
+    assert plan.mode("exact").device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 4)  # as full's
+    fp32 = P.plan(cpu, smol, 8192, P.cache_for(smol, cpu, store_dtype="fp32")).mode("specache")
+    assert fp32.device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 4)
+    assert fp32.device_breakdown["residual_window"] == 0  # the store's own positions
     assert P.plan(cpu, smol, 8192, host_ram_bytes=GIB).host_ram_bytes is None  # one pool: no separate check
 
 

@@ -279,3 +279,23 @@ def test_cuda_prefetch_reads_the_pinned_store_in_place():
     assert torch.equal(fk, torch.gather(k, 2, want)) and torch.equal(fv, torch.gather(v, 2, want))
     assert store.in_place == 1 and transfer._worker is None
     transfer.close()
+
+
+@pytest.mark.parametrize("kept", [torch.bfloat16, torch.float16])
+def test_rows_of_a_16_bit_store_are_fetched_widened(kept):
+    """A 16-bit store's rows enter the fp32 fetched set widened, exactly their values: the plain gather and the
+    corrected set (rows the prefetch held reused, the others read from the store)."""
+    from engine.kvcache.host_memory import corrected_rows, gather_rows
+
+    g = torch.Generator().manual_seed(4)
+    store_k, store_v = (torch.randn(2, 3, 50, 8, generator=g).to(kept) for _ in range(2))
+    idx = torch.stack([torch.randperm(50, generator=g)[:5] for _ in range(6)]).view(2, 3, 5)
+    want = lambda t, at: torch.gather(t, 2, at[..., None].expand(-1, -1, -1, 8)).float()  # noqa: E731
+    fk, fv = torch.zeros(2, 3, 5, 8), torch.zeros(2, 3, 5, 8)
+    gather_rows(store_k, idx, fk)
+    gather_rows(store_v, idx, fv)
+    assert torch.equal(fk, want(store_k, idx)) and torch.equal(fv, want(store_v, idx))
+    new = torch.cat([idx[..., :2], torch.stack([torch.randperm(50, generator=g)[:3] for _ in range(6)]).view(2, 3, 3)], -1)
+    k, v, reused = corrected_rows(fk, fv, store_k, store_v, new, idx, torch.ones_like(idx, dtype=torch.bool), 50)
+    assert k.dtype == torch.float32 and bool(reused[..., :2].all())
+    assert torch.equal(k, want(store_k, new)) and torch.equal(v, want(store_v, new))

@@ -29,8 +29,9 @@ from engine.kvcache.base import Step
 FUSED_HOOKS = ("attend_decode", "select_current", "correct_fetched", "select_and_prefetch", "own_attention",
                "top_positions", "fetch_top", "count_reuse")
 REPRODUCED: set[type] = set()
-# the host store's element types the native call reads (decode_args.h: STORE_F32, STORE_BF16, STORE_F16)
-STORE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the host store's element types the native call reads (decode_args.h: STORE_F32, STORE_BF16; an fp16 store is
+# read by the torch path)
+STORE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def reproduces(cls: type) -> type:
@@ -50,7 +51,7 @@ def hooks_reproduced(cls: type) -> bool:
 
 def fused_applies(layer, q: torch.Tensor) -> bool:
     """True when the fused native call can run this layer's decode pass: a guide, fp32 on the CPU (the exact
-    store fp32 or 16-bit), the native library, no hit-rate measurement, and no hook of the pass overridden by a
+    store fp32 or bf16), the native library, no hit-rate measurement, and no hook of the pass overridden by a
     class whose code the call does not reproduce (hooks_reproduced)."""
     return (layer.use_guide and q.device.type == "cpu" and q.dtype == torch.float32
             and layer.res_k.dtype == torch.float32 and layer.store.k.dtype in STORE_DTYPES

@@ -41,7 +41,7 @@ _run = functools.partial(subprocess.run, capture_output=True, text=True, timeout
 SOURCES = tuple(Path(__file__).with_name(name) for name in (  # slowest to compile first (Zen 4: 18, 10, 3 s, < 1 s)
     "int8_linear.c", "linear_kernels.c", "guide_kernels.c", "attention_kernels.c", "norm_kernels.c", "pack_kernels.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "decode_args.h", "block_codes.h", "columns.h"))
-ABI_VERSION = 11
+ABI_VERSION = 12
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_ARCH = "SPECACHE_NATIVE_ARCH"

@@ -49,11 +49,11 @@ typedef struct {
     int64_t os_sb, os_sh;
     float softcap; /* > 0: attention-logit softcapping (Gemma 2), every score s (exact or the guide's, already
                     * scaled) becomes softcap * tanh(s / softcap) before the softmax; 0: none */
-    int64_t store_dtype; /* the host store's elements: STORE_F32 (0), STORE_BF16 (1) or STORE_F16 (2); a 16-bit
-                          * store's rows are widened to floats as they are read (fetched or attended in place) */
+    int64_t store_dtype; /* the host store's elements: STORE_F32 (0) or STORE_BF16 (1); a bf16 store's rows are
+                          * widened to floats as they are read (fetched or attended in place) */
 } DecodeArgs;
 
-enum { STORE_F32 = 0, STORE_BF16 = 1, STORE_F16 = 2 };
+enum { STORE_F32 = 0, STORE_BF16 = 1 };
 
 /* The argument block of specache_sliding_attention (guide_kernels.c): a sliding-window layer's decode attention
  * over its ring (engine/kvcache/sliding.py). */

@@ -58,7 +58,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 11; }
+EXPORT int specache_guide_abi_version(void) { return 12; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -1371,7 +1371,7 @@ static const void *store_row(const DecodeArgs *a, const void *base, int64_t r, i
     return (const char *)base + at * (a->store_dtype == STORE_F32 ? 4 : 2);
 }
 
-/* dst[0, D) = a store row of `dt` elements (STORE_F32 / STORE_BF16 / STORE_F16), widened to floats. */
+/* dst[0, D) = a store row of `dt` elements (STORE_F32 / STORE_BF16), widened to floats. */
 static void widen_row(float *restrict dst, const void *restrict src, int64_t dt, int64_t D) {
     if (dt == STORE_F32) {
         memcpy(dst, src, (size_t)D * sizeof(float));
@@ -1379,16 +1379,11 @@ static void widen_row(float *restrict dst, const void *restrict src, int64_t dt,
     }
     const uint16_t *s = src;
     int64_t d = 0;
-    if (dt == STORE_BF16) {
-        for (; d + VW <= D; d += VW) vf_store(dst + d, vf_from_bf16(s + d));
-        for (; d < D; d++) dst[d] = bf16_to_float(s[d]);
-    } else {
-        for (; d + VW <= D; d += VW) vf_store(dst + d, vf_from_f16(s + d));
-        for (; d < D; d++) dst[d] = half_to_float(s[d]);
-    }
+    for (; d + VW <= D; d += VW) vf_store(dst + d, vf_from_bf16(s + d));
+    for (; d < D; d++) dst[d] = bf16_to_float(s[d]);
 }
 
-/* wide[j * D + .] = the store rows at positions cidx[j], j < m, widened (a 16-bit store read in place by
+/* wide[j * D + .] = the store rows at positions cidx[j], j < m, widened (a bf16 store read in place by
  * prefetch "current": the chosen rows then feed the fp32 kernels as a contiguous block; iota[j] = j). */
 static void widen_rows(const DecodeArgs *a, const void *base, int64_t r, int64_t h, const int32_t *cidx, int64_t m,
                        float *wide, int32_t *iota) {
@@ -1685,7 +1680,7 @@ EXPORT int specache_decode_attention(const DecodeArgs *a) {
     if (a->B <= 0 || a->H <= 0) return 0;
     if (a->D % 8 || a->D > 64 * MAX_WORDS || a->g % 8 || a->gv <= 0 || a->D % a->gv || (a->bits != 1 && a->bits != 2)
         || a->T < 1 || a->G < 1 || a->O < 0 || a->O > 16 || (a->O > 0 && !(a->oidx && a->oc && a->os && a->oz))
-        || a->store_dtype < STORE_F32 || a->store_dtype > STORE_F16)
+        || a->store_dtype < STORE_F32 || a->store_dtype > STORE_BF16)
         return -1;
     int64_t Lmax = 1;
     for (int64_t b = 0; b < a->B; b++) {

@@ -139,9 +139,8 @@ SIMD_INLINE float bf16_to_float(uint16_t h) {
     return f;
 }
 
-/* VW consecutive bf16 / fp16 values at p as floats (the widening of a 16-bit exact store's rows):
- * bf16 by a shift into the high half of each lane, fp16 by the conversion instruction where the target
- * has one; both exact, so every target gives the same floats. */
+/* VW consecutive bf16 values at p as floats (the widening of a bf16 exact store's rows): a shift into the
+ * high half of each lane, exact, so every target gives the same floats. */
 SIMD_INLINE vf vf_from_bf16(const uint16_t *p) {
 #if defined(__AVX512F__)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -151,20 +150,6 @@ SIMD_INLINE vf vf_from_bf16(const uint16_t *p) {
     return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
 #else
     return (vf){bf16_to_float(p[0]), bf16_to_float(p[1]), bf16_to_float(p[2]), bf16_to_float(p[3])};
-#endif
-}
-
-SIMD_INLINE vf vf_from_f16(const uint16_t *p) {
-#if defined(__AVX512F__)
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
-#else
-    vf v;
-    for (int i = 0; i < VW; i++) v[i] = half_to_float(p[i]);
-    return v;
 #endif
 }
 
