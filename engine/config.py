@@ -169,9 +169,9 @@ class CacheConfig:
                                    "(taken out of the keys before they are rotated and quantized)",
                                    default_rule="2 with 2-bit guides, 4 with 1-bit, as `bench fidelity` chose",
                                    low=0, high=OUTLIERS_MAX, label="o{}", plan=8)
-    store_dtype: str | None = setting(None, "Element type of the exact K/V store on a CPU: bf16, fp16 or fp32 (a 16-bit "
-                                      "store is widened to the compute dtype for the rows a step reads; exact mode and "
-                                      "a GPU keep the compute dtype)", default_rule=f"{DEFAULT_STORE_DTYPE}",
+    store_dtype: str | None = setting(None, "Element type of the exact K/V store on a CPU: bf16, fp16 or fp32 (a "
+                                      "16-bit store is widened to the compute dtype for the rows a step reads; exact "
+                                      "mode and a GPU keep the compute dtype)", default_rule=f"{DEFAULT_STORE_DTYPE}",
                                       choices=STORE_DTYPES, words={d: d for d in STORE_DTYPES})
 
     def __post_init__(self) -> None:

@@ -343,7 +343,8 @@ def guided_sizing(t: PlanTerms) -> Sizing:
                  "sinks": min(c.sinks, context) * kvb}
     else:
         state = {"guide": guide_bytes(gm, guide_capacity(context, c.group), c.bits, c.group, outliers=outliers),
-                 "residual_window": 0 if t.residual_in_store else residual_slots(c.residual, c.group, c.chunk_size) * kvb,
+                 "residual_window": 0 if t.residual_in_store else
+                 residual_slots(c.residual, c.group, c.chunk_size) * kvb,
                  "sinks": sink_slots(c.sinks) * kvb}
         if t.unified:
             state["host_store"] = context * t.store_kv_bytes  # kivi quantizes its groups from one too
