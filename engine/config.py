@@ -23,6 +23,8 @@ DEFAULT_OUTLIERS = {1: 4, 2: 2}
 RESIDUAL = 64  # newest tokens kept exact on the device (the residual window R)
 SINKS = 4  # first tokens kept exact on the device (the attention sinks S)
 CHUNK_SIZE = 512  # prefill chunk, tokens
+STORE_DTYPES = ("bf16", "fp16", "fp32")  # the exact store's element types on a CPU (engine.kvcache.sizes.store_dtype)
+DEFAULT_STORE_DTYPE = "bf16"  # half the fp32 store's bytes; widening it is a 16-bit shift on every instruction set
 # With the current prefetch (a CPU: the fetched set is read in place from RAM, nothing crosses a bus), a k left to
 # the model profile's default adapts (CacheConfig.k_grows, fetch_k): doubled for a 1-bit guide (ONE_BIT_K), and at
 # least the cache's length / K_SHARE in whole 32s; documents under K_SHARE x k tokens (4k at k 128) keep the
@@ -160,6 +162,10 @@ class CacheConfig:
                                    "(taken out of the keys before they are rotated and quantized)",
                                    default_rule="2 with 2-bit guides, 4 with 1-bit, as `bench fidelity` chose",
                                    low=0, high=OUTLIERS_MAX, label="o{}", plan=8)
+    store_dtype: str | None = setting(None, "Element type of the exact K/V store on a CPU: bf16, fp16 or fp32 (a "
+                                      "16-bit store is widened to the compute dtype for the rows a step reads; exact "
+                                      "mode and a GPU keep the compute dtype)", default_rule=f"{DEFAULT_STORE_DTYPE}",
+                                      choices=STORE_DTYPES, words={d: d for d in STORE_DTYPES})
 
     def __post_init__(self) -> None:
         for name, declared in settings().items():

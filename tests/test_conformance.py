@@ -24,7 +24,9 @@ from tests.tiny_archs import ARCHS, REFUSED, VOCAB, WINDOW, eager_greedy, save_m
 
 NEW = 24
 LENGTHS = (300, 237)  # unequal prompts, both longer than the windows
-BASE = dict(bits=2, group=32, residual=16, sinks=4, chunk_size=64)
+# the exact store in the compute dtype: the exactness limits hold relative to the stored K/V (a 16-bit store, the
+# CPU's default, rounds them: test_a_16_bit_store_rounds_what_k_at_context_attends)
+BASE = dict(bits=2, group=32, residual=16, sinks=4, chunk_size=64, store_dtype="fp32")
 MODES = {
     "full": dict(mode="full"),
     "specache": dict(mode="specache", k=1024, prefetch="speculative"),  # k >= context: every position exact
@@ -100,6 +102,26 @@ def test_greedy_tokens_equal_transformers_eager(name, mode):
     assert result.tokens == refs
 
 
+def test_a_16_bit_store_rounds_what_k_at_context_attends():
+    """With a 16-bit store (bf16: the CPU's default) k >= context attends with every exact K/V past the residual
+    window rounded to 16 bits: its logits leave full's by that rounding only, where the fp32 store's (what the
+    exactness tests above set) equal them; an fp16 store (3 more mantissa bits; the torch path) leaves them by
+    less. Teacher-forced with full's own tokens."""
+    model, ps, refs = case("llama")
+    forced = refs[0]
+
+    def logits(**settings):
+        config = CacheConfig(**{**BASE, **settings})
+        return torch.stack(list(Engine(model, config).teacher_forced(ps[0], forced)))
+
+    full = logits(mode="full")
+    exact = logits(**MODES["specache-current"])
+    gap = {kept: float((logits(**{**MODES["specache-current"], "store_dtype": kept}) - full).abs().max())
+           for kept in ("bf16", "fp16")}
+    torch.testing.assert_close(exact, full, rtol=1e-4, atol=1e-4)
+    assert 1e-4 < gap["bf16"] < 0.02 * float(full.abs().max()) and gap["fp16"] < gap["bf16"], gap
+
+
 @pytest.mark.parametrize("mode", ["full", "specache", "exact"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window"])
 def test_document_store_hit_gives_the_models_tokens(name, mode, tmp_path):
@@ -155,7 +177,8 @@ def test_kivi_equals_the_kivi_reference(name, bits, outliers):
     p = ps[0]
     group, residual, sinks, steps = 32, 16, 4, 24
     config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64,
-                         outliers=outliers, rotation="hadamard")  # set: the default's choice is per layer (auto)
+                         outliers=outliers, rotation="hadamard",  # set: the default's choice is per layer (auto)
+                         store_dtype="fp32")  # (its prefill reads the past from the store)
     cache = make_cache(model.config, config, 1, 400, torch.float32, torch.device("cpu"))
     *_, logits = prefill(model, cache, p, 0, 64)
     chosen_from = int(quant_boundary(torch.tensor(64), residual, group))  # the first chunk's quantized keys

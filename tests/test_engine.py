@@ -86,7 +86,7 @@ def test_specache_with_k_at_least_context_equals_dynamic_cache(tiny_model, refer
                                                                outliers):
     ps, refs = reference
     config = CacheConfig(mode="specache", k=4096, bits=bits, group=group, residual=16, sinks=4, chunk_size=chunk,
-                         rotation=rotation, outliers=outliers)
+                         rotation=rotation, outliers=outliers, store_dtype="fp32")  # exact relative to the store
     assert run(tiny_model, ps[:1], config).tokens == refs[:1]
     assert run(tiny_model, ps, config).tokens == refs  # batch of different lengths
 
@@ -199,7 +199,7 @@ def test_device_bytes_shrink_and_host_holds_everything(tiny_model):
     spec = run(tiny_model, [p], CacheConfig(mode="specache", bits=1, group=64, k=32, residual=64),
                GenerationConfig(max_tokens=4)).cache_stats
     assert spec["device_bytes"] < 0.5 * full["device_bytes"]
-    assert spec["host_bytes"] == full["device_bytes"]  # every token exact in the host store (fp32 here)
+    assert 2 * spec["host_bytes"] == full["device_bytes"]  # every token exact in the host store (bf16 of fp32 here)
 
 
 # ---- k = 0: KIVI with the same residual window, against a reference written here ----------
@@ -241,7 +241,7 @@ def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks, rotation, outl
     (p,) = prompts_of((230,))
     group, residual, steps = 32, 16, 40
     config = CacheConfig(mode="kivi", bits=bits, group=group, residual=residual, sinks=sinks, chunk_size=64,
-                         rotation=rotation, outliers=outliers)
+                         rotation=rotation, outliers=outliers, store_dtype="fp32")  # (prefill reads the store)
     cache = make_cache(tiny_model.config, config, 1, 400, torch.float32, tiny_model.device)
     *_, logits = prefill(tiny_model, cache, p, 0, 64)
 
@@ -281,8 +281,8 @@ def test_kivi_mode_equals_reference_kivi(tiny_model, bits, sinks, rotation, outl
 def test_teacher_forced_full_and_exact_specache_agree(tiny_model, reference):
     ps, refs = reference
     full = torch.stack(list(Engine(tiny_model, CacheConfig(mode="full")).teacher_forced(ps[0], refs[0])))
-    spec = torch.stack(list(Engine(tiny_model, CacheConfig(mode="specache", k=4096,
-                                                                                   group=32, residual=16)).teacher_forced(ps[0], refs[0])))
+    spec = torch.stack(list(Engine(tiny_model, CacheConfig(mode="specache", k=4096, group=32, residual=16,
+                                                           store_dtype="fp32")).teacher_forced(ps[0], refs[0])))
     assert full.shape == (len(refs[0]), tiny_model.config.vocab_size)
     assert full.argmax(-1).tolist() == refs[0]  # greedy reference: forced tokens are the argmax
     torch.testing.assert_close(spec, full, rtol=1e-3, atol=1e-3)
@@ -337,7 +337,8 @@ def test_resync_keeps_the_exactness_limit(tiny_model, reference):
     output still equals DynamicCache's, with and without it (and with and without the correction)."""
     ps, refs = reference
     for resync, correct in ((True, True), (False, True), (True, False)):
-        config = CacheConfig(mode="specache", k=4096, group=32, residual=16, resync=resync, correct=correct)
+        config = CacheConfig(mode="specache", k=4096, group=32, residual=16, resync=resync, correct=correct,
+                             store_dtype="fp32")
         assert run(tiny_model, ps, config).tokens == refs
 
 
@@ -393,7 +394,8 @@ def test_current_prefetch_keeps_the_limits_and_steps_one_token_at_a_time(tiny_mo
     import engine.generate.steps as decode
 
     ps, refs = reference
-    exact = CacheConfig(mode="specache", k=4096, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current")
+    exact = CacheConfig(mode="specache", k=4096, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current",
+                        store_dtype="fp32")
     calls = []
     original = decode.forward
     monkeypatch.setattr(decode, "forward", lambda model, cache, ids, *a, **kw: calls.append(ids.shape[1]) or
@@ -572,7 +574,8 @@ def test_native_bf16_prefill_keeps_specache_equal_to_full(tiny_model, reference)
     prepare_model(tiny_model, torch.bfloat16)
     try:
         full = run(tiny_model, ps, CacheConfig(mode="full", chunk_size=64)).tokens
-        spec = run(tiny_model, ps, CacheConfig(mode="specache", k=4096, group=32, residual=16, chunk_size=64)).tokens
+        spec = run(tiny_model, ps, CacheConfig(mode="specache", k=4096, group=32, residual=16, chunk_size=64,
+                                               store_dtype="fp32")).tokens
     finally:
         prepare_model(tiny_model)
     assert spec == full
@@ -595,7 +598,7 @@ def test_bf16_prefill_without_the_native_kernel_keeps_the_limits_equal_to_full(t
     ps, refs = reference
     prepare_model(tiny_model, torch.bfloat16)
     try:
-        cfg = CacheConfig(mode=mode, k=4096, group=32, residual=16, chunk_size=64)
+        cfg = CacheConfig(mode=mode, k=4096, group=32, residual=16, chunk_size=64, store_dtype="fp32")
         for p, ref in zip(ps, refs):
             want = next(Engine(tiny_model, CacheConfig(mode="full", chunk_size=64)).teacher_forced(p, ref[:1]))
             got = next(Engine(tiny_model, cfg).teacher_forced(p, ref[:1]))
@@ -629,14 +632,15 @@ def test_a_finished_row_leaves_the_batch(tiny_model, monkeypatch, mode, prefetch
 
 @pytest.mark.parametrize("native_on", [True, False], ids=["fused", "torch"])
 @pytest.mark.parametrize("config", [
-    CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64),
-    CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current"),
-    CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64),
+    CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, store_dtype="fp32"),
+    CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current",
+                store_dtype="fp32"),
+    CacheConfig(mode="kivi", group=32, residual=16, sinks=4, chunk_size=64, store_dtype="fp32"),
     CacheConfig(mode="exact", k=16, group=32, residual=16, sinks=4, chunk_size=64, gamma=3)],
     ids=["speculative", "current", "kivi", "exact"])
 def test_residual_window_in_the_store_equals_its_own_buffer(tiny_model, monkeypatch, config, native_on):
-    """On the CPU a guided layer's residual window is its host store's positions [qend, ...) (no buffer of
-    its own, nothing shifted); on CUDA it has buffers of its own. Both hold the same floats: a batch of
+    """On the CPU with an fp32 store a guided layer's residual window is its host store's positions [qend, ...)
+    (no buffer of its own, nothing shifted); on CUDA (and a 16-bit store) it has buffers of its own. Both hold the same floats: a batch of
     rows of different lengths (windows that end at different places; one near the store's end) and the
     shared-prefix copy give the same tokens, and teacher-forced logits bit for bit. The CPU layout
     allocates no residual slots."""

@@ -105,7 +105,10 @@ CONFIGS = [CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, ch
            CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, correct=False),
            CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current",
                        rotation="hadamard", outliers=4),
-           CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=4, chunk_size=64, outliers=3)]
+           CacheConfig(mode="specache", k=8, bits=1, group=32, residual=16, sinks=4, chunk_size=64, outliers=3),
+           CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, store_dtype="fp32"),
+           CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, chunk_size=64, prefetch="current",
+                       store_dtype="fp32")]
 
 
 @pytest.mark.kernels
@@ -113,13 +116,15 @@ CONFIGS = [CacheConfig(mode="specache", k=16, group=32, residual=16, sinks=4, ch
 @pytest.mark.parametrize("config", CONFIGS, ids=["specache-2b", "specache-1b", "kivi", "select-both", "current",
                                                  "specache-1b-hadamard", "kivi-1b-hadamard", "current-hadamard",
                                                  "speculative-uncorrected", "current-1b-hadamard-outliers",
-                                                 "specache-1b-outliers"])
+                                                 "specache-1b-outliers", "specache-fp32-store", "current-fp32-store"])
 def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     (prompt,) = prompts_of((300,))
     forced = prompts_of((40,), seed=9)[0]  # forced tokens cross quantization boundaries as they go
     calls = counting_fused(monkeypatch)
     fused, fused_guides = forced_and_guides(Engine(tiny_model, config), prompt, forced)
     assert calls[0] > 0, "the fused path did not run"
+    layer = Engine(tiny_model, config).new_cache(1, 64).layers[0]
+    assert layer.store.k.dtype == {None: torch.bfloat16, "fp32": torch.float32}[config.store_dtype]
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
     plain, plain_guides = forced_and_guides(Engine(tiny_model, config), prompt, forced)
     assert fused.shape == (len(forced), tiny_model.config.vocab_size)
@@ -226,8 +231,9 @@ def test_fused_fetched_buffers_hold_the_exact_rows_of_the_selection(tiny_model, 
                 assert len(pos) == min(config.k, int(layer.qend[0]) - config.sinks)
                 checked += len(pos)
                 continue
-            torch.testing.assert_close(layer.store.fk[0, h][valid[h]], layer.store.k[0, h, pos], rtol=0, atol=0)
-            torch.testing.assert_close(layer.store.fv[0, h][valid[h]], layer.store.v[0, h, pos], rtol=0, atol=0)
+            # (a 16-bit store's rows widened: exactly its values)
+            torch.testing.assert_close(layer.store.fk[0, h][valid[h]], layer.store.k[0, h, pos].float(), rtol=0, atol=0)
+            torch.testing.assert_close(layer.store.fv[0, h][valid[h]], layer.store.v[0, h, pos].float(), rtol=0, atol=0)
             checked += len(pos)
     assert checked > 0
 

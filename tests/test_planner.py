@@ -387,8 +387,15 @@ def test_nothing_fits_and_speedup_none():
 
 def test_cpu_profile_counts_the_exact_store_on_the_device():
     cpu, smol = load_hardware("cpu"), load_model_profile("smollm2-135m")
-    sp = P.plan(cpu, smol, 8192).mode("specache")
-    assert sp.device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 4)  # fp32 on the CPU
+    plan = P.plan(cpu, smol, 8192)
+    sp = plan.mode("specache")
+    assert sp.device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 2)  # bf16 on the CPU by default
+    assert sp.host_bytes_per_sequence == 8192 * S.kv_bytes_per_token(smol, 2)
+    assert sp.device_breakdown["residual_window"] > 0  # (the window keeps fp32 buffers of its own)
+    assert plan.mode("exact").device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 4)  # as full's
+    fp32 = P.plan(cpu, smol, 8192, P.cache_for(smol, cpu, store_dtype="fp32")).mode("specache")
+    assert fp32.device_breakdown["host_store"] == 8192 * S.kv_bytes_per_token(smol, 4)
+    assert fp32.device_breakdown["residual_window"] == 0  # the store's own positions
     assert P.plan(cpu, smol, 8192, host_ram_bytes=GIB).host_ram_bytes is None  # one pool: no separate check
 
 
@@ -510,4 +517,5 @@ def test_planner_bytes_per_sequence_equal_the_built_cache(mode, bits, group, k, 
     host = parts.pop("host_store", 0)  # the resident state; the transient working sets are the model's
     assert sum(parts.values()) == cache.allocated_device_bytes()
     stores = [layer.store for layer in cache.layers if getattr(layer, "store", None) is not None]
-    assert host == (sum(s.k.numel() + s.v.numel() for s in stores) * 4 // 2 if mode != "full" else 0)
+    assert host == (sum((s.k.numel() + s.v.numel()) * s.k.element_size() for s in stores) // 2 if mode != "full" else 0)
+    assert all(s.k.dtype == torch.bfloat16 for s in stores)  # (the CPU's default: the planner counts 2 bytes)

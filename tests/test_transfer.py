@@ -208,17 +208,21 @@ def test_the_cpu_store_is_resident_only_where_written():
 
 def test_the_exact_store_takes_the_bytes_the_planner_counts(tiny_model):
     """The exact host store is allocated at exactly the bytes the planner counts for it (context x the
-    K/V bytes of a token over the layers, per row: sizes.kv_bytes_per_token, the planner's host rule),
-    no rounding (on CUDA those bytes are pinned in place: Transfer.pin_host); window mode keeps none."""
+    K/V bytes of a token over the layers, per row: sizes.kv_bytes_per_token at the store's element bytes,
+    sizes.store_element_bytes: 2 by default on a CPU, the compute dtype's for exact mode), no rounding (on
+    CUDA those bytes are pinned in place: Transfer.pin_host); window mode keeps none."""
     from engine.config import CacheConfig
     from engine.kvcache import ModelShape, make_cache
-    from engine.kvcache.sizes import kv_bytes_per_token
+    from engine.kvcache.sizes import kv_bytes_per_token, store_element_bytes
 
     shape = ModelShape.from_config(tiny_model.config)
-    for mode, batch, length in (("specache", 3, 517), ("kivi", 2, 300), ("exact", 1, 1000)):
-        cache = make_cache(tiny_model.config, CacheConfig(mode=mode, k=16), batch, length, torch.float32,
-                           torch.device("cpu"))
-        assert cache.transfer.host_bytes_allocated() == batch * length * kv_bytes_per_token(shape, 4)
+    for mode, batch, length, kept in (("specache", 3, 517, None), ("kivi", 2, 300, None), ("exact", 1, 1000, None),
+                                      ("specache", 2, 300, "fp32"), ("specache", 1, 300, "fp16")):
+        config = CacheConfig(mode=mode, k=16, store_dtype=kept)
+        cache = make_cache(tiny_model.config, config, batch, length, torch.float32, torch.device("cpu"))
+        element = 4 if mode == "exact" else store_element_bytes(config, True, 4)
+        assert element == (4 if mode == "exact" or kept == "fp32" else 2)
+        assert cache.transfer.host_bytes_allocated() == batch * length * kv_bytes_per_token(shape, element)
         assert cache.host_bytes() == 0  # (nothing committed yet)
     window = make_cache(tiny_model.config, CacheConfig(mode="window"), 2, 300, torch.float32, torch.device("cpu"))
     assert window.transfer.host_bytes_allocated() == 0
@@ -276,3 +280,23 @@ def test_cuda_prefetch_reads_the_pinned_store_in_place():
     assert torch.equal(fk, torch.gather(k, 2, want)) and torch.equal(fv, torch.gather(v, 2, want))
     assert store.in_place == 1 and transfer._worker is None
     transfer.close()
+
+
+@pytest.mark.parametrize("kept", [torch.bfloat16, torch.float16])
+def test_rows_of_a_16_bit_store_are_fetched_widened(kept):
+    """A 16-bit store's rows enter the fp32 fetched set widened, exactly their values: the plain gather and the
+    corrected set (rows the prefetch held reused, the others read from the store)."""
+    from engine.kvcache.host_memory import corrected_rows, gather_rows
+
+    g = torch.Generator().manual_seed(4)
+    store_k, store_v = (torch.randn(2, 3, 50, 8, generator=g).to(kept) for _ in range(2))
+    idx = torch.stack([torch.randperm(50, generator=g)[:5] for _ in range(6)]).view(2, 3, 5)
+    want = lambda t, at: torch.gather(t, 2, at[..., None].expand(-1, -1, -1, 8)).float()  # noqa: E731
+    fk, fv = torch.zeros(2, 3, 5, 8), torch.zeros(2, 3, 5, 8)
+    gather_rows(store_k, idx, fk)
+    gather_rows(store_v, idx, fv)
+    assert torch.equal(fk, want(store_k, idx)) and torch.equal(fv, want(store_v, idx))
+    new = torch.cat([idx[..., :2], torch.stack([torch.randperm(50, generator=g)[:3] for _ in range(6)]).view(2, 3, 3)], -1)
+    k, v, reused = corrected_rows(fk, fv, store_k, store_v, new, idx, torch.ones_like(idx, dtype=torch.bool), 50)
+    assert k.dtype == torch.float32 and bool(reused[..., :2].all())
+    assert torch.equal(k, want(store_k, new)) and torch.equal(v, want(store_v, new))

@@ -29,6 +29,9 @@ from engine.kvcache.base import Step
 FUSED_HOOKS = ("attend_decode", "select_current", "correct_fetched", "select_and_prefetch", "own_attention",
                "top_positions", "fetch_top", "count_reuse")
 REPRODUCED: set[type] = set()
+# the host store's element types the native call reads (decode_args.h: STORE_F32, STORE_BF16; an fp16 store is
+# read by the torch path)
+STORE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def reproduces(cls: type) -> type:
@@ -47,11 +50,12 @@ def hooks_reproduced(cls: type) -> bool:
 
 
 def fused_applies(layer, q: torch.Tensor) -> bool:
-    """True when the fused native call can run this layer's decode pass: a guide, fp32 on the CPU, the
-    native library, no hit-rate measurement, and no hook of the pass overridden by a class whose code
-    the call does not reproduce (hooks_reproduced)."""
+    """True when the fused native call can run this layer's decode pass: a guide, fp32 on the CPU (the exact
+    store fp32 or bf16), the native library, no hit-rate measurement, and no hook of the pass overridden by a
+    class whose code the call does not reproduce (hooks_reproduced)."""
     return (layer.use_guide and q.device.type == "cpu" and q.dtype == torch.float32
-            and layer.res_k.dtype == torch.float32 and not layer.config.measure_hits and native.lib() is not None
+            and layer.res_k.dtype == torch.float32 and layer.store.k.dtype in STORE_DTYPES
+            and not layer.config.measure_hits and native.lib() is not None
             and hooks_reproduced(type(layer)))
 
 
@@ -76,6 +80,7 @@ class FusedDecode:
         a.res_at_qend = int(layer.res_in_store)
         self._pair(a, ("fk", "fv", "fk"), store.fk, store.fv)
         self._pair(a, ("store_k", "store_v", "st"), store.k, store.v)
+        a.store_dtype = STORE_DTYPES[store.k.dtype]  # a 16-bit store's rows are widened as they are read
         a.fidx, a.fvalid = layer.fidx.data_ptr(), layer.fvalid.data_ptr()
         a.fi_sb, a.fi_sh = layer.fidx.stride(0), layer.fidx.stride(1)
         keys, values = guide.keys, guide.values
@@ -131,7 +136,9 @@ class FusedDecode:
         a.start, a.out = start.data_ptr(), out.data_ptr()
         reuse = torch.zeros(b, a.H, 2, dtype=torch.long) if a.correct and step.n_new > 1 else None
         a.reuse = reuse.data_ptr() if reuse is not None else None
-        rc = native.lib().specache_decode_attention(ctypes.byref(a))
+        if step.select is not None:  # where the residual window has buffers of its own, the positions leaving it
+            self.layer.before_fixed_pass(step)  # are candidates of the next set: into the store first (as the torch
+        rc = native.lib().specache_decode_attention(ctypes.byref(a))  # path's select_and_prefetch)
         if rc != 0:
             raise RuntimeError(f"native decode attention failed (rc {rc})")
         if reuse is not None:

@@ -3,9 +3,10 @@
 Per layer and row, positions [0, qend) are held in the low-bit guide (and, for specache,
 exactly in the host store); the newest tokens [qend, len) sit exact in a residual window on
 the device, where qend = quant_boundary(len) moves a whole group of g tokens at a time; the
-first S tokens also stay exact on the device (attention sinks). On a CPU the residual window is
-the host store's own positions [qend, ...) (`res_in_store`: nothing copied or shifted); on CUDA,
-where the store is in host memory, it is a buffer of residual + group + chunk slots per row.
+first S tokens also stay exact on the device (attention sinks). The store holds sizes.store_dtype's
+elements (16-bit on a CPU: rows widened as they are read). Where it is the device's memory in the compute
+dtype (a CPU's fp32 store, exact mode) the residual window is its own positions [qend, ...) (`res_in_store`:
+nothing copied or shifted); elsewhere it is a buffer of residual + group + chunk slots per row.
 
 Attention of the new tokens (design page, Decoding):
   scores over [0, qend): guide scores, replaced by exact scores at sink and fetched positions;
@@ -102,11 +103,12 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         self.qend_host = [0] * batch  # the same on the host: read by every pass without a device sync
         spec = GuideSpec(config.bits, config.group, config.guide_rotation, config.guide_outliers)
         self.guide = Guide(batch, h, max_len, d, spec, device) if self.use_guide else None
-        self.store = HostStore(batch, h, max_len, d, self.topk, dtype, device, transfer) if self.use_guide else None
-        # Where the store is the compute device's memory (the CPU), the residual window is the store's
-        # positions [qend, qend + W) of each row: every new token's K/V is written there, and nothing is
-        # copied or shifted. Elsewhere (CUDA: the store is in host memory) it has buffers of its own.
-        self.res_in_store = self.store is not None and transfer.residual_in_store
+        kept_as = self.exact_store_dtype(config, device, dtype)
+        self.store = HostStore(batch, h, max_len, d, self.topk, (kept_as, dtype), device, transfer) \
+            if self.use_guide else None
+        # Where the store is the compute device's memory in the compute dtype (the CPU), the residual window is its
+        # positions [qend, qend + W) of each row: nothing copied or shifted. Elsewhere it has buffers of its own.
+        self.res_in_store = self.store is not None and transfer.residual_in_store and kept_as == dtype
         if self.res_in_store:
             self.res_k, self.res_v = self.store.k, self.store.v  # [B, H_kv, L, D], read from each row's qend
         else:
@@ -244,7 +246,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         start, t = step.starts[0], step.n_new
         qend = self.qend_host[row]
         if self.store is not None:
-            k_past, v_past = self.store.read(row, 0, qend)
+            k_past, v_past = self.store.read(row, 0, qend)  # (a 16-bit store's elements: widened below where read)
         else:  # window mode keeps no store: sinks and the window are all there is
             k_past, v_past = self.sink_k[row : row + 1, :, : min(self.sinks, qend)], \
                 self.sink_v[row : row + 1, :, : min(self.sinks, qend)]
@@ -264,13 +266,14 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
                     past = [self.store.read(row, 0, start)]
                 else:  # the sinks (window mode) or the store's quantized prefix, and the residual positions before
                     # the chunk, as one piece
-                    past = [(torch.cat([k_past, rk[:, :, :recent]], dim=2), torch.cat([v_past, rv[:, :, :recent]], dim=2))]
+                    past = [(torch.cat([k_past.to(rk.dtype), rk[:, :, :recent]], dim=2),
+                             torch.cat([v_past.to(rv.dtype), rv[:, :, :recent]], dim=2))]
                 out = split_prefill_attention(q, past, rk[:, :, recent : recent + t], rv[:, :, recent : recent + t],
                                               scaling)
             return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         qg = grouped_query(q, self.shape.kv_heads)
         rk, rv = self.residual_kv(step.rows, n_res)
-        keys, values = torch.cat([k_past, rk], dim=2), torch.cat([v_past, rv], dim=2)
+        keys, values = torch.cat([k_past.to(rk.dtype), rk], dim=2), torch.cat([v_past.to(rv.dtype), rv], dim=2)
         past = keys.shape[2] - n_res
 
         def allowed() -> torch.Tensor:  # [1, 1, G*T, n]: the past all visible, the recent part causal

@@ -5,11 +5,17 @@ from __future__ import annotations
 import torch
 
 from engine.kvcache.base import import_tensors
-from engine.kvcache.sizes import layer_kv_bytes_per_token, quant_boundary
+from engine.config import CacheConfig
+from engine.kvcache.sizes import layer_kv_bytes_per_token, quant_boundary, store_dtype
 
 
 class GuidedRows:
     """GuidedLayer's row copies, exports and byte accounts (its attributes: engine/kvcache/guided.py)."""
+
+    @classmethod
+    def exact_store_dtype(cls, config: CacheConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+        """The element type of the exact host store (sizes.store_dtype: the setting's on a CPU)."""
+        return store_dtype(config, device.type, dtype)
 
     def residual_kv(self, rows: slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n slots of rows' residual windows, positions [qend, qend + n) of each row
@@ -111,13 +117,15 @@ class GuidedRows:
         return sum(t.numel() * t.element_size() for t in tensors) // self.sink_k.shape[0]
 
     def store_key(self) -> dict:
-        """A stored row depends on the window, the group, the sinks and the guide's width, rotation and
-        outlier channels (None: no guide; a guide without a rotation or outliers keeps the key it had
-        before those existed)."""
+        """A stored row depends on the window, the group, the sinks, the guide's width, rotation and outlier
+        channels (None: no guide; a guide without a rotation or outliers keeps the key it had before those
+        existed) and the store's element type where it is not the compute dtype."""
         key = {"residual": self.residual, "group": self.group, "sinks": self.sinks,
                "bits": self.config.bits if self.guide is not None else None}
         if self.guide is not None and self.guide.rotation is not None:
             key["rotation"] = self.config.guide_rotation
         if self.guide is not None and self.guide.outliers is not None:
             key["outliers"] = self.guide.outlier_count
+        if self.store is not None and self.store.k.dtype != self.sink_k.dtype:  # a 16-bit store (an entry of the
+            key["store"] = str(self.store.k.dtype).replace("torch.", "")  # compute dtype's keeps its key)
         return key

@@ -81,11 +81,12 @@ class PrefetchWorker:
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
     """out[b, h, j] = src[b, h, idx[b, h, j]]: whole D-vectors, copied as rows (index_select) rather
-    than element by element (gather). src [b, H_kv, L, D], idx [b, H_kv, k], out [b, H_kv, k, D]."""
+    than element by element (gather), widened to out's dtype (a 16-bit store's rows into an fp32 fetched
+    set). src [b, H_kv, L, D], idx [b, H_kv, k], out [b, H_kv, k, D]."""
     b, h, length, d = src.shape
     base = torch.arange(b * h, device=idx.device).view(b, h, 1) * length
     flat = (idx + base).reshape(-1)
-    if src.is_contiguous() and out.is_contiguous():
+    if src.is_contiguous() and out.is_contiguous() and src.dtype == out.dtype:
         torch.index_select(src.view(-1, d), 0, flat, out=out.view(-1, d))
     else:
         out.copy_(src.reshape(-1, d).index_select(0, flat).view(out.shape))
@@ -111,7 +112,7 @@ def corrected_rows_fixed(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tenso
     gather_rows(host_k, idx.to(host_k.device), got_k)
     gather_rows(host_v, idx.to(host_k.device), got_v)
     miss = missing[..., None]
-    return torch.where(miss, got_k.to(k.device), k), torch.where(miss, got_v.to(v.device), v), reused
+    return torch.where(miss, got_k.to(k.device, k.dtype), k), torch.where(miss, got_v.to(v.device, v.dtype), v), reused
 
 
 def corrected_rows(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor, idx: torch.Tensor,
@@ -140,6 +141,6 @@ def corrected_rows(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, hos
         gather_rows(host_k, pos, got_k)
         gather_rows(host_v, pos, got_v)
         at = order[..., None].expand(-1, -1, -1, d)
-        k.scatter_(2, at, got_k.to(dev, non_blocking=True))
-        v.scatter_(2, at, got_v.to(dev, non_blocking=True))
+        k.scatter_(2, at, got_k.to(dev, k.dtype, non_blocking=True))  # (a 16-bit store's rows widened)
+        v.scatter_(2, at, got_v.to(dev, v.dtype, non_blocking=True))
     return k, v, reused

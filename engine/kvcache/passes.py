@@ -258,13 +258,23 @@ def bf16_prefill_kernel() -> str | None:
     return next((kernel for flag, kernel in BF16_PREFILL_KERNELS if flag in flags), None)
 
 
+def one_element_type(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K/V pieces in one element type a bf16 prefill kernel takes: as they are where they share fp32 or bf16, else
+    all rounded to bf16 (a 16-bit exact store beside an fp32 residual window: the kernels round K and V to bf16
+    anyway)."""
+    kinds = {x.dtype for piece in pieces for x in piece}
+    if len(kinds) <= 1 and kinds <= {torch.float32, torch.bfloat16}:
+        return pieces
+    return [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in pieces]
+
+
 def bf16_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], scaling: float,
                            start: int, first: int = 0, window: int = 0) -> torch.Tensor | None:
     """A bf16 prefill chunk's attention, causal (and within a sliding window W: query position p sees keys (p - W,
     p]), by the CPU's kernel (bf16_prefill_kernel): Q, K, P and V rounded to bf16, fp32 sums. q [1, H, T, D]
     (positions start..start+T-1); pieces: (k, v) [1, H_kv, n_i, D] holding positions first..start+T-1 once, in
     order. -> [1, H_kv, G*T, D] fp32, or None where no kernel applies (the caller takes the exact path)."""
-    kernel = bf16_prefill_kernel()
+    kernel, pieces = bf16_prefill_kernel(), one_element_type(pieces)
     if kernel == "native":
         return native_prefill_attention(q, pieces, scaling, start, first, window)
     if kernel != "torch" or q.shape[0] != 1 or sum(k.shape[2] for k, _ in pieces) != start + q.shape[2] - first:

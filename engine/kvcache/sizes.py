@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.config import CacheConfig
+from engine.config import DEFAULT_STORE_DTYPE, CacheConfig
 
 # the planner's memory terms (docs/planner.md, "Constants")
 PAPER_FETCH_BUFFERS = 2  # the paper's implementation double-buffers the fetched set; the engine keeps one
@@ -44,6 +44,32 @@ def kv_bytes_per_token(shape, element_bytes: int = 2) -> int:
 def layer_kv_bytes_per_token(shape, element_bytes: int) -> int:
     """Bytes of exact K and V for one token of one layer."""
     return 2 * shape.kv_heads * shape.head_dim * element_bytes
+
+
+STORE_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def store_dtype(config: CacheConfig, device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The exact host store's element type: on a CPU, config.store_dtype (default DEFAULT_STORE_DTYPE: the store
+    is most of a long document's memory there, and only the k rows a step fetches are read back, widened to the
+    compute dtype); elsewhere the compute dtype (a GPU's fp16 / bf16 is already 16-bit)."""
+    if device_type != "cpu":
+        return dtype
+    return STORE_TORCH_DTYPES[config.store_dtype or DEFAULT_STORE_DTYPE]
+
+
+def store_element_bytes(config: CacheConfig, unified: bool, element_bytes: int) -> int:
+    """Bytes of one exact store element: the planner's view of store_dtype (unified: the CPU, where the store
+    is the device's memory; element_bytes: the compute dtype's)."""
+    if not unified:
+        return element_bytes
+    return STORE_TORCH_DTYPES[config.store_dtype or DEFAULT_STORE_DTYPE].itemsize
+
+
+def store_at_compute_dtype(t: "PlanTerms") -> "PlanTerms":
+    """t with the exact store in the compute dtype (exact mode: its verification attends with the store)."""
+    name = next(n for n, d in STORE_TORCH_DTYPES.items() if d.itemsize == t.element_bytes)
+    return replace(t, cache=replace(t.cache, store_dtype=name))
 
 
 def guide_bits_per_element(bits: int, group: int) -> float:
@@ -244,6 +270,17 @@ class PlanTerms:
         return kv_bytes_per_token(self.layers, self.element_bytes)
 
     @property
+    def store_kv_bytes(self) -> int:
+        """Exact K/V bytes of one token in the exact store (store_element_bytes: 16-bit on a CPU by default)."""
+        return kv_bytes_per_token(self.layers, store_element_bytes(self.cache, self.unified, self.element_bytes))
+
+    @property
+    def residual_in_store(self) -> bool:
+        """The residual window is the store's own positions: where the store is the device's memory in the
+        compute dtype (else it has buffers of its own, in the compute dtype)."""
+        return self.unified and self.store_kv_bytes == self.kv_bytes
+
+    @property
     def chunk(self) -> int:
         return min(self.cache.chunk_size, self.context)
 
@@ -295,8 +332,9 @@ def exact_cache_sizing(t: PlanTerms) -> Sizing:
 
 def guided_sizing(t: PlanTerms) -> Sizing:
     """A guide, the residual window and the sinks (what is in use at `context` tokens for the paper,
-    the engine's preallocated buffers otherwise: where the exact store is device memory the residual
-    window is the store's positions, and the store itself is counted), read whole each step."""
+    the engine's preallocated buffers otherwise: where the exact store is device memory it is counted, in its
+    own element type, and the residual window is its positions if that is the compute dtype), read whole
+    each step."""
     c, gm, kvb, context = t.cache, t.layers, t.kv_bytes, t.context
     outliers = c.guide_outliers
     if t.paper:
@@ -305,10 +343,11 @@ def guided_sizing(t: PlanTerms) -> Sizing:
                  "sinks": min(c.sinks, context) * kvb}
     else:
         state = {"guide": guide_bytes(gm, guide_capacity(context, c.group), c.bits, c.group, outliers=outliers),
-                 "residual_window": 0 if t.unified else residual_slots(c.residual, c.group, c.chunk_size) * kvb,
+                 "residual_window": 0 if t.residual_in_store else
+                 residual_slots(c.residual, c.group, c.chunk_size) * kvb,
                  "sinks": sink_slots(c.sinks) * kvb}
         if t.unified:
-            state["host_store"] = context * kvb  # kivi quantizes its groups from one too
+            state["host_store"] = context * t.store_kv_bytes  # kivi quantizes its groups from one too
     tail = min(context, exact_tail_tokens(c.residual, c.group))
     read = state["guide"] + (tail + min(c.sinks, context)) * kvb + t.window_read()
     prefill = prefill_activation_bytes(t.model, t.chunk, t.element_bytes, past_tokens=context, past_views=PAST_VIEWS,

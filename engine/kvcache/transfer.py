@@ -157,16 +157,19 @@ class Transfer:
 
 
 class HostStore:
-    """Exact K/V of every token of every row of one layer: [B, H_kv, L, D] each, preallocated."""
+    """Exact K/V of every token of every row of one layer: [B, H_kv, L, D] each, preallocated. dtype: the
+    elements of the store and of the fetched set, or (the store's, the fetched set's) where they differ (a
+    16-bit store on the CPU: rows are widened to the compute dtype as they are fetched)."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, k_max: int,
-                 dtype: torch.dtype, device: torch.device, transfer: Transfer):
+                 dtype: torch.dtype | tuple[torch.dtype, torch.dtype], device: torch.device, transfer: Transfer):
         self.device = device
         self.transfer, self.streams = transfer, transfer.streams
         self.asynchronous = transfer.asynchronous  # (CUDA's orchestration: streams, events, a pinned store)
         shape = (batch, kv_heads, max_len, head_dim)
-        self.k = transfer.host_tensor(shape, dtype)  # [B, H_kv, L, D] host (pinned on CUDA: Transfer.pin_host)
-        self.v = transfer.host_tensor(shape, dtype)
+        kept, dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+        self.k = transfer.host_tensor(shape, kept)  # [B, H_kv, L, D] host (pinned on CUDA: Transfer.pin_host)
+        self.v = transfer.host_tensor(shape, kept)
         fshape = (batch, kv_heads, max(k_max, 1), head_dim)
         # the fetched set on the device: exact K/V of the selected positions, [B, H_kv, k, D] (on the CPU
         # the fused decode of prefetch "current" reads the store in place and never touches it)
@@ -206,7 +209,7 @@ class HostStore:
         """Exact K/V of one row's positions [start, end) on the compute device. -> [1, H_kv, n, D] each
         (CUDA: one asynchronous copy per KV head from the pinned store, as write_span)."""
         k, v = self.k[row : row + 1, :, start:end], self.v[row : row + 1, :, start:end]
-        if not self.asynchronous:
+        if not self.asynchronous:  # (the store's own elements: a 16-bit store's are widened by the reader)
             return k, v
         out_k = torch.empty(k.shape, dtype=k.dtype, device=self.device)
         out_v = torch.empty_like(out_k)

@@ -41,7 +41,7 @@ _run = functools.partial(subprocess.run, capture_output=True, text=True, timeout
 SOURCES = tuple(Path(__file__).with_name(name) for name in (  # slowest to compile first (Zen 4: 18, 10, 3 s, < 1 s)
     "int8_linear.c", "linear_kernels.c", "guide_kernels.c", "attention_kernels.c", "norm_kernels.c", "pack_kernels.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "decode_args.h", "block_codes.h", "columns.h"))
-ABI_VERSION = 11
+ABI_VERSION = 12
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi")
 ENV_DISABLE = "SPECACHE_NATIVE"
 ENV_ARCH = "SPECACHE_NATIVE_ARCH"
@@ -80,7 +80,7 @@ class DecodeArgs(ctypes.Structure):
                    ("out", _P), ("rot", _P), ("correct", _I64), ("reuse", _P), ("res_at_qend", _I64),
                    ("O", _I64), ("oidx", _P), ("oi_sb", _I64), ("oi_sh", _I64), ("oc", _P), ("oc_sb", _I64),
                    ("oc_sh", _I64), ("os", _P), ("oz", _P), ("os_sb", _I64), ("os_sh", _I64),
-                   ("softcap", ctypes.c_float)])
+                   ("softcap", ctypes.c_float), ("store_dtype", _I64)])
 
 
 class SlidingArgs(ctypes.Structure):

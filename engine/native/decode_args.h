@@ -20,7 +20,7 @@ typedef struct {
     int64_t *fidx; /* [rows, H, K] */
     uint8_t *fvalid;
     int64_t fi_sb, fi_sh;
-    const float *store_k, *store_v; /* host store [rows, H, L, D] */
+    const void *store_k, *store_v; /* host store [rows, H, L, D] of store_dtype elements (strides in elements) */
     int64_t st_sb, st_sh;
     const uint8_t *kc; /* guide keys / values: layouts of specache_guide_scores / _weighted_values */
     int64_t kc_sb, kc_sh;
@@ -49,7 +49,11 @@ typedef struct {
     int64_t os_sb, os_sh;
     float softcap; /* > 0: attention-logit softcapping (Gemma 2), every score s (exact or the guide's, already
                     * scaled) becomes softcap * tanh(s / softcap) before the softmax; 0: none */
+    int64_t store_dtype; /* the host store's elements: STORE_F32 (0) or STORE_BF16 (1); a bf16 store's rows are
+                          * widened to floats as they are read (fetched or attended in place) */
 } DecodeArgs;
+
+enum { STORE_F32 = 0, STORE_BF16 = 1 };
 
 /* The argument block of specache_sliding_attention (guide_kernels.c): a sliding-window layer's decode attention
  * over its ring (engine/kvcache/sliding.py). */

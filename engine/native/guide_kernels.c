@@ -58,7 +58,7 @@ typedef float v8sf __attribute__((vector_size(32)));
 #define EXPORT __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
 
-EXPORT int specache_guide_abi_version(void) { return 11; }
+EXPORT int specache_guide_abi_version(void) { return 12; }
 
 EXPORT int specache_guide_openmp(void) {
 #ifdef _OPENMP
@@ -1345,8 +1345,9 @@ static size_t decode_scratch_floats(const DecodeArgs *a, int64_t L) {
     const size_t vals = values_scratch_floats(ng) + 4 * (size_t)D + (size_t)(D + ng) * LANES; /* + acc, zacc */
     size_t big = keys > vals ? keys : vals;
     big = big > 2048 ? big : 2048; /* top_k's histogram */
+    const size_t wide = a->store_dtype == STORE_F32 ? 0 : (size_t)a->K * (D + 1); /* widen_rows' rows and iota */
     return (size_t)Q * L + 4 * (size_t)L + 2 * (size_t)Q * D + D + 3 * (size_t)a->K + 2 * (size_t)Q + (size_t)Q * a->K
-           + (size_t)a->K / 4 + 1 + big + 64;
+           + (size_t)a->K / 4 + 1 + wide + big + 64;
 }
 
 /* The (at most) K positions of [S, hi) with the largest weights agg[l], into cidx (unordered);
@@ -1364,6 +1365,35 @@ static int64_t select_top(const DecodeArgs *a, const float *agg, int64_t hi, int
     return chosen;
 }
 
+/* The host store's elements of row r, head h, position pos (DecodeArgs.store_dtype: 4 or 2 bytes each). */
+static const void *store_row(const DecodeArgs *a, const void *base, int64_t r, int64_t h, int64_t pos) {
+    const int64_t at = r * a->st_sb + h * a->st_sh + pos * a->D;
+    return (const char *)base + at * (a->store_dtype == STORE_F32 ? 4 : 2);
+}
+
+/* dst[0, D) = a store row of `dt` elements (STORE_F32 / STORE_BF16), widened to floats. */
+static void widen_row(float *restrict dst, const void *restrict src, int64_t dt, int64_t D) {
+    if (dt == STORE_F32) {
+        memcpy(dst, src, (size_t)D * sizeof(float));
+        return;
+    }
+    const uint16_t *s = src;
+    int64_t d = 0;
+    for (; d + VW <= D; d += VW) vf_store(dst + d, vf_from_bf16(s + d));
+    for (; d < D; d++) dst[d] = bf16_to_float(s[d]);
+}
+
+/* wide[j * D + .] = the store rows at positions cidx[j], j < m, widened (a bf16 store read in place by
+ * prefetch "current": the chosen rows then feed the fp32 kernels as a contiguous block; iota[j] = j). */
+static void widen_rows(const DecodeArgs *a, const void *base, int64_t r, int64_t h, const int32_t *cidx, int64_t m,
+                       float *wide, int32_t *iota) {
+    for (int64_t j = 0; j < m; j++) {
+        if (j + 4 < m) __builtin_prefetch(store_row(a, base, r, h, cidx[j + 4]));
+        widen_row(wide + j * a->D, store_row(a, base, r, h, cidx[j]), a->store_dtype, a->D);
+        iota[j] = (int32_t)j;
+    }
+}
+
 /* The K positions of [S, hi) with the largest weights agg[l] (all of them if there are fewer)
  * become the fetched set of (row r, head h): slots of positions that stay selected are kept,
  * the new positions' exact K/V are copied from the host store into the freed slots. */
@@ -1377,7 +1407,6 @@ static void fetch_top(const DecodeArgs *a, int64_t r, int64_t h, const float *ag
     /* Consecutive steps select mostly the same positions: keep the slots of positions that
      * stay selected and copy only the new ones from the host store (scattered rows, bound
      * by memory latency), into the slots that were freed. */
-    const float *stk = a->store_k + r * a->st_sb + h * a->st_sh, *stv = a->store_v + r * a->st_sb + h * a->st_sh;
     int32_t *slot_of = (int32_t *)spill_u; /* [Lmax] position -> old slot (the spill is free now) */
     memset(slot_of, 0xFF, (size_t)Lmax * sizeof(int32_t));
     for (int64_t j = 0; j < a->K; j++)
@@ -1394,19 +1423,18 @@ static void fetch_top(const DecodeArgs *a, int64_t r, int64_t h, const float *ag
         if (keep[j]) continue;
         if (next < nnew) {
             const int32_t pos = cidx[next++];
-            if (next + 3 < nnew) /* ask for a row a few ahead */
-                for (int64_t d = 0; d < D; d += 16) {
-                    __builtin_prefetch(stk + (int64_t)cidx[next + 3] * D + d);
-                    __builtin_prefetch(stv + (int64_t)cidx[next + 3] * D + d);
+            if (next + 3 < nnew) { /* ask for a row a few ahead */
+                const char *pk = store_row(a, a->store_k, r, h, cidx[next + 3]);
+                const char *pv = store_row(a, a->store_v, r, h, cidx[next + 3]);
+                for (int64_t d = 0; d < D * (a->store_dtype == STORE_F32 ? 4 : 2); d += 64) {
+                    __builtin_prefetch(pk + d);
+                    __builtin_prefetch(pv + d);
                 }
+            }
             fidx[j] = pos;
             fvalid[j] = 1;
-            const float *ks_ = stk + (int64_t)pos * D, *vs_ = stv + (int64_t)pos * D;
-            float *kd = fk + j * D, *vd = fv + j * D;
-            for (int64_t d = 0; d < D; d++) {
-                kd[d] = ks_[d];
-                vd[d] = vs_[d];
-            }
+            widen_row(fk + j * D, store_row(a, a->store_k, r, h, pos), a->store_dtype, D); /* (a 16-bit store */
+            widen_row(fv + j * D, store_row(a, a->store_v, r, h, pos), a->store_dtype, D); /* widened here) */
         } else {
             fidx[j] = 0;
             fvalid[j] = 0;
@@ -1460,7 +1488,9 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
     float *mx = fw + a->K, *zs = mx + Q;        /* [Q] each query's row maximum and sum of exponentials */
     float *exq = zs + Q;                        /* [Q][K] exact scores, then weights, of the chosen rows */
     uint8_t *keep = (uint8_t *)(exq + Q * a->K); /* [K] fetched slots that stay selected */
-    float *work = (float *)keep + a->K / 4 + 1; /* kernels' scratch, 64-byte aligned below */
+    float *wide = (float *)keep + a->K / 4 + 1; /* [K][D] a 16-bit store's chosen rows, widened (direct) */
+    int32_t *iota = (int32_t *)(wide + (a->store_dtype == STORE_F32 ? 0 : a->K * D)); /* [K] 0, 1, ... */
+    float *work = (float *)(iota + (a->store_dtype == STORE_F32 ? 0 : a->K)); /* kernels' scratch, aligned below */
     work = (float *)(((uintptr_t)work + ALIGN - 1) / ALIGN * ALIGN);
     const float *q_in = a->q + b * a->q_sb + h * a->q_sh;
     for (int64_t i = 0; i < Q * D; i++) q[i] = q_in[i] * a->scaling;
@@ -1534,7 +1564,12 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
                 fidx[j] = j < chosen ? cidx[j] : 0;
                 fvalid[j] = j < chosen;
             }
-        dots_gather(q, Q, a->store_k + r * a->st_sb + h * a->st_sh, cidx, chosen, D, exq, a->K);
+        if (a->store_dtype == STORE_F32) {
+            dots_gather(q, Q, store_row(a, a->store_k, r, h, 0), cidx, chosen, D, exq, a->K);
+        } else {
+            widen_rows(a, a->store_k, r, h, cidx, chosen, wide, iota);
+            dots_gather(q, Q, wide, iota, chosen, D, exq, a->K);
+        }
         for (int64_t i = 0; i < Q; i++) {
             float *row = scores + i * Lmax, *ex = exq + i * a->K;
             if (cap) softcap_row(ex, chosen, a->softcap);
@@ -1596,7 +1631,12 @@ static void decode_item(const DecodeArgs *a, int64_t b, int64_t h, float *scratc
                 if (fpos[j] >= 0) row[fpos[j]] = 0.0f;
         }
     }
-    if (direct) add_weighted_gather(out, Q, a->store_v + r * a->st_sb + h * a->st_sh, cidx, exq, a->K, chosen, D);
+    if (direct && a->store_dtype == STORE_F32) {
+        add_weighted_gather(out, Q, store_row(a, a->store_v, r, h, 0), cidx, exq, a->K, chosen, D);
+    } else if (direct) {
+        widen_rows(a, a->store_v, r, h, cidx, chosen, wide, iota);
+        add_weighted_gather(out, Q, wide, iota, exq, a->K, chosen, D);
+    }
     if (n > 0) {
         const int64_t ng = D / a->gv;
         float *acc = work, *zacc = acc + (size_t)D * LANES, *vscr = zacc + (size_t)ng * LANES;
@@ -1639,7 +1679,8 @@ static void decode_run_item(const void *ctx, int64_t it, float *scratch) {
 EXPORT int specache_decode_attention(const DecodeArgs *a) {
     if (a->B <= 0 || a->H <= 0) return 0;
     if (a->D % 8 || a->D > 64 * MAX_WORDS || a->g % 8 || a->gv <= 0 || a->D % a->gv || (a->bits != 1 && a->bits != 2)
-        || a->T < 1 || a->G < 1 || a->O < 0 || a->O > 16 || (a->O > 0 && !(a->oidx && a->oc && a->os && a->oz)))
+        || a->T < 1 || a->G < 1 || a->O < 0 || a->O > 16 || (a->O > 0 && !(a->oidx && a->oc && a->os && a->oz))
+        || a->store_dtype < STORE_F32 || a->store_dtype > STORE_BF16)
         return -1;
     int64_t Lmax = 1;
     for (int64_t b = 0; b < a->B; b++) {

@@ -131,6 +131,28 @@ SIMD_INLINE float half_to_float(uint16_t h) {
 #endif
 }
 
+/* A bf16 value (its bits) as a float: the float's high half, so a 16-bit shift (exact, every target). */
+SIMD_INLINE float bf16_to_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* VW consecutive bf16 values at p as floats (the widening of a bf16 exact store's rows): a shift into the
+ * high half of each lane, exact, so every target gives the same floats. */
+SIMD_INLINE vf vf_from_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif defined(__AVX2__) && defined(__FMA__)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+#else
+    return (vf){bf16_to_float(p[0]), bf16_to_float(p[1]), bf16_to_float(p[2]), bf16_to_float(p[3])};
+#endif
+}
+
 SIMD_INLINE int vf_fused_fma(void) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || (defined(__aarch64__) && defined(__ARM_NEON)) || defined(__FP_FAST_FMAF)
     return 1;

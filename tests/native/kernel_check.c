@@ -55,6 +55,7 @@ int specache_prefill_attention_available(void);
 int specache_prefill_attention(const void *a);
 
 #include "../../engine/native/decode_args.h" /* the kernels' own DecodeArgs */
+#include "../../engine/native/simd.h"        /* this target's widening of bf16 store rows */
 int specache_decode_attention(const DecodeArgs *a);
 
 /* ---------------------------------------------------------------- results */
@@ -576,8 +577,8 @@ static void check_fetched_rows(const char *what, const DecodeArgs *a, const Deco
                 if (!r->fvalid[o]) continue;
                 const int64_t p = r->fidx[o], f = rr * a->fk_sb + h * a->fk_sh + j * a->D;
                 const int64_t src = rr * a->st_sb + h * a->st_sh + p * a->D;
-                if (p < 0 || memcmp(r->fk + f, a->store_k + src, (size_t)a->D * 4)
-                    || memcmp(r->fv + f, a->store_v + src, (size_t)a->D * 4))
+                if (p < 0 || memcmp(r->fk + f, (const float *)a->store_k + src, (size_t)a->D * 4)
+                    || memcmp(r->fv + f, (const float *)a->store_v + src, (size_t)a->D * 4))
                     bad_row = rr, bad_head = h, bad_slot = j;
             }
     check(bad_row < 0, "%s, threads %lld: every valid fetched slot holds the store's exact K/V row%s", what,
@@ -756,6 +757,28 @@ static void check_file(const char *path) {
     free_blobs();
 }
 
+/* A bf16 exact store's rows widened by this target's vector code (simd.h vf_from_bf16, what the fused decode
+ * reads a bf16 store with) equal the scalar rule: the bf16 bits are the float's high half. */
+static void check_widening(void) {
+    uint16_t b[64];
+    float fb[64];
+    int bad = 0;
+    for (int i = 0; i < 64; i++) {
+        const float x = (i - 31.5f) * 0.37f + (float)(i % 7) * 1e-3f;
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        b[i] = (uint16_t)(u >> 16);
+    }
+    for (int d = 0; d + VW <= 64; d += VW) vf_store(fb + d, vf_from_bf16(b + d));
+    for (int i = 0; i < 64; i++) {
+        const uint32_t u = (uint32_t)b[i] << 16;
+        float want;
+        memcpy(&want, &u, 4);
+        bad += fb[i] != want;
+    }
+    check(bad == 0, "bf16 store rows widen exactly (%s vectors; %d wrong)", SIMD_ISA, bad);
+}
+
 int main(int argc, char **argv) {
     const char *isa = NULL;
     int prefill = -1, abi = -1, files = 0;
@@ -789,6 +812,7 @@ int main(int argc, char **argv) {
     team = omp_get_num_threads();
 #endif
     check(specache_guide_openmp() && team == 2, "OpenMP: the kernels are built with it and 2 threads run (%d)", team);
+    check_widening();
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--isa") || !strcmp(argv[i], "--prefill") || !strcmp(argv[i], "--abi")) {
             i++;

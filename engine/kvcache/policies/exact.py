@@ -42,7 +42,7 @@ from engine.config import CacheConfig
 from engine.kvcache.base import ModelShape, Step, write_rows
 from engine.kvcache.policies.full import exact_attention
 from engine.kvcache.registry import register
-from engine.kvcache.sizes import PlanTerms, Sizing, verify_buffer_bytes
+from engine.kvcache.sizes import PlanTerms, Sizing, store_at_compute_dtype, verify_buffer_bytes
 from engine.kvcache.policies.specache import SpecacheLayer
 from engine.kvcache.transfer import Transfer
 
@@ -74,10 +74,15 @@ class ExactLayer(SpecacheLayer):
     store_on_update = True  # a verification reads every committed position from the store
 
     @classmethod
+    def exact_store_dtype(cls, config: CacheConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype, whatever the setting: the verification attends with the store, as full does."""
+        return dtype
+
+    @classmethod
     def plan_sizing(cls, terms: PlanTerms) -> Sizing:
-        """specache's sizing (its drafts), plus on a GPU with its own memory the buffers one
-        verification streams every layer's exact K/V through."""
-        s = super().plan_sizing(terms)
+        """specache's sizing (its drafts) with the store in the compute dtype, plus on a GPU with its own
+        memory the buffers one verification streams every layer's exact K/V through."""
+        s = super().plan_sizing(store_at_compute_dtype(terms))
         if terms.streams and terms.layers.layers:
             return s.adding({"verify_buffers": verify_buffer_bytes(terms.model, terms.context, terms.element_bytes)})
         return s

@@ -49,10 +49,10 @@ class SpecacheLayer(GuidedLayer):
         parts = {"fetch_buffers": fetch_buffer_bytes(t.layers, c.k, t.element_bytes,
                                                      PAPER_FETCH_BUFFERS if t.paper else FETCH_BUFFERS)}
         if t.unified:
-            parts["host_store"] = t.context * t.kv_bytes
+            parts["host_store"] = t.context * t.store_kv_bytes
         s = super().plan_sizing(t)
-        return s.adding(parts, queries=queries, read_per_sequence=s.read_per_sequence + c.k * t.kv_bytes,
-                        host_per_sequence=t.context * t.kv_bytes,
+        return s.adding(parts, queries=queries, read_per_sequence=s.read_per_sequence + c.k * t.store_kv_bytes,
+                        host_per_sequence=t.context * t.store_kv_bytes,
                         decode_working_set=decode_working_set_bytes(t.model, t.context, queries, t.element_bytes,
                                                                     guided=True))
 
@@ -77,7 +77,7 @@ class SpecacheLayer(GuidedLayer):
         b, h, g, t = qg.shape[0], self.shape.kv_heads, self.shape.group, step.n_new
         rows = step.rows
         self.store.transfer.host_ready()
-        k_exact = self.store.k[rows, :, :nq].to(qg.device)  # [b, H_kv, nq, D]
+        k_exact = self.store.k[rows, :, :nq].to(qg.device, qg.dtype)  # [b, H_kv, nq, D] (a 16-bit store widened)
         q0 = qg.view(b, h, g, t, -1)[:, :, :, 0]  # the output token's queries [b, H_kv, G, D]
         exact = (q0 @ k_exact.transpose(-1, -2)).float() * scaling  # [b, H_kv, G, nq]
         res0 = rscores.view(b, h, g, t, -1)[:, :, :, 0]
