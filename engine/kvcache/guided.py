@@ -8,7 +8,7 @@ elements (16-bit on a CPU: rows widened as they are read). Where it is the devic
 dtype (a CPU's fp32 store, exact mode) the residual window is its own positions [qend, ...) (`res_in_store`:
 nothing copied or shifted); elsewhere it is a buffer of residual + group + chunk slots per row.
 
-Attention of the new tokens (design page, Decoding):
+Attention of the new tokens (docs/algorithm.md, "Decode: the guided attention"):
   scores over [0, qend): guide scores, replaced by exact scores at sink and fetched positions;
   scores over [qend, len + T): exact, causal.  One softmax over both.
   output = guide values weighted by the guide-only probabilities + exact values elsewhere.
