@@ -196,6 +196,8 @@ def print_timings(result: Result) -> None:
                      f"per verification")
         if c.get("backend"):
             line += f" · kernels {c['backend']['name']}"
+        if c.get("fused_decode"):  # a policy's own hook: its layers decode by the torch reference
+            line += f" (fused decode: {c['fused_decode']})"
     err_console.print(line + "[/]", highlight=False, soft_wrap=True)
 
 

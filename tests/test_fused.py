@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.backends.native_fused
 import engine.kvcache.fused
 import engine.kvcache.guided
 from engine import native
@@ -65,13 +66,13 @@ def test_skinny_linear_equals_linear_with_and_without_native(monkeypatch):
 def counting_fused(monkeypatch) -> list[int]:
     """Count the fused native calls (to show the test exercised them)."""
     calls = [0]
-    original = engine.kvcache.fused.FusedDecode.__call__
+    original = engine.backends.native_fused.FusedDecode.__call__
 
     def wrapped(self, *args):
         calls[0] += 1
         return original(self, *args)
 
-    monkeypatch.setattr(engine.kvcache.fused.FusedDecode, "__call__", wrapped)
+    monkeypatch.setattr(engine.backends.native_fused.FusedDecode, "__call__", wrapped)
     return calls
 
 
@@ -155,13 +156,13 @@ def test_fused_decode_of_softcapped_layers_equals_torch_path(monkeypatch, config
     prompt = torch.randint(3, VOCAB - 3, (300,), generator=g).tolist()
     forced = torch.randint(3, VOCAB - 3, (40,), generator=g).tolist()
     caps = []
-    original = engine.kvcache.fused.FusedDecode.__call__
+    original = engine.backends.native_fused.FusedDecode.__call__
 
     def wrapped(self, qg, scaling, step, softcap=None):
         caps.append(softcap)
         return original(self, qg, scaling, step, softcap)
 
-    monkeypatch.setattr(engine.kvcache.fused.FusedDecode, "__call__", wrapped)
+    monkeypatch.setattr(engine.backends.native_fused.FusedDecode, "__call__", wrapped)
     fused, fused_guides = forced_and_guides(Engine(model, config), prompt, forced)
     assert caps and set(caps) == {4.0}, "the softcapped layers did not take the native call"
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
@@ -171,7 +172,7 @@ def test_fused_decode_of_softcapped_layers_equals_torch_path(monkeypatch, config
     torch.testing.assert_close(fused[:same], plain[:same], rtol=1e-4, atol=1e-4)
     # and the cap matters: the same native call without it gives other logits
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", engine.kvcache.fused.fused_applies)
-    monkeypatch.setattr(engine.kvcache.fused.FusedDecode, "__call__",
+    monkeypatch.setattr(engine.backends.native_fused.FusedDecode, "__call__",
                         lambda self, qg, scaling, step, softcap=None: original(self, qg, scaling, step, None))
     uncapped, _ = forced_and_guides(Engine(model, config), prompt, forced)
     assert (uncapped[:same] - plain[:same]).abs().max() > 1e-3  # ten times the tolerance above
@@ -262,10 +263,12 @@ def test_a_policy_that_overrides_a_hook_of_the_pass_runs_the_torch_code(tiny_mod
     prompt = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(4)).tolist()
     for cls in (Unchanged, OwnChoice):  # the run's policy class, passed as the run passes it
         built = []
-        monkeypatch.setattr(engine.kvcache.guided, "FusedDecode", lambda layer: built.append(layer) or
-                            engine.kvcache.fused.FusedDecode(layer))
+        monkeypatch.setattr(engine.kvcache.guided, "fused_decode", lambda layer: built.append(layer) or
+                            engine.backends.native_fused.FusedDecode(layer))
         run = next(e for e in Engine(tiny_model, config, cls=cls).generate([prompt], GenerationConfig(max_tokens=4))
                    if isinstance(e, Finished))
         assert len(run.tokens[0]) == 4
         assert (len(built) > 0) == (cls is Unchanged)
+        said = run.cache_stats.get("fused_decode")  # the run says why the torch code ran
+        assert (said is None) if cls is Unchanged else said == "torch: OwnChoice overrides select_current"
     assert calls  # the override ran, on every decode pass of every layer

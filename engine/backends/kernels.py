@@ -18,6 +18,7 @@ every hook declines. The hooks:
   bind_packed(data, fmt, shape)              a packed weight's bound exact call            engine.model.held_weights
   unpack_rows(data, fmt, n0, n1, k, dtype)   a held block weight's rows rebuilt            engine.model.block_formats
   pack_weight(weight, record_bytes)          an fp32 weight repacked as exact blocks       engine.model.held_weights
+  fused_decode(layer)                        a guided layer's decode pass as one call      engine.kvcache.fused
 
 A backend is one module of this package whose Kernels subclass is registered (`@register`) with its
 `name`, the device types it serves (`devices`) and its `rank` among them; `backends()` is the table they make
@@ -34,7 +35,7 @@ from typing import ClassVar
 import torch
 
 HOOKS = ("guide_scores", "guide_values", "sliding_attention", "prefill_attention", "rms_norm", "norm_rope", "linear",
-         "bind_linear", "bind_packed", "unpack_rows", "pack_weight")
+         "bind_linear", "bind_packed", "unpack_rows", "pack_weight", "fused_decode")
 PACKAGE = "engine.backends"
 REGISTERED: dict[str, type] = {}  # name -> the registered Kernels subclass
 _CHOSEN: dict[str, "Kernels"] = {}
@@ -83,6 +84,9 @@ class Kernels:
         return None
 
     def pack_weight(self, weight, record_bytes):
+        return None
+
+    def fused_decode(self, layer):
         return None
 
     def implements(self) -> dict[str, str]:

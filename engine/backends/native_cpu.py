@@ -9,6 +9,7 @@ import torch
 
 from engine import native
 from engine.backends.kernels import Kernels, register
+from engine.backends.native_fused import FusedDecode
 
 BLOCK = 32
 
@@ -215,6 +216,9 @@ class NativeCPU(Kernels):
         if rc != 0:
             raise RuntimeError(f"specache_unpack: rc {rc}")
         return out
+
+    def fused_decode(self, layer):
+        return FusedDecode(layer) if native.lib() is not None else None
 
     def pack_weight(self, weight, record_bytes):
         lib = native.lib()

@@ -38,7 +38,7 @@ from engine.kvcache.base import (
     split_prefill_attention,
     ungroup_output,
 )
-from engine.kvcache.fused import FusedDecode, fused_applies, reproduces
+from engine.kvcache.fused import fused_applies, fused_decode, reproduces, unfused
 from engine.kvcache.guide import Guide, GuideSpec
 from engine.kvcache.quant import guide_kernel
 from engine.kvcache.sizes import (
@@ -117,7 +117,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
             self.res_v = torch.zeros_like(self.res_k)
         self.fidx = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.long, device=device)  # fetched positions
         self.fvalid = torch.zeros(batch, h, max(self.topk, 1), dtype=torch.bool, device=device)
-        self.fused = None  # engine.kvcache.fused.FusedDecode, built on the first decode pass it applies to
+        self.fused = None  # the backend's fused call (engine.kvcache.fused), built on the first pass it applies to
         self.stored = [0] * batch  # per row: positions [0, stored) are in the host store (flush_to_store)
         self.watch = None  # engine.kvcache.watch.GuideWatch of a fetching policy (make_cache attaches it)
         self.kept_q: torch.Tensor | None = None  # a recorded pass's output-token queries [B, H_kv, G, D]
@@ -294,7 +294,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         qg = grouped_query(q, self.shape.kv_heads)  # [b, H_kv, G*T, D]
         exact_region = self.watch is not None and self.watched(qg, scaling, step, softcap)
         if not step.fixed and not exact_region and fused_applies(self, q):  # one native call: below
-            self.fused = self.fused or FusedDecode(self)
+            self.fused = self.fused or fused_decode(self)
             return ungroup_output(self.fused(qg, scaling, step, softcap).to(q.dtype), self.shape.heads, t)
         out = triton_attend(self, qg, scaling, step, softcap) if not exact_region and triton_applies(self, q) else None
         if out is not None:  # CUDA, where it applies: the fused Triton kernels (engine/kvcache/triton_layer.py)
@@ -390,12 +390,11 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
                 out = out + self.guide.weighted_values(guide_p[..., :nq], rows, nq)
         return out
 
-    # ---- accounting ----------------------------------------------------------------------
     def run_stats(self, layers: list["GuidedLayer"]) -> dict:
         """Settings for --json."""
         return {"bits": self.config.bits, "group": self.group, "k": self.topk, "residual": self.residual,
                 "sinks": self.sinks, "rotation": self.config.guide_rotation if self.use_guide else None,
                 "outliers": self.guide.outlier_count if self.use_guide else None,
-                "guide_kernel": guide_kernel(self.sink_k.device) if self.use_guide else None,
+                "guide_kernel": guide_kernel(self.sink_k.device) if self.use_guide else None, **unfused(type(self)),
                 **({"rotated_layers": sum(x.guide.rotated for x in layers), "guided_layers": len(layers)}
                    if self.use_guide else {})}
