@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engine.kvcache.fused  # noqa: E402
+import engine.backends.native_fused  # noqa: E402
 from engine import native  # noqa: E402
 from engine.config import CacheConfig, GenerationConfig  # noqa: E402
 from engine.generate.engine import Engine  # noqa: E402
@@ -68,7 +68,7 @@ def main() -> None:
     prompts = [torch.randint(3, 512, (args.length,), generator=gen).tolist() for _ in range(args.batch)]
     config = CacheConfig(prefetch=args.prefetch, k=args.k)
     times: list[float] = []
-    call = engine.kvcache.fused.FusedDecode.__call__
+    call = engine.backends.native_fused.FusedDecode.__call__
 
     def timed(self, *a, **kw):
         t0 = time.perf_counter()
@@ -91,7 +91,7 @@ def main() -> None:
         lib = native.lib()
         libs = {"fused native": lib, "torch": None}
     else:
-        engine.kvcache.fused.FusedDecode.__call__ = timed
+        engine.backends.native_fused.FusedDecode.__call__ = timed
     results: dict[str, list[float]] = {name: [] for name in libs}
     for _ in range(args.rounds):
         for name, lib in libs.items():

@@ -58,7 +58,7 @@ from engine import native
 from engine.config import CacheConfig
 from engine.kvcache import make_cache
 from engine.kvcache.base import ModelShape, Step, grouped_query
-from engine.kvcache.fused import FusedDecode
+from engine.backends.native_fused import FusedDecode
 from engine.kvcache.sliding import SlidingWindowLayer
 from engine.kvcache.transfer import Transfer
 from engine.kvcache.quant import guide_scores, guide_weighted_values, quantize_keys, quantize_values
