@@ -28,7 +28,9 @@ paper-full,paper-1bit,paper-2bit and `triton` is triton-torch,triton-fused):
   (fp16) at --context tokens (32k) under --budget-gb (48 GB), each at the planner's batch for its bits
   (one row prefilled, copied to the others), the planner's predicted ms per step beside the measured.
 - triton-torch, triton-fused: 1-bit specache at the paper's setting without the corrected set, through
-  the torch code and through the fused Triton decode (SPECACHE_TRITON_DECODE=1).
+  the torch code and through the fused Triton decode (SPECACHE_TRITON_DECODE=1), both eager.
+  The other stages run the engine's default: decode passes replayed as CUDA graphs (`graph_replay` in
+  each row: `replayed`, or the eager fallback and its error).
 - not by default: paper-graphs, profile, quick, dynamic, variants, exact (scripts/gpu_stages.py).
 
 Each stage runs as `scripts/gpu_stages.py STAGE` in its own process group under a timeout (the
@@ -180,7 +182,7 @@ def results(report: dict) -> list[dict]:
         base = full.get((r.get("context"), r.get("graphs"))) or full.get((r.get("context"), None))
         speedup = round(r["tokens_per_s"] / base, 3) if base else None
         out.append({k: r.get(k) for k in ROW_KEYS} | {"speedup_vs_full": speedup} |
-                   {k: r.get(k) for k in ("stage", "mode", "bits", "decode", "graphs") if r.get(k) is not None})
+                   {k: r.get(k) for k in ("stage", "mode", "bits", "decode", "graphs", "graph_replay") if r.get(k) is not None})
     return out
 
 

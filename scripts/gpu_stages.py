@@ -157,7 +157,7 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
             "tokens_per_s": round(batch * 1000 / step_ms, 2),
             "overlap": overlap_share(stores), "transfer_bytes_per_step": per_step,
             "prefetch_reuse": stats.get("prefetch_reuse"), "guide_kernel": stats.get("guide_kernel"),
-            "fetch_path": stats.get("fetch_path"), "first_ids": torch.stack(first_ids[:4]).tolist(),
+            "fetch_path": stats.get("fetch_path"), "graph_replay": stats.get("graphs"), "first_ids": torch.stack(first_ids[:4]).tolist(),
             "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes(),
             "host_bytes_allocated": cache.transfer.host_bytes_allocated()}
@@ -498,18 +498,21 @@ def paper_run(model, mode: str, bits: int, args) -> dict:
 
 def triton_run(model, fused: bool, args) -> dict:
     """1-bit specache at the paper's setting and the planner's batch, without the corrected set (the
-    fused kernel's contract), through the torch code or the fused Triton decode (SPECACHE_TRITON_DECODE=1)."""
+    fused kernel's contract), through the torch code or the fused Triton decode (SPECACHE_TRITON_DECODE=1),
+    both eager (no graph replay)."""
     from engine.config import CacheConfig
 
     planned = plan_batches(args.context, args.budget_gb, 1, args.chunk)
     config = CacheConfig(mode="specache", bits=1, group=64, k=planned["k"], chunk_size=args.chunk,
                          prefetch="speculative", correct=False)
     os.environ["SPECACHE_TRITON_DECODE"] = "1" if fused else "0"
+    os.environ["SPECACHE_CUDA_GRAPHS"] = "0"  # eager both: the kernels compared, not the replay
     try:
         run = timed_decode(model, "specache", planned["specache"], args.context, args.steps, args.chunk, 1,
                            planned["k"], config=config)
     finally:
         os.environ.pop("SPECACHE_TRITON_DECODE", None)
+        os.environ.pop("SPECACHE_CUDA_GRAPHS", None)
     run |= {"bits": 1, "correct": False, "decode": "triton" if fused else "torch",
             "predicted_ms_per_step": planned["predicted_ms_per_step"]["specache"]}
     return {"planned": planned, "runs": [run]}

@@ -421,3 +421,54 @@ def test_a_speculative_step_reads_only_its_output_tokens_on_the_host(tiny_model,
     assert (made[0].streams.graphs >= 1) == (graphs == "1")
     assert sorted(set(reads.where)) == ["rows.py:_append", "steps.py:_resync"], reads.where
     assert reads.where.count("rows.py:_append") == 3 and reads.where.count("steps.py:_resync") == 3
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_recording_that_fails_falls_back_to_eager_passes_said_once(tiny_model, monkeypatch, kernel_gather, capfd,
+                                                                     when):
+    """The speculative specache with graph replay on, its stand-in's capture raising before it records or after
+    it ran the pass: the run goes on eagerly with the eager tokens, one note on stderr, `graphs` in the
+    cache's stats says so; no second recording is tried."""
+    config = CacheConfig(mode="specache", prefetch="speculative", **SPECACHE)
+    ps = [list(range(5, 5 + n)) for n in (60, 133, 97)]
+    cuda_layout(monkeypatch)
+    eager = generate(tiny_model, ps, config, max_tokens=10)
+    made = standin_caches(monkeypatch)
+    tries = []
+
+    def failing(self, run):
+        tries.append(1)
+        if when == "after":
+            with self.recording():
+                run()
+        raise RuntimeError("operation not permitted when stream is capturing\n(more)")
+
+    monkeypatch.setattr(StandinStreams, "capture", failing)
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    capfd.readouterr()
+    got = generate(tiny_model, ps, config, max_tokens=10)
+    err = capfd.readouterr().err
+    assert got.tokens == eager.tokens and len(tries) == 1
+    assert err.count("decoding eagerly") == 1 and "operation not permitted" in err and "(more)" not in err
+    assert got.cache_stats["graphs"] == {"replayed": False, "fallback": "eager",
+                                         "error": "RuntimeError: operation not permitted when stream is capturing"}
+    assert made[0].streams.graphs == 0
+
+
+def test_graph_replay_is_the_default_on_cuda_only(monkeypatch):
+    """Unset, SPECACHE_CUDA_GRAPHS follows the streams (CUDA's on; the CPU's and the stand-in's off); 0 and 1 rule."""
+    from types import SimpleNamespace
+
+    from engine.backends.streams import CudaStreams
+    from engine.generate.graphs import graphs_wanted
+
+    def cache(streams):
+        return SimpleNamespace(transfer=SimpleNamespace(streams=streams), capturable=True)
+
+    cuda = CudaStreams.__new__(CudaStreams)  # (its attributes only: no device here)
+    monkeypatch.delenv("SPECACHE_CUDA_GRAPHS", raising=False)
+    assert graphs_wanted(cache(cuda)) and not graphs_wanted(cache(StandinStreams())) and not graphs_wanted(cache(SYNC))
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "0")
+    assert not graphs_wanted(cache(cuda))
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    assert graphs_wanted(cache(StandinStreams())) and not graphs_wanted(cache(SYNC))
