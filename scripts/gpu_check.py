@@ -1,576 +1,290 @@
 #!/usr/bin/env python
-"""One-call GPU check for specache: correctness on CUDA, then the paper's throughput setting.
+"""One GPU check of specache that fits one device lease: each stage in a child process under a watchdog.
 
-Run on a machine with one CUDA GPU, from the repository root, in the project's venv:
+How to run it in one lease (15 minutes, start-up included; the machine has no network):
 
-    python scripts/gpu_check.py --out "$OUT"                       # every stage, ~6 min on one H200
-    python scripts/gpu_check.py --out "$OUT" --stages tests,quick  # some of them, in that order
+1. Here, once: carry the wheels the machine lacks in .whl/ (ignored by git; the list and the pip
+   command are in ../shared/design/gpu-device.md, "Recipe").
+2. One call of the device tool, carry [".whl"], timeout_s 600, this command:
 
-Stages (each written to OUT/gpu_check.json as it finishes: a killed run keeps the stages before it):
+       SITE=$(mktemp -d) && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
+         && export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1; python3 -m engine.native; \
+         python3 scripts/gpu_check.py --out "$OUT/gpu"
 
-- profile: torch.profiler over 4 decode steps of full and specache at 4k tokens, batch 2: device
-  events per step, their device ms against the wall ms of a step, the most frequent kernels and aten ops.
-- quick: full (batch 2) and specache (batch 4) at 4k tokens: ms per step, tokens/s and their ratio.
-- graphs: full, specache (speculative: the GPU default) and specache with prefetch current at 4k, batch 2,
-  eager and replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1).
-- dynamic: transformers' own decode with its DynamicCache and SDPA at 4k, batch 2 (the baseline).
-- variants: specache at 4k, batch 4: 1- and 2-bit, speculative with and without the corrected set,
-  prefetch current.
-- paper: a randomly initialised model of Llama-3-8B shape (fp16; weights need not be real for timing) at
-  --context tokens (32k) under a device budget of --budget-gb (48 GB, the paper's RTX A6000): the
-  largest batches the planner allows for full and 1-bit specache (capped by host RAM for the exact
-  store), a real chunked prefill of random tokens at that batch (seconds per row), then timed decode
-  steps: tokens/s of each and their ratio (paper: 4.6x), the share of fetches complete before the
-  attention needed them (paper: 96.8%), the per-step transfer bytes, the pinned host bytes.
-- paper-graphs: the paper stage with the decode passes replayed as CUDA graphs.
-- exact: greedy full and exact on the tests' tiny random GQA model (fp32), rows of different lengths:
-  identical tokens; then exact at 4k, batch 2, with the verification streamed (the store's layers
-  copied double-buffered on the side stream) and with a plain compute-stream copy. A random model's
-  drafts are seldom accepted: its acceptance is reported, not the speed of a real model's exact mode.
-- tests: the CUDA tests (SPECACHE_TEST_DEVICE=cuda: the Triton kernels compiled, the transfer and
-  verification streams, the engine's limit tests) under --tests-timeout, their log in OUT/tests.log.
+   The default stages finish within --budget-s (510 s: printed at the start, stage by stage); the
+   install and the native build take about a minute more. Copy $OUT/gpu into bench-results/gpu/.
+3. A second, shorter call fits in what is left: `--stages paper-1bit,triton-fused --budget-s 200`.
 
-Prints a short table last.
+Stages (the default ones first, in their order; --stages picks any, in the order given; `paper` is
+paper-full,paper-1bit,paper-2bit and `triton` is triton-torch,triton-fused):
+
+- versions: torch, its CUDA, triton, transformers, the GPU, the git commit.
+- tests: the CUDA tests (SPECACHE_TEST_DEVICE=cuda): the fused Triton decode, the guide kernels, the
+  stand-in's engine tests on real streams, transfer, graphs, verification stream, engine; the log in
+  OUT/tests.log, the counts so far even when stopped.
+- graphs: full, specache (speculative, the GPU default) and prefetch current at 4k, batch 2, eager and
+  replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1).
+- paper-full, paper-1bit, paper-2bit: the paper's setting, a random-weight model of Llama-3-8B's shape
+  (fp16) at --context tokens (32k) under --budget-gb (48 GB), each at the planner's batch for its bits
+  (one row prefilled, copied to the others), the planner's predicted ms per step beside the measured.
+- triton-torch, triton-fused: 1-bit specache at the paper's setting without the corrected set, through
+  the torch code and through the fused Triton decode (SPECACHE_TRITON_DECODE=1), both eager.
+  The other stages run the engine's default: decode passes replayed as CUDA graphs (`graph_replay` in
+  each row: `replayed`, or the eager fallback and its error).
+- not by default: paper-graphs, profile, quick, dynamic, variants, exact (scripts/gpu_stages.py).
+
+Each stage runs as `scripts/gpu_stages.py STAGE` in its own process group under a timeout (the
+smaller of its own and what is left of --budget-s): one that hangs is killed and recorded as
+`timeout`, and the next runs. OUT/gpu_check.json is written after every stage: per stage its status,
+seconds and result, and `results`, one row per timed run with context, batch, ms_per_step,
+tokens_per_s, speedup_vs_full (against full at the same context), overlap and predicted_ms_per_step.
+`--dry-run` runs the same runner with stand-in stages that write canned figures (no torch, no GPU):
+the JSON, the budget and the summary in a few seconds.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+STAGES_SCRIPT = ROOT / "scripts" / "gpu_stages.py"
+DEFAULT_BUDGET_S = 510.0  # under 9 minutes: with the install, one device call (600 s at most) in a 15-minute lease
+MIN_STAGE_S = 10.0  # a stage given less than this is skipped, not started
+KILL_GRACE_S = 5.0  # after the timeout's SIGTERM, before SIGKILL
+# each stage's own limit (seconds) and whether it runs by default; the defaults sum to DEFAULT_BUDGET_S or less
+STAGES = {
+    "versions": (20, True),
+    "tests": (120, True),
+    "graphs": (55, True),
+    "paper-full": (50, True),
+    "paper-1bit": (85, True),
+    "paper-2bit": (75, True),
+    "triton-torch": (50, True),
+    "triton-fused": (50, True),
+    "paper-graphs": (90, False),
+    "profile": (60, False),
+    "quick": (60, False),
+    "dynamic": (45, False),
+    "variants": (120, False),
+    "exact": (90, False),
+}
+GROUPS = {"paper": ("paper-full", "paper-1bit", "paper-2bit"), "triton": ("triton-torch", "triton-fused")}
+ROW_KEYS = ("context", "batch", "ms_per_step", "tokens_per_s", "speedup_vs_full", "overlap", "predicted_ms_per_step")
 
 
-def limit_tests(out: Path, timeout: float) -> dict:
-    """The engine's tests that run on CUDA (SPECACHE_TEST_DEVICE=cuda), their output written to
-    out/tests.log as they run; stopped after `timeout` seconds. -> pytest's last line and exit code."""
-    env = dict(os.environ, SPECACHE_TEST_DEVICE="cuda")
-    t = time.perf_counter()
-    log = out / "tests.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
-                                 "tests/test_guide_triton.py", "tests/test_transfer.py", "tests/test_graphs.py",
-                                 "tests/test_verify_stream.py", "tests/test_engine.py"],
-                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+@dataclass(frozen=True)
+class Stage:
+    """A stage as the runner starts it: its name, its command line, its own time limit (seconds)."""
+
+    name: str
+    argv: list[str]
+    timeout: float
+
+
+def chosen(spec: str) -> list[str]:
+    """The stage names of --stages (groups expanded, order kept, repeats dropped); an unknown name is an error."""
+    names: list[str] = []
+    for name in (x.strip() for x in spec.split(",") if x.strip()):
+        for one in GROUPS.get(name, (name,)):
+            if one not in STAGES:
+                raise SystemExit(f"gpu_check: unknown stage {one!r}; stages: {', '.join([*STAGES, *GROUPS])}")
+            if one not in names:
+                names.append(one)
+    return names
+
+
+def default_stages() -> str:
+    return ",".join(name for name, (_, default) in STAGES.items() if default)
+
+
+def budget_lines(stages: list[Stage], budget_s: float) -> list[str]:
+    """The budget as printed at the start: each stage's limit, their sum against the run's budget."""
+    lines = [f"  {s.name:<14}{s.timeout:>6.0f} s" for s in stages]
+    total = sum(s.timeout for s in stages)
+    verdict = "fits" if total <= budget_s else "exceeds it: the last stages get what is left or are skipped"
+    return [f"gpu_check budget {budget_s:.0f} s, {len(stages)} stages:", *lines,
+            f"  {'sum':<14}{total:>6.0f} s ({verdict})"]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """End a stage's process group (the stage and what it started): SIGTERM, then SIGKILL after a grace."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
         try:
-            code = proc.wait(timeout=timeout)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
         except subprocess.TimeoutExpired:
-            proc.kill()
-            code = "timeout"
-    lines = [x for x in log.read_text().splitlines() if x.strip()]
-    return {"exit_code": code, "summary": lines[-1] if lines else "", "seconds": round(time.perf_counter() - t, 1),
-            "failed": [x for x in lines if x.startswith("FAILED")]}
+            continue
 
 
-def llama3_8b_shape(context: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=max(context + 1024, 8192), rope_theta=500000.0,
-                       bos_token_id=1, eos_token_id=2)
-
-
-def random_model(config, device):
-    """Random fp16 weights (std 0.02, norms 1) without materialising them on the CPU."""
-    from transformers import LlamaForCausalLM
-
-    from engine.model.loading import prepare_model
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
-    model.half()
-    with torch.device(device):  # the rotary buffers were not initialised by to_empty; keep them fp32
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    return prepare_model(model)
-
-
-def prefill_random(engine, cache, batch: int, context: int) -> tuple[list[torch.Tensor], float]:
-    """Prefill rows 0..batch-1 of `cache` with `context` random tokens each (seed 0). -> (each row's
-    last logits [V], the seconds it took, the device synchronized)."""
-    from engine.generate.steps import sync
-
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    t0 = time.perf_counter()
-    last = []
-    for row in range(batch):
-        ids = torch.randint(10, engine.model.config.vocab_size, (context,), generator=gen).tolist()
-        *_, logits = engine.prefill(cache, ids, row)
-        last.append(logits)
-    sync(engine.device)
-    return last, time.perf_counter() - t0
-
-
-def decode_setup(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int,
-                 config=None):
-    """A cache of `batch` rows prefilled with `context` random tokens, its step loop past the warm-up
-    (T1, pre-decoding, one steady step). -> (cache, step iterator, prefill seconds)."""
-    from engine.config import CacheConfig
-    from engine.generate.engine import Engine
-    from engine.generate.steps import greedy
-
-    config = config or CacheConfig(mode=mode, bits=bits, group=64, k=k, chunk_size=chunk)
-    engine = Engine(model, config)
-    cache = engine.new_cache(batch, context + steps + 8)
-    last, prefill_s = prefill_random(engine, cache, batch, context)
-    steps_it = engine.steps(cache, torch.stack(last), greedy)
-    for _ in range(3):
-        next(steps_it)
-    torch.cuda.synchronize()
-    return cache, steps_it, prefill_s
-
-
-def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int,
-                 config=None) -> dict:
-    """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps (config: a CacheConfig
-    instead of the one mode, bits, k and chunk make)."""
-    from engine.kvcache.transfer import overlap_share
-
-    cache, steps_it, prefill_s = decode_setup(model, mode, batch, context, steps, chunk, bits, k, config)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    wall = time.perf_counter()
-    start.record()
-    first_ids = []
-    for _ in range(steps):
-        ids, _ = next(steps_it)
-        first_ids.append(ids)
-    end.record()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - wall
-    step_ms = start.elapsed_time(end) / steps
-    steps_it.close()
-    stats = cache.stats()
-    cache.close()
-    stores = [layer.store for layer in cache.layers if getattr(layer, "store", None) is not None]
-    per_step = 0
-    if mode == "specache":
-        shape = cache.shape
-        per_step = batch * shape.layers * shape.kv_heads * k * shape.head_dim * 2 * 2  # K and V, fp16
-    return {"mode": mode, "batch": batch, "context": context, "prefill_seconds": round(prefill_s, 2),
-            "prefill_seconds_per_row": round(prefill_s / batch, 2),
-            "step_ms": round(step_ms, 2), "wall_step_ms": round(1000 * wall / steps, 2),
-            "tokens_per_second": round(batch * 1000 / step_ms, 2),
-            "overlap_share": overlap_share(stores), "transfer_bytes_per_step": per_step,
-            "prefetch_reuse": stats.get("prefetch_reuse"), "guide_kernel": stats.get("guide_kernel"),
-            "fetch_path": stats.get("fetch_path"), "first_ids": torch.stack(first_ids[:4]).tolist(),
-            "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes(),
-            "host_bytes_allocated": cache.transfer.host_bytes_allocated()}
-
-
-def dynamic_cache_decode(model, batch: int, context: int, steps: int, chunk: int) -> dict:
-    """transformers' own decode with its DynamicCache and SDPA attention (the baseline the full cache is
-    measured against): a chunked prefill of `batch` rows of random tokens, then `steps` timed greedy steps."""
-    from transformers import DynamicCache
-
-    impl = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        ids = torch.randint(10, model.config.vocab_size, (batch, context), generator=gen).cuda()
-        cache = DynamicCache()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for s in range(0, context, chunk):
-                out = model(input_ids=ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            torch.cuda.synchronize()
-            prefill_s = time.perf_counter() - t0
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            for _ in range(2):  # warm-up
-                nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            end.record()
-            torch.cuda.synchronize()
-        step_ms = start.elapsed_time(end) / steps
-    finally:
-        model.set_attn_implementation(impl)
-    return {"mode": "transformers-dynamic", "batch": batch, "context": context, "prefill_seconds": round(prefill_s, 2),
-            "prefill_seconds_per_row": round(prefill_s / batch, 2), "step_ms": round(step_ms, 2),
-            "wall_step_ms": round(step_ms, 2), "tokens_per_second": round(batch * 1000 / step_ms, 2),
-            "overlap_share": None}
-
-
-def variants(model, context: int, batch: int, steps: int, chunk: int, k: int) -> list[dict]:
-    """specache's guide widths and prefetch variants at one batch: 1- and 2-bit, speculative with and
-    without the corrected set, and prefetch current."""
-    from engine.config import CacheConfig
-
-    runs = []
-    for bits, prefetch, correct in ((1, "speculative", True), (1, "speculative", False), (2, "speculative", True),
-                                    (2, "current", True)):
-        config = CacheConfig(mode="specache", bits=bits, group=64, k=k, chunk_size=chunk, prefetch=prefetch,
-                             correct=correct)
+def run_one(stage: Stage, limit: float, out: Path) -> dict:
+    """Run one stage's process under `limit` seconds, its output in OUT/logs/NAME.log.
+    -> its record: status (ok, failed, timeout), exit code, seconds, the log's path and last lines."""
+    log = out / "logs" / f"{stage.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(stage.argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            run = timed_decode(model, "specache", batch, context, steps, chunk, bits, k, config=config)
-        except torch.cuda.OutOfMemoryError as exc:
-            run = {"mode": "specache", "batch": batch, "error": f"out of memory: {str(exc)[:200]}"}
-        runs.append({"bits": bits, "prefetch": prefetch, "correct": correct} | run)
-        torch.cuda.empty_cache()
-        print(runs[-1], file=sys.stderr, flush=True)
-    return runs
+            code = proc.wait(timeout=limit)
+            status = "ok" if code == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            code, status = proc.poll(), "timeout"
+    tail = log.read_text(errors="replace").splitlines()[-8:]
+    return {"status": status, "exit_code": code, "seconds": round(time.monotonic() - t, 1), "limit_s": round(limit, 1),
+            "log": str(log.relative_to(out)), "log_tail": tail if status != "ok" else []}
 
 
-def graphed(model, context: int, batch: int, steps: int, chunk: int, k: int, bits: int) -> dict:
-    """Each mode's decode eagerly and replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1), side by side: the
-    full cache, specache with its GPU default (the speculative prefetch: two-token passes, the corrected
-    set at fixed size, the prefetch on the side stream joined at the end of each pass) and with prefetch
-    current; ms per step of each, and the ids of the first steps equal."""
-    from engine.config import CacheConfig
+def stage_result(out: Path, name: str):
+    """What the stage wrote to OUT/stages/NAME.json (a killed stage may have left a partial one), or None."""
+    path = out / "stages" / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
-    out = {}
-    for name, mode, config in (("full", "full", None), ("specache", "specache", None),
-                               ("specache-current", "specache",
-                                CacheConfig(mode="specache", bits=bits, group=64, k=k, chunk_size=chunk,
-                                            prefetch="current"))):
-        runs = {}
-        for graphs in ("0", "1"):
-            os.environ["SPECACHE_CUDA_GRAPHS"] = graphs
-            try:
-                runs["graphs" if graphs == "1" else "eager"] = timed_decode(model, mode, batch, context, steps, chunk,
-                                                                            bits, k, config=config)
-            except Exception as exc:  # noqa: BLE001  (one mode's failure must not lose the others)
-                runs["graphs" if graphs == "1" else "eager"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            finally:
-                os.environ.pop("SPECACHE_CUDA_GRAPHS", None)
-            torch.cuda.empty_cache()
-        eager, graph = runs["eager"], runs["graphs"]
-        if "step_ms" in eager and "step_ms" in graph:
-            runs |= {"speedup": round(eager["step_ms"] / graph["step_ms"], 2),
-                     "same_ids": eager["first_ids"] == graph["first_ids"]}
-        out[name] = runs
-        print(name, runs, file=sys.stderr, flush=True)
+
+def timed_runs(report: dict) -> list[dict]:
+    """Every timed run in the stages' results (a dict with ms_per_step), tagged with its stage."""
+    rows = []
+    for name in report["stages"]:
+        result = report.get("results_by_stage", {}).get(name)
+        runs = result.get("runs", []) if isinstance(result, dict) else []
+        if isinstance(result, dict) and not runs:  # graphs: {mode: {eager: run, graphs: run}}
+            runs = [r | {"graphs": kind} for v in result.values() if isinstance(v, dict)
+                    for kind, r in v.items() if isinstance(r, dict) and "ms_per_step" in r]
+        rows += [{"stage": name} | r for r in runs if isinstance(r, dict) and "ms_per_step" in r]
+    return rows
+
+
+def results(report: dict) -> list[dict]:
+    """One row per timed run (ROW_KEYS first), speedup_vs_full against the full cache's tokens/s at the
+    same context (the first such run; graph replay against full replayed the same way where measured)."""
+    rows = timed_runs(report)
+    full = {}
+    for r in rows:
+        if r.get("mode") == "full":
+            full.setdefault((r.get("context"), r.get("graphs")), r["tokens_per_s"])
+            full.setdefault((r.get("context"), None), r["tokens_per_s"])
+    out = []
+    for r in rows:
+        base = full.get((r.get("context"), r.get("graphs"))) or full.get((r.get("context"), None))
+        speedup = round(r["tokens_per_s"] / base, 3) if base else None
+        out.append({k: r.get(k) for k in ROW_KEYS} | {"speedup_vs_full": speedup} |
+                   {k: r.get(k) for k in ("stage", "mode", "bits", "decode", "graphs", "graph_replay") if r.get(k) is not None})
     return out
 
 
-def profiled_decode(model, mode: str, batch: int, context: int, steps: int, chunk: int, bits: int, k: int) -> dict:
-    """torch.profiler over `steps` decode steps: device events (kernels, copies, fills) per step, their
-    summed device time against the wall time of a step, and the most frequent kernels."""
-    from collections import Counter
-
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cache, steps_it, _ = decode_setup(model, mode, batch, context, steps, chunk, bits, k)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = time.perf_counter()
-        for _ in range(steps):
-            next(steps_it)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - wall
-    steps_it.close()
-    cache.close()
-    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_us = sum(e.time_range.elapsed_us() for e in device)
-    names = Counter(e.name[:80] for e in device)
-    cpu_ops = Counter(e.name for e in prof.events() if e.device_type == DeviceType.CPU and e.name.startswith("aten::"))
-    return {"mode": mode, "batch": batch, "context": context, "steps": steps,
-            "device_events_per_step": round(len(device) / steps, 1),
-            "device_ms_per_step": round(busy_us / 1000 / steps, 2), "wall_ms_per_step": round(1000 * wall / steps, 2),
-            "device_busy_share": round(busy_us / 1e6 / wall, 3),
-            "top_device_events": [[n, round(c / steps, 1)] for n, c in names.most_common(12)],
-            "top_aten_ops_per_step": [[n, round(c / steps, 1)] for n, c in cpu_ops.most_common(15)],
-            "local_scalar_dense_per_step": round(cpu_ops.get("aten::_local_scalar_dense", 0) / steps, 1)}
-
-
-def exact_equals_full(device: torch.device, lengths: tuple[int, ...] = (300, 517, 1000), new: int = 48) -> dict:
-    """Greedy full and exact (gamma 4, a small fetched set: the draft is often wrong) on the tests' tiny
-    random GQA model (fp32) for rows of these prompt lengths: identical tokens, and where not, each
-    row's first differing position."""
-    from engine.config import CacheConfig, GenerationConfig
-    from engine.generate.engine import Engine, Finished
-    from tests.conftest import make_tiny_model
-
-    model = make_tiny_model().to(device)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    out = {}
-    for mode, extra in (("full", {}), ("exact", {"gamma": 4, "k": 16, "residual": 32, "group": 32})):
-        engine = Engine(model, CacheConfig(mode=mode, chunk_size=256, **extra))
-        events = engine.generate(prompts, GenerationConfig(max_tokens=new))
-        out[mode] = next(e for e in events if isinstance(e, Finished))
-    full, exact = out["full"].tokens, out["exact"].tokens
-    first = [first_difference(f, e) for f, e in zip(full, exact)]
-    stats = out["exact"].cache_stats
-    return {"identical": full == exact, "first_divergence": first, "lengths": list(lengths), "tokens": new,
-            **{k: stats.get(k) for k in ("acceptance_rate", "tokens_per_verify", "verifies", "verify_copy_bytes",
-                                         "verify_overlap_share")}}
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token lists differ (the shorter one's end counts); None if equal."""
-    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return None if a == b else i
-
-
-def timed_exact(model, batch: int, context: int, cycles: int, chunk: int, bits: int, k: int, gamma: int,
-                planned_per_row: int) -> dict:
-    """Prefill `batch` rows of `context` random tokens into an exact cache, one warm-up cycle, then
-    `cycles` draft-and-verify cycles with the verification streamed through the two buffers, then
-    `cycles` with a plain copy of the store on the compute stream (Transfer.stream_verify off).
-    planned_per_row: the planner's transfer bytes per verification per row (plan_batches)."""
-    from engine.config import CacheConfig
-    from engine.generate.engine import Engine
-    from engine.generate.steps import decode_headroom, exact_cycles, greedy, sync
-
-    config = CacheConfig(mode="exact", bits=bits, group=64, k=k, chunk_size=chunk, gamma=gamma)
-    engine = Engine(model, config)
-    device = engine.device
-    cache = engine.new_cache(batch, context + (2 * cycles + 2) * (gamma + 1) + decode_headroom(engine.policy) + 4)
-    last, prefill_s = prefill_random(engine, cache, batch, context)
-    verify = cache.transfer.verify
-    it = exact_cycles(model, cache, torch.stack(last), greedy)
-    next(it)  # the token from the prefill's logits
-    cache.transfer.stream_verify = True
-    next(it)  # warm-up cycle (allocates the verification buffers)
-
-    def segment() -> dict:
-        counts = (verify.copied_bytes, verify.passes, verify.waits, verify.ready_in_time)
-        stats = dict(cache.decode_stats)
-        sync(device)
-        start, tokens = time.perf_counter(), 0
-        for _ in range(cycles):
-            emitted, _ = next(it)
-            tokens += sum(map(len, emitted))
-        sync(device)
-        seconds = time.perf_counter() - start
-        return segment_figures(seconds, tokens, batch, cycles, stats, cache.decode_stats, counts,
-                               (verify.copied_bytes, verify.passes, verify.waits, verify.ready_in_time))
-
-    streamed = segment()
-    cache.transfer.stream_verify = False
-    plain = segment()
-    it.close()
-    cache.close()
-    copied = streamed["verify_copy_bytes"]
-    return {"mode": "exact", "batch": batch, "context": context, "gamma": gamma, "prefill_seconds": round(prefill_s, 2),
-            "streamed": streamed, "plain_copy": plain, "acceptance_rate": cache.decode_stats.get("acceptance_rate"),
-            "planned_copy_bytes": planned_per_row * batch,
-            "copy_vs_planned": round(copied / (planned_per_row * batch), 3) if copied and planned_per_row else None,
-            "device_bytes": cache.device_bytes(), "host_bytes": cache.host_bytes()}
-
-
-def segment_figures(seconds: float, tokens: int, batch: int, cycles: int, before: dict, after: dict,
-                    counts0: tuple, counts1: tuple) -> dict:
-    """Figures of `cycles` exact cycles: ms per output token of a row, the mean verification ms (from
-    the step loop's running means before/after), tokens per row per verification, and from the
-    VerifyStream counters (copied bytes, passes, waits, copies complete when needed) the bytes per
-    verification and the overlap share (None where nothing was streamed)."""
-    def total(stats: dict, key: str) -> float:
-        return stats.get(key, 0.0) * stats.get("verifies", 0)
-
-    verifies = after["verifies"] - before.get("verifies", 0)
-    copied, passes, waits, ready = (b - a for a, b in zip(counts0, counts1))
-    return {"ms_per_token": round(1000 * seconds / max(tokens / batch, 1e-9), 2),
-            "verify_ms": round((total(after, "verify_ms") - total(before, "verify_ms")) / max(verifies, 1), 2),
-            "tokens_per_verify": round(tokens / batch / max(cycles, 1), 3),
-            "verify_copy_bytes": copied // passes if passes else None,
-            "verify_overlap_share": round(ready / waits, 4) if waits else None}
-
-
-def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
-    """The planner's largest batches for full and specache under the budget (host RAM checked), and
-    its exact row's transfer bytes per verification per row (exact_cycle: context x K/V bytes on a
-    discrete GPU, 0 where the store is read in place)."""
-    from dataclasses import replace
-
-    from engine.machine import machine_ram_bytes
-    from engine.plan.hardware import detect_hardware
-    from engine.plan.planner import cache_for, plan
-    from engine.plan.profiles import load_model_profile
-
-    hw = detect_hardware(measure=True)
-    budget = int(budget_gb * 1e9)
-    hw = replace(hw, device_memory_bytes=budget, free_memory_bytes=budget)
-    total_ram, available = machine_ram_bytes()
-    model = load_model_profile("llama-3-8b")
-    p = plan(hw, model, context, cache_for(model, hw, bits=bits, group=64, chunk_size=chunk),
-             host_ram_bytes=int(available * 0.8), element_bytes=2)
-    exact = p.mode("exact")
-    per_row = exact.transfer_bytes_per_step // exact.max_batch if exact.max_batch else 0
-    return {m: p.mode(m).max_batch for m in ("full", "specache", "exact")} | {
-        "k": p.mode("specache").k, "exact_transfer_per_row": per_row, "hardware": hw.display_name}
-
-
-STAGES = ("profile", "quick", "graphs", "dynamic", "variants", "paper", "paper-graphs", "exact", "tests")
-
-
-def with_graphs(run):
-    """run() with decode passes replayed as CUDA graphs (SPECACHE_CUDA_GRAPHS=1)."""
-    os.environ["SPECACHE_CUDA_GRAPHS"] = "1"
-    try:
-        return run()
-    finally:
-        os.environ.pop("SPECACHE_CUDA_GRAPHS", None)
-
-
 def save(report: dict, out: Path) -> None:
-    """Write the report so far (a killed run keeps every stage it finished)."""
+    """Write the report so far, atomically (a run killed from outside keeps every stage it finished)."""
+    report["results"] = results(report)
     tmp = out / "gpu_check.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
     os.replace(tmp, out / "gpu_check.json")
 
 
-def stage(report: dict, out: Path, name: str, run) -> None:
-    """Run one stage, keep what it returned (or its error) under report[name], save, say so on stderr."""
-    t = time.perf_counter()
-    try:
-        report[name] = run()
-    except Exception as exc:  # a failed stage is a finding: the next ones still run
-        import traceback
-
-        report[name] = {"error": f"{type(exc).__name__}: {exc}"[:500], "traceback": traceback.format_exc()[-3000:]}
-    report.setdefault("stage_seconds", {})[name] = round(time.perf_counter() - t, 1)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    save(report, out)
-    print(f"[{name}] {json.dumps(report[name])[:1500]}", file=sys.stderr, flush=True)
-
-
-def compare(model, context: int, batches: dict, steps: int, args) -> dict:
-    """full and specache timed at the given batches; specache's tokens/s over full's."""
-    runs = []
-    for mode in ("full", "specache"):
-        try:
-            runs.append(timed_decode(model, mode, batches[mode], context, steps, args.chunk, args.bits, batches["k"]))
-        except torch.cuda.OutOfMemoryError as exc:
-            runs.append({"mode": mode, "batch": batches[mode], "error": f"out of memory: {str(exc)[:200]}"})
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        print(runs[-1], file=sys.stderr, flush=True)
-    out = {"planned": batches, "runs": runs}
-    if all("error" not in r for r in runs):
-        out["speedup_specache_vs_full"] = round(runs[1]["tokens_per_second"] / runs[0]["tokens_per_second"], 2)
-    return out
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-results"))
-    ap.add_argument("--context", type=int, default=32768, help="the paper stage's context")
-    ap.add_argument("--budget-gb", type=float, default=48.0)
-    ap.add_argument("--bits", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
-    ap.add_argument("--tests-timeout", type=float, default=150.0)
-    ap.add_argument("--gamma", type=int, default=4, help="exact mode's draft tokens per verification (timed run)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to do", file=sys.stderr)
-        return 2
-    stages = [x for x in args.stages.split(",") if x]
-    out = Path(args.out)
+def run_stages(stages: list[Stage], out: Path, budget_s: float, report: dict | None = None) -> dict:
+    """Run the stages in order, each under min(its limit, what is left of budget_s) (none started with
+    less than MIN_STAGE_S left: `skipped`), its result merged and the JSON saved after each."""
     out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "budget_gb": args.budget_gb,
-              "bits": args.bits, "stages": stages}
+    report = (report or {}) | {"budget_s": budget_s, "stages": {}, "results_by_stage": {}}
+    start = time.monotonic()
     save(report, out)
-    total = torch.cuda.get_device_properties(0).total_memory
-    quick_ctx = 4096
-    model = random_model(llama3_8b_shape(max(args.context, quick_ctx)), torch.device("cuda"))
-    quick = {"full": 2, "specache": 4, "exact": 2,
-             "k": plan_batches(quick_ctx, args.budget_gb, args.bits, args.chunk)["k"]}
-    runs = {
-        "tests": lambda: limit_tests(out, args.tests_timeout),
-        "profile": lambda: [profiled_decode(model, mode, 2, quick_ctx, 4, args.chunk, args.bits, quick["k"])
-                            for mode in ("full", "specache")],
-        "quick": lambda: compare(model, quick_ctx, quick, 8, args),
-        "graphs": lambda: graphed(model, quick_ctx, 2, 8, args.chunk, quick["k"], args.bits),
-        "paper-graphs": lambda: with_graphs(lambda: compare(
-            model, args.context, plan_batches(args.context, args.budget_gb, args.bits, args.chunk), args.steps, args)),
-        "dynamic": lambda: dynamic_cache_decode(model, 2, quick_ctx, 8, args.chunk),
-        "variants": lambda: variants(model, quick_ctx, 4, 8, args.chunk, quick["k"]),
-        "paper": lambda: compare(model, args.context, plan_batches(args.context, args.budget_gb, args.bits, args.chunk),
-                                 args.steps, args),
-        "exact": lambda: exact_section(model, quick | {"exact_transfer_per_row": 0}, quick_ctx,
-                                       report.get("quick", {}).get("runs", []), args),
-    }
-    for name in stages:
-        limit = 1.0 if name == "tests" else min(1.0, args.budget_gb * 1e9 / total)  # the budget: benchmarks only
-        torch.cuda.set_per_process_memory_fraction(limit)
-        stage(report, out, name, runs[name])
-    print_summary(report)
+    for stage in stages:
+        left = budget_s - (time.monotonic() - start)
+        if left < MIN_STAGE_S:
+            report["stages"][stage.name] = {"status": "skipped", "reason": f"{left:.0f} s of the budget left"}
+        else:
+            (out / "stages" / f"{stage.name}.json").unlink(missing_ok=True)
+            report["stages"][stage.name] = run_one(stage, min(stage.timeout, left), out)
+            report["results_by_stage"][stage.name] = stage_result(out, stage.name)
+        report["elapsed_s"] = round(time.monotonic() - start, 1)
+        save(report, out)
+        record = report["stages"][stage.name]
+        print(f"[{stage.name}] {record['status']} in {record.get('seconds', 0)} s", file=sys.stderr, flush=True)
+        for line in record.get("log_tail", []):
+            print(f"    {line[:200]}", file=sys.stderr)
+    return report
+
+
+def summary(report: dict) -> list[str]:
+    """A short table of the timed runs (printed last)."""
+    lines = [f"{'stage':<14}{'mode':<10}{'bits':>5}{'ctx':>7}{'batch':>6}{'ms/step':>9}{'pred':>8}{'tok/s':>9}"
+             f"{'x full':>8}{'overlap':>8}"]
+    for r in report.get("results", []):
+        def f(key, fmt):
+            return "-" if r.get(key) is None else format(r[key], fmt)
+        lines.append(f"{r['stage'] + ('+g' if r.get('graphs') == 'graphs' else ''):<14}{r.get('mode', ''):<10}"
+                     f"{f('bits', 'd'):>5}{f('context', 'd'):>7}{f('batch', 'd'):>6}{f('ms_per_step', '.1f'):>9}"
+                     f"{f('predicted_ms_per_step', '.1f'):>8}{f('tokens_per_s', '.1f'):>9}"
+                     f"{f('speedup_vs_full', '.2f'):>8}{f('overlap', '.3f'):>8}")
+    states = ", ".join(f"{n} {s['status']}" for n, s in report.get("stages", {}).items())
+    return lines + [f"stages: {states}"]
+
+
+def stage_argv(name: str, args) -> list[str]:
+    """The command line of one stage's process (a stand-in with --dry-run)."""
+    if args.dry_run:
+        return [sys.executable, str(Path(__file__).resolve()), "--fake-stage", name, "--out", str(args.out)]
+    limit = STAGES[name][0]
+    return [sys.executable, str(STAGES_SCRIPT), name, "--out", str(args.out), "--context", str(args.context),
+            "--budget-gb", str(args.budget_gb), "--steps", str(args.steps), "--chunk", str(args.chunk),
+            "--tests-timeout", str(max(limit - 15, 10))]
+
+
+def fake_stage(name: str, out: Path) -> int:
+    """--dry-run's stand-in for a stage: canned figures of the shape the real stage writes (no torch)."""
+    ms = {"paper-full": (6, 40.0, None, 42.0), "paper-1bit": (22, 30.0, 1.0, 25.0),
+          "paper-2bit": (16, 28.0, 0.99, 24.0), "triton-torch": (22, 45.0, 1.0, 25.0),
+          "triton-fused": (22, 26.0, 1.0, 25.0)}
+    result: dict = {"dry_run": True}
+    if name in ms:
+        batch, step, overlap, pred = ms[name]
+        mode = "full" if name == "paper-full" else "specache"
+        result["runs"] = [{"mode": mode, "context": 32768, "batch": batch, "ms_per_step": step,
+                           "tokens_per_s": round(batch * 1000 / step, 2), "overlap": overlap,
+                           "predicted_ms_per_step": pred, "bits": None if mode == "full" else int("2bit" in name) + 1}]
+    (out / "stages").mkdir(parents=True, exist_ok=True)
+    (out / "stages" / f"{name}.json").write_text(json.dumps(result))
     return 0
 
 
-def print_summary(report: dict) -> None:
-    """A short table of what ran (stdout)."""
-    for name in ("quick", "paper"):
-        section = report.get(name)
-        if not section or "runs" not in section:
-            continue
-        print(f"\n{name}: {'mode':<10}{'batch':>7}{'step ms':>10}{'wall ms':>10}{'tok/s':>10}{'overlap':>9}"
-              f"{'prefill/row s':>15}")
-        for r in section["runs"]:
-            if "error" in r:
-                print(f"{'':<7}{r['mode']:<10}{r['batch']:>7}  {r['error'][:60]}")
-                continue
-            ov = "-" if r["overlap_share"] is None else f"{r['overlap_share']:.3f}"
-            print(f"{'':<7}{r['mode']:<10}{r['batch']:>7}{r['step_ms']:>10.1f}{r['wall_step_ms']:>10.1f}"
-                  f"{r['tokens_per_second']:>10.1f}{ov:>9}{r['prefill_seconds_per_row']:>15.2f}")
-        if "speedup_specache_vs_full" in section:
-            print(f"specache / full decode throughput: {section['speedup_specache_vs_full']}x (paper: 4.6x)")
-    for p in report.get("profile", []) if isinstance(report.get("profile"), list) else []:
-        print(f"profile {p['mode']} b{p['batch']} at {p['context']}: {p['device_events_per_step']} device events/step,"
-              f" {p['device_ms_per_step']} ms device in {p['wall_ms_per_step']} ms wall")
-    if isinstance(report.get("exact"), dict) and "equals_full" in report["exact"]:
-        print_exact(report["exact"])
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-results"), help="folder of gpu_check.json and logs")
+    ap.add_argument("--stages", default=default_stages(), help=f"comma-separated, of {', '.join([*STAGES, *GROUPS])}")
+    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run's seconds")
+    ap.add_argument("--context", type=int, default=32768, help="the paper stages' context")
+    ap.add_argument("--budget-gb", type=float, default=48.0, help="the device budget the planner plans for")
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per run")
+    ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
+    ap.add_argument("--dry-run", action="store_true", help="stand-in stages: the runner and the JSON, no GPU")
+    ap.add_argument("--fake-stage", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
 
 
-def exact_section(model, batches: dict, context: int, runs: list[dict], args) -> dict:
-    """Exact mode on the GPU: token identity with full (tiny model), then the timed run at full's batch
-    (at most 4, 2 with --quick) against full's ms per token at that batch (timed again if the
-    full run above had another batch)."""
-    out = {"equals_full": exact_equals_full(torch.device("cuda"))}
-    print("exact == full:", out["equals_full"], file=sys.stderr)
-    batch = max(1, min(batches["full"], 2))
-    cycles = 3
-    full = next((r for r in runs if r["mode"] == "full" and r["batch"] == batch and "error" not in r), None)
-    try:
-        if full is None:
-            full = timed_decode(model, "full", batch, context, 8, args.chunk, args.bits, batches["k"])
-        run = timed_exact(model, batch, context, cycles, args.chunk, args.bits, batches["k"], args.gamma,
-                          batches["exact_transfer_per_row"])
-        run["full_ms_per_token"] = full["step_ms"]
-        run["exact_vs_full_ms"] = round(run["streamed"]["ms_per_token"] / full["step_ms"], 3)
-        out["timed"] = run
-    except torch.cuda.OutOfMemoryError as exc:
-        out["timed"] = {"batch": batch, "error": f"out of memory: {str(exc)[:200]}"}
-    torch.cuda.empty_cache()
-    print(out["timed"], file=sys.stderr)
-    return out
-
-
-def print_exact(exact: dict) -> bool:
-    """The exact section's lines; -> whether exact gave full's tokens and its timed run ran."""
-    eq = exact["equals_full"]
-    print(f"exact == full (tiny model, rows {eq['lengths']}, {eq['tokens']} tokens): {eq['identical']}"
-          f" (first divergence {eq['first_divergence']}, acceptance {eq['acceptance_rate']})")
-    run = exact.get("timed", {})
-    if "error" in run:
-        print(f"exact timed run, batch {run['batch']}: {run['error'][:80]}")
-        return False
-    s, p = run["streamed"], run["plain_copy"]
-    print(f"exact at {run['context']} tokens, batch {run['batch']}, gamma {run['gamma']}: {s['ms_per_token']} ms/token"
-          f" (full {run['full_ms_per_token']}: {run['exact_vs_full_ms']}x), verify {s['verify_ms']} ms streamed /"
-          f" {p['verify_ms']} ms plain copy, overlap {s['verify_overlap_share']}, copied"
-          f" {(s['verify_copy_bytes'] or 0) / 2**30:.2f} GiB/verify ({run['copy_vs_planned']}x planned),"
-          f" acceptance {run['acceptance_rate']}")
-    return bool(eq["identical"])
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.fake_stage:
+        return fake_stage(args.fake_stage, out)
+    stages = [Stage(name, stage_argv(name, args), STAGES[name][0]) for name in chosen(args.stages)]
+    print("\n".join(budget_lines(stages, args.budget_s)), file=sys.stderr, flush=True)
+    report = run_stages(stages, out, args.budget_s, {"dry_run": args.dry_run, "context": args.context,
+                                                     "budget_gb": args.budget_gb, "steps": args.steps})
+    print("\n".join(summary(report)))
+    return 0 if all(s["status"] == "ok" for s in report["stages"].values()) else 1
 
 
 if __name__ == "__main__":

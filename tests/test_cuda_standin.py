@@ -6,11 +6,12 @@ bounded, so a missed event or signal fails here within seconds instead of hangin
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine.backends.streams import SYNC, StandinStreams, SyncStreams, streams_for
+from engine.backends.streams import HOST_READS, SYNC, StandinStreams, SyncStreams, streams_for
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import DoesNotFit
 from engine.kvcache import guide_triton
@@ -372,3 +373,102 @@ def test_exact_mode_verifies_through_the_streamed_buffers(tiny_model, monkeypatc
     assert transfer.stream_verify and transfer.verify.passes == got.cache_stats["verifies"] > 0
     assert transfer.verify.waits > 0 and got.cache_stats["verify_overlap_share"] is not None
     assert transfer.streams.launches >= 2 * transfer.verify.passes
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor values read on the host (what syncs a device), by where they were read."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            import traceback
+
+            frame = next(f for f in reversed(traceback.extract_stack()[:-1]) if "/engine/" in f.filename)
+            self.where.append(f"{Path(frame.filename).name}:{frame.name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_a_speculative_step_reads_only_its_output_tokens_on_the_host(tiny_model, monkeypatch, kernel_gather, graphs):
+    """specache's GPU default (the speculative prefetch, the corrected set) through the stand-in, replayed as
+    graphs and eager: a steady decode step (a recorded pass refuses every host read and sync; the bookkeeping
+    around it and the eager pass counted here) reads on the host only the output tokens (steps' history)
+    and, in one go, the four id vectors the re-sync of guesses compares; no layer reads a value (the
+    corrected set is built at fixed size on an asynchronous device)."""
+    from engine.generate.engine import Engine
+    from engine.generate.steps import greedy
+
+    config = CacheConfig(mode="specache", prefetch="speculative", **SPECACHE)
+    cuda_layout(monkeypatch)
+    made = standin_caches(monkeypatch)
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", graphs)
+    engine = Engine(tiny_model, config)
+    cache = engine.new_cache(3, 300)
+    prompts = [list(range(5, 5 + n)) for n in (60, 133, 97)]
+    last = [list(engine.prefill(cache, p, row))[-1] for row, p in enumerate(prompts)]
+    steps = engine.steps(cache, torch.stack(last), greedy, history=[list(p) for p in prompts])
+    for _ in range(4):  # T1, pre-decoding, the recording
+        next(steps)
+    reads = HostReads()
+    with reads:
+        for _ in range(3):
+            next(steps)
+    steps.close()
+    cache.close()
+    assert (made[0].streams.graphs >= 1) == (graphs == "1")
+    assert sorted(set(reads.where)) == ["rows.py:_append", "steps.py:_resync"], reads.where
+    assert reads.where.count("rows.py:_append") == 3 and reads.where.count("steps.py:_resync") == 3
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_recording_that_fails_falls_back_to_eager_passes_said_once(tiny_model, monkeypatch, kernel_gather, capfd,
+                                                                     when):
+    """The speculative specache with graph replay on, its stand-in's capture raising before it records or after
+    it ran the pass: the run goes on eagerly with the eager tokens, one note on stderr, `graphs` in the
+    cache's stats says so; no second recording is tried."""
+    config = CacheConfig(mode="specache", prefetch="speculative", **SPECACHE)
+    ps = [list(range(5, 5 + n)) for n in (60, 133, 97)]
+    cuda_layout(monkeypatch)
+    eager = generate(tiny_model, ps, config, max_tokens=10)
+    made = standin_caches(monkeypatch)
+    tries = []
+
+    def failing(self, run):
+        tries.append(1)
+        if when == "after":
+            with self.recording():
+                run()
+        raise RuntimeError("operation not permitted when stream is capturing\n(more)")
+
+    monkeypatch.setattr(StandinStreams, "capture", failing)
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    capfd.readouterr()
+    got = generate(tiny_model, ps, config, max_tokens=10)
+    err = capfd.readouterr().err
+    assert got.tokens == eager.tokens and len(tries) == 1
+    assert err.count("decoding eagerly") == 1 and "operation not permitted" in err and "(more)" not in err
+    assert got.cache_stats["graphs"] == {"replayed": False, "fallback": "eager",
+                                         "error": "RuntimeError: operation not permitted when stream is capturing"}
+    assert made[0].streams.graphs == 0
+
+
+def test_graph_replay_is_the_default_on_cuda_only(monkeypatch):
+    """Unset, SPECACHE_CUDA_GRAPHS follows the streams (CUDA's on; the CPU's and the stand-in's off); 0 and 1 rule."""
+    from types import SimpleNamespace
+
+    from engine.backends.streams import CudaStreams
+    from engine.generate.graphs import graphs_wanted
+
+    def cache(streams):
+        return SimpleNamespace(transfer=SimpleNamespace(streams=streams), capturable=True)
+
+    cuda = CudaStreams.__new__(CudaStreams)  # (its attributes only: no device here)
+    monkeypatch.delenv("SPECACHE_CUDA_GRAPHS", raising=False)
+    assert graphs_wanted(cache(cuda)) and not graphs_wanted(cache(StandinStreams())) and not graphs_wanted(cache(SYNC))
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "0")
+    assert not graphs_wanted(cache(cuda))
+    monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
+    assert graphs_wanted(cache(StandinStreams())) and not graphs_wanted(cache(SYNC))

@@ -7,7 +7,8 @@ of the H200 check (bench-results/gpu/) are bound by those, not by the GPU's work
   recorded step as a CUDA graph needs), the guide watch's check aside (engine/kvcache/watch.py: one layer
   every few passes, on the host);
 - a step reads no device value on the host beyond the output tokens (one tolist per step), and, in
-  specache with the corrected speculative set, one count per layer (how many fetched rows missed);
+  specache with the corrected speculative set on the CPU, one count per layer (how many fetched rows
+  missed; an asynchronous device builds the set at fixed size without it: tests/test_cuda_standin.py);
 - ops per layer per step stay within a budget per mode (the GPU profile's 1,498 / 6,044 device events
   per step for 32 layers are what these count, here for the tiny model's head dim and group)."""
 from __future__ import annotations

@@ -15,7 +15,8 @@ Three implementations of the interface Streams declares:
                   has run. The compute stream, and a side stream while its own work runs, is synchronous.
                   A wait that cannot complete (an event never recorded, a stream held back, a signal
                   never given) raises RuntimeError after a few seconds instead of hanging, and a recorded
-                  pass that syncs the host or ends with work left on another stream raises too.
+                  pass that syncs the host (a stream or event wait, or a tensor's value read on the host)
+                  or ends with work left on another stream raises too.
 
 A stream has wait_event / wait_stream / synchronize, an event record / query / synchronize, as torch.cuda's.
 Host waits on a CUDA event are not bounded (an event never recorded completes at once on CUDA: a missed
@@ -47,6 +48,7 @@ class Streams:
 
     asynchronous = False  # the device has memory of its own and asynchronous streams
     records_graphs = False  # capture() records a pass that replay() runs again without the host
+    graphs_by_default = False  # decode passes replayed as graphs unless SPECACHE_CUDA_GRAPHS says otherwise
 
     def __init__(self, wait_seconds: float = WAIT_SECONDS):
         self.wait_seconds = wait_seconds
@@ -103,6 +105,7 @@ class CudaStreams(Streams):
 
     asynchronous = True
     records_graphs = True
+    graphs_by_default = True
 
     def __init__(self, device: torch.device, wait_seconds: float = WAIT_SECONDS):
         super().__init__(wait_seconds)
@@ -196,6 +199,20 @@ class StandinEvent:
     def synchronize(self) -> None:
         self.owner.host_sync("event.synchronize()")
         self.owner.complete(self, "event.synchronize()")
+
+
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+class RefuseHostReads(torch.overrides.TorchFunctionMode):
+    """A tensor's value read on the host (tolist, item, bool, int, float, an index): on a device a host
+    sync, which a recorded pass cannot hold; on the stand-in's CPU tensors free, so refused here."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            raise RuntimeError(f"Tensor.{func.__name__} inside a recorded pass: a graph cannot read a value on the host")
+        return func(*args, **(kwargs or {}))
 
 
 class StandinGraph:
@@ -370,7 +387,8 @@ class StandinStreams(Streams):
         before = {s: s.queued for s in self.side}
         self.capturing += 1
         try:
-            yield
+            with RefuseHostReads():
+                yield
         finally:
             self.capturing -= 1
         left = [s.name for s in self.side if s.queued > before.get(s, 0) and s.ran < s.queued]

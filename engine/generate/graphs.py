@@ -8,13 +8,16 @@ layer of the cache decodes such passes (KVCache.capturable: full, and the guided
 with the current prefetch; a watched layer keeps its queries and its guide check runs after the replay). Per batch size, the
 first pass is run eagerly to warm up, then recorded with static input ids; each later pass copies its ids
 in, does the cache's host bookkeeping (begin, then commit: the device lengths advance outside the graph),
-replays, and hands out a copy of the logits. `SPECACHE_CUDA_GRAPHS=1` turns it on (off by default until a
-GPU run has checked it: scripts/gpu_check.py). The recording is the cache's streams' (engine.backends.streams:
+replays, and hands out a copy of the logits. On by default where the device's streams say so (CUDA:
+Streams.graphs_by_default); `SPECACHE_CUDA_GRAPHS=1` / `0` turns it on / off. A recording that fails falls
+back to eager passes for the rest of the run: one note on stderr, and `graphs` in the cache's --json stats
+(`replayed`, or the fallback and its error). The recording is the cache's streams' (engine.backends.streams:
 CUDA graphs on CUDA; in the tests, the streams' stand-in on the CPU, or an eager recorder, eager_graph)."""
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -25,10 +28,12 @@ from engine.kvcache import KVCache
 
 
 def graphs_wanted(cache: KVCache) -> bool:
-    """Replay decode passes as graphs: asked for (SPECACHE_CUDA_GRAPHS=1), on a device whose streams record
-    graphs (CUDA), every layer capturable."""
-    return (os.environ.get("SPECACHE_CUDA_GRAPHS") == "1" and cache.transfer.streams.records_graphs
-            and cache.capturable)
+    """Replay decode passes as graphs: asked for (SPECACHE_CUDA_GRAPHS=1; unset: the streams' default, on for
+    CUDA), on a device whose streams record graphs, every layer capturable."""
+    streams = cache.transfer.streams
+    asked = os.environ.get("SPECACHE_CUDA_GRAPHS")
+    on = asked == "1" if asked is not None else streams.graphs_by_default
+    return on and streams.records_graphs and cache.capturable
 
 
 def record_graph(streams: Streams, run: Callable[[], torch.Tensor]):
@@ -64,6 +69,7 @@ class DecodeGraphs:
         self.model, self.cache, self.forward = model, cache, forward
         self.record = record or functools.partial(record_graph, cache.transfer.streams)
         self.graphs: dict[tuple, tuple[object, torch.Tensor, torch.Tensor]] = {}  # key -> (graph, static ids, logits)
+        self.failed: str | None = None  # why a recording failed: every pass eager from then on
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, keep: int | None = None, select: int | None = None,
@@ -71,8 +77,8 @@ class DecodeGraphs:
         """ids [n, T] -> logits [n, logits_to_keep, V] (a copy), the pass committed like forward's."""
         n, t = ids.shape
         rows = slice(0, n)
-        if not self.cache.capturable:  # a guide watch that fired: its layers attend exactly, eagerly
-            return self.forward(self.model, self.cache, ids, rows,
+        if not self.cache.capturable or self.failed:  # a guide watch that fired (its layers attend exactly), a
+            return self.forward(self.model, self.cache, ids, rows,  # recording that failed: eagerly
                                 how=PassOptions(keep=keep, select=select, logits_to_keep=logits_to_keep))
         key = (n, t, keep, select, logits_to_keep)
 
@@ -90,7 +96,12 @@ class DecodeGraphs:
                 self.cache.join()  # (a recording may not end with work on another stream)
                 return out
 
-            self.graphs[key] = (*self.record(run), static)
+            try:
+                self.graphs[key] = (*self.record(run), static)
+            except Exception as exc:  # noqa: BLE001  (any failure to record: the eager pass is always right)
+                self.fall_back(exc)
+                return self(ids, keep, select, logits_to_keep)
+            self.cache.decode_stats["graphs"] = "replayed"
         graph, out, static = self.graphs[key]
         static.copy_(ids)
         prepare()
@@ -99,3 +110,13 @@ class DecodeGraphs:
             self.cache.watch.after_fixed_pass(rows)
         self.cache.commit()
         return out.clone()
+
+    def fall_back(self, exc: Exception) -> None:
+        """A recording failed: say so once (stderr, the cache's stats), drop the pass begun and what it left
+        on the side streams; every pass is eager from here on."""
+        self.failed = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        print(f"specache: note: recording a decode pass as a CUDA graph failed ({self.failed}); decoding eagerly",
+              file=sys.stderr, flush=True)
+        self.cache.decode_stats["graphs"] = {"replayed": False, "fallback": "eager", "error": self.failed}
+        self.cache.step = None
+        self.cache.transfer.streams.synchronize()

@@ -322,11 +322,13 @@ class HostStore:
                 bound: int, fixed: bool = False) -> torch.Tensor:
         """Make the fetched set hold the exact K/V at idx [b, H_kv, k] now (a synchronous fetch), reusing the
         rows that the prefetch of old_idx (valid where old_valid) brought: only the missing positions cross
-        from the host. bound: every position in idx and old_idx is below it; fixed: a recorded pass
-        (corrected_rows_fixed). -> reused [b, H_kv, k] bool: the slots the prefetch had already brought."""
+        from the host. bound: every position in idx and old_idx is below it; fixed: a recorded pass. A
+        recorded pass and an asynchronous device take corrected_rows_fixed (no value read on the host: the
+        compacted copy's count of missed rows would sync every layer); the CPU compacts (its read is free).
+        -> reused [b, H_kv, k] bool: the slots the prefetch had already brought."""
         n = idx.shape[-1]
         fk, fv = self.fetched(rows, fixed)
-        if fixed:
+        if fixed or self.asynchronous:
             k, v, reused = corrected_rows_fixed(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx,
                                                 old_valid, in_place=self.asynchronous and self.transfer.pinned)
         else:
