@@ -125,11 +125,16 @@ def ptxas_usage(ptx: str, arch: int) -> dict:
 @contextlib.contextmanager
 def recording(module, labels: tuple[str, ...], into: list[Launch]):
     """While inside: module's ``kernels()`` (the loader of its kernel tuple) gives recorders of those kernels,
-    labelled in order by `labels`, appending to `into`; the loader restored after."""
-    real = module.kernels
+    labelled in order by `labels`, appending to `into`; the loader restored after. A recorder launches nothing,
+    so the module's wrappers may take CPU tensors meanwhile (its ``interpreted()``, where it has one, says so)."""
+    real, interpreted = module.kernels, getattr(module, "interpreted", None)
     recorders = tuple(Recorder(k, label, into) for k, label in zip(real(), labels))
     module.kernels = lambda: recorders
+    if interpreted is not None:
+        module.interpreted = lambda: True
     try:
         yield into
     finally:
         module.kernels = real
+        if interpreted is not None:
+            module.interpreted = interpreted

@@ -107,6 +107,29 @@ def _queries(q_ptr, rows, d, M, D, oi, O, OP: tl.constexpr):
 
 
 @triton.jit
+def _head_queries(q_ptr, qr_ptr, q_sb, q_sh, oi, oi_sb, oi_sh, b, h, rows, d, M, D, O, OP: tl.constexpr):
+    """A split program's queries of row b and KV head h: the rotated ones [MP, BLOCK_D] (qr_ptr), the outlier
+    channels, and the unrotated queries at those channels [MP, OP] (q_ptr)."""
+    q, ch = _queries(qr_ptr + b * q_sb + h * q_sh, rows, d, M, D, oi + b * oi_sb + h * oi_sh, O, OP)
+    qo = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * D + ch[None, :],
+                 mask=(rows < M)[:, None] & (tl.arange(0, OP) < O)[None, :], other=0).to(tl.float32)
+    return q, ch, qo
+
+
+@triton.jit
+def _block(q, qo, kc, ks, kz, oc, os_, oz, fm, n0, hi, d, dm, D, O, scaling, softcap, G: tl.constexpr,
+           BITS: tl.constexpr, BLOCK_N: tl.constexpr, OP: tl.constexpr, HAS_OUT: tl.constexpr, SOFTCAP: tl.constexpr,
+           PRECISE: tl.constexpr):
+    """One block of a split's positions from n0 (the pointers at the program's row and KV head): (the positions,
+    their guide scores [MP, BLOCK_N], whether each is fetched: fm, 1 past hi)."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    s = _guide_scores(q, qo, kc, ks, kz, oc, os_, oz, n0, d, dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP, HAS_OUT,
+                      SOFTCAP, PRECISE)
+    held = tl.load(fm + tok, mask=tok < hi, other=1)
+    return tok, s, held
+
+
+@triton.jit
 def guide_split_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, ks_sb, ks_sh, vc, vc_sb, vc_sh, vs,
                        vz, vs_sb, vs_sh, oi, oi_sb, oi_sh, oc, oc_sb, oc_sh, os_, oz, os_sb, os_sh, fm, fm_sb,
                        fm_sh, qend_ptr, ml_ptr, acc_ptr, H, M, D, S, O, SPLIT, scaling, softcap,
@@ -119,20 +142,17 @@ def guide_split_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, ks_s
     b, h = bh // H, bh % H
     rows, d = tl.arange(0, MP), tl.arange(0, BLOCK_D)
     dm = d < D
-    q, ch = _queries(qr_ptr + b * q_sb + h * q_sh, rows, d, M, D, oi + b * oi_sb + h * oi_sh, O, OP)
-    qo = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * D + ch[None, :],
-                 mask=(rows < M)[:, None] & (tl.arange(0, OP) < O)[None, :], other=0).to(tl.float32)
+    q, ch, qo = _head_queries(q_ptr, qr_ptr, q_sb, q_sh, oi, oi_sb, oi_sh, b, h, rows, d, M, D, O, OP)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, tl.load(qend_ptr + b).to(tl.int32))
     m_i = tl.full((MP,), float("-inf"), tl.float32)
     l_i = tl.zeros((MP,), tl.float32)
     acc = tl.zeros((MP, BLOCK_D), tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        s = _guide_scores(q, qo, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh,
-                          oc + b * oc_sb + h * oc_sh, os_ + b * os_sb + h * os_sh, oz + b * os_sb + h * os_sh, n0, d,
-                          dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP, HAS_OUT, SOFTCAP, PRECISE)
-        held = tl.load(fm + b * fm_sb + h * fm_sh + tok, mask=tok < hi, other=1)
+        tok, s, held = _block(q, qo, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh,
+                              oc + b * oc_sb + h * oc_sh, os_ + b * os_sb + h * os_sh, oz + b * os_sb + h * os_sh,
+                              fm + b * fm_sb + h * fm_sh, n0, hi, d, dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP,
+                              HAS_OUT, SOFTCAP, PRECISE)
         s = tl.where(((tok < hi) & (tok >= S) & (held == 0))[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -312,19 +332,16 @@ def select_weights_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, k
     b, h = bh // H, bh % H
     rows, d = tl.arange(0, MP), tl.arange(0, BLOCK_D)
     dm = d < D
-    q, ch = _queries(qr_ptr + b * q_sb + h * q_sh, rows, d, M, D, oi + b * oi_sb + h * oi_sh, O, OP)
-    qo = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * D + ch[None, :],
-                 mask=(rows < M)[:, None] & (tl.arange(0, OP) < O)[None, :], other=0).to(tl.float32)
+    q, ch, qo = _head_queries(q_ptr, qr_ptr, q_sb, q_sh, oi, oi_sb, oi_sh, b, h, rows, d, M, D, O, OP)
     picks = (rows < M) & ((rows % T == sel) | (sel < 0))
     m, l_all = tl.load(stat_ptr + 2 * bh * MP + rows), tl.load(stat_ptr + 2 * bh * MP + MP + rows)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, tl.load(qend_ptr + b).to(tl.int32))
     run = tl.full((CP,), -1, tl.int64)
     for n0 in range(lo, hi, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        s = _guide_scores(q, qo, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh,
-                          oc + b * oc_sb + h * oc_sh, os_ + b * os_sb + h * os_sh, oz + b * os_sb + h * os_sh, n0, d,
-                          dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP, HAS_OUT, SOFTCAP, PRECISE)
-        held = tl.load(fm + b * fm_sb + h * fm_sh + tok, mask=tok < hi, other=1)
+        tok, s, held = _block(q, qo, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh,
+                              oc + b * oc_sb + h * oc_sh, os_ + b * os_sb + h * os_sh, oz + b * os_sb + h * os_sh,
+                              fm + b * fm_sb + h * fm_sh, n0, hi, d, dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP,
+                              HAS_OUT, SOFTCAP, PRECISE)
         run = _top(run, _keys(_weights(s, picks, m, l_all), tok, (tok < hi) & (tok >= S) & (held == 0)), CP, BLOCK_N)
     tl.store(cand + (bh * tl.num_programs(1) + sp) * CP + tl.arange(0, CP), run)
