@@ -5,6 +5,7 @@ ids, the cache's bookkeeping around each replay, the logits copied out) gives th
 decoding, rows leaving the batch included, with an eager stand-in for the recorder."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -90,7 +91,9 @@ def test_only_caches_whose_layers_all_decode_fixed_passes_are_replayed(tiny_mode
         return make_cache(tiny_model.config, config, 1, 256, torch.float32, cpu).capturable
 
     assert capturable(CacheConfig(mode="full"))
-    assert not capturable(GUIDED["specache"])  # the CPU layout: the residual window is the store's positions
+    # the CPU layout of a compute-dtype store: the residual window is the store's positions (a 16-bit store's
+    # window has buffers of its own, as on CUDA)
+    assert not capturable(dataclasses.replace(GUIDED["specache"], store_dtype="fp32"))
     cuda_layout(monkeypatch)
     assert all(capturable(c) for c in GUIDED.values())
     assert capturable(CacheConfig(mode="specache", prefetch="speculative"))  # its corrected set at fixed size
