@@ -368,6 +368,7 @@ def _layer_state(config) -> tuple:
     plus a seeded random fetched set and the K/V of a decode pass's new tokens; returns (cache, layer,
     the rows' start positions)."""
     hkv, d = TINY.num_key_value_heads, TINY.head_dim
+    config = dataclasses.replace(config, store_dtype="fp32")  # the references' store: fp32, as the layout they hold
     cache = make_cache(TINY, config, len(LENGTHS), max(LENGTHS) + 2, torch.float32, torch.device("cpu"))
     layer = cache.layers[0]
     k_all = [kv_like(1, hkv, n + 2, d, seed=300 + r) for r, n in enumerate(LENGTHS)]

@@ -139,8 +139,10 @@ def test_a_model_that_does_not_fit_is_refused_before_loading():
               "num_key_value_heads": llama.kv_heads, "max_position_embeddings": 8192}
     specache = POLICIES["specache"]
     check_fits_before_load(config, int(5.0 * GIB), 4096, specache, hardware=small)  # Q4_K-sized weights fit
-    with pytest.raises(DoesNotFit, match=r"one sequence of 4096 tokens 2.10 GiB"):  # sized with the --k given
-        check_fits_before_load(config, int(5.0 * GIB), 4096, specache, {"k": 4096}, hardware=small)
+    with pytest.raises(DoesNotFit, match=r"one sequence of 4096 tokens 2.10 GiB"):  # sized with the flags given
+        check_fits_before_load(config, int(5.0 * GIB), 4096, specache, {"k": 4096, "store_dtype": "fp32"},
+                               hardware=small)
+    check_fits_before_load(config, int(5.0 * GIB), 4096, specache, {"k": 4096}, hardware=small)  # a 16-bit store
     with pytest.raises(DoesNotFit, match=r"its weights take 30.00 GiB as held"):
         check_fits_before_load(config, 30 * GIB, 4096, specache, hardware=small)  # fp32 weights do not
 

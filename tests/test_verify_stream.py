@@ -180,7 +180,9 @@ def test_cpu_default_reads_the_store_in_place(tiny_model):
     assert res.cache_stats["verifies"] > 0
     assert res.cache_stats["verify_copy_bytes"] is None and res.cache_stats["verify_overlap_share"] is None
     assert verify.bytes_per_row() == 0
-    plain = make_cache(tiny_config(), CacheConfig(mode="specache", **TINY), 2, 200, torch.float32, CPU)
+    # (specache with exact mode's store: in the compute dtype, the residual window its positions)
+    plain = make_cache(tiny_config(), CacheConfig(mode="specache", store_dtype="fp32", **TINY), 2, 200, torch.float32,
+                       CPU)
     exact = make_cache(tiny_config(), CacheConfig(mode="exact", **TINY), 2, 200, torch.float32, CPU)
     assert exact.allocated_device_bytes() == plain.allocated_device_bytes()
     exact.transfer.stream_verify = True  # what CUDA plans: 2 buffer pairs of one layer's K/V
