@@ -632,7 +632,8 @@ def test_a_full_disk_while_saving_the_store_entry(world, tiny_model_dir, tmp_pat
                         "--model", str(tiny_model_dir), "--max-tokens", "3"], cwd=ROOT, capture_output=True, text=True,
                        timeout=240, preexec_fn=limit, env={**native, "SPECACHE_CACHE_DIR": str(cache)}, check=False)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert "warning: could not save" in p.stderr and "error:" not in p.stderr
+    lines = p.stderr.splitlines()  # (the native build under the same limit fails too: its warning quotes cc1)
+    assert "warning: could not save" in p.stderr and not any(line.startswith("error:") for line in lines)
     kv = cache / "kv"
     assert not any(x.name.endswith(".safetensors") or x.name.startswith(".part-") for x in kv.iterdir())
 
