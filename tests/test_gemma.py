@@ -13,7 +13,7 @@ import transformers
 from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
 from engine.model.filling import own_config, own_model
-from engine.model.gemma import GemmaCausalLM, own_gemma_config, why_not_gemma
+from engine.model.gemma import GemmaCausalLM, gemma_config, why_not_gemma
 from tests.conftest import logits_on_both_classes, tokens_on_both_classes
 
 BASE = dict(vocab_size=320, hidden_size=192, intermediate_size=256, num_hidden_layers=4, num_attention_heads=6,
@@ -46,8 +46,8 @@ def pair(variant: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Mod
             p.add_(torch.randn_like(p) * 0.05)
             p.mul_(1.0 if p.dim() == 1 else 4.0)  # peaky attention, logits beyond a softcap of 3
             p.data = p.data.to(dtype)
-    own = own_gemma_config(json.loads(config.to_json_string()))
-    assert own is not None
+    own = gemma_config(json.loads(config.to_json_string()))
+    assert why_not_gemma(own) is None
     with torch.device("meta"):
         own = own_model(own)
     assert isinstance(own, GemmaCausalLM)

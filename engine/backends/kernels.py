@@ -28,6 +28,7 @@ one new file. `backend_for(device)` chooses the first available one once per dev
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from typing import ClassVar
@@ -90,9 +91,15 @@ class Kernels:
         return None
 
     def implements(self) -> dict[str, str]:
-        """hook -> the backend whose code runs it: this one's where it defines the hook, else "torch"."""
-        return {hook: self.name if getattr(type(self), hook) is not getattr(Kernels, hook) else Kernels.name
-                for hook in HOOKS}
+        """hook -> the backend whose code runs it: this one's where it defines the hook, else "torch" (found once
+        per class: the decode passes ask it per layer)."""
+        return hooks_of(type(self))
+
+
+@functools.cache
+def hooks_of(cls: type) -> dict[str, str]:
+    """Kernels.implements of a backend class."""
+    return {hook: cls.name if getattr(cls, hook) is not getattr(Kernels, hook) else Kernels.name for hook in HOOKS}
 
 
 REFERENCE = Kernels()

@@ -26,10 +26,10 @@ def inner_contiguous(t: torch.Tensor, dim: int) -> bool:
     return True
 
 
-def native_guide(kernel: str, x: torch.Tensor, qg, n: int, tail: tuple[int, ...], groups: int, width: int):
+def native_guide(kernel: str, x: torch.Tensor, qg, n: int, groups: int, width: int):
     """One of the native guide kernels (`kernel`: its C name) over x [B, H, Q, *] and the guide qg (codes, scale,
-    zero, head_dim, group, bits): fp32 [B, H, Q, width], or None when the library is unavailable or the layout
-    does not apply (tail: the codes' shape after [B, H, blocks]; groups: the scale's last dim)."""
+    zero, head_dim, group, bits, code_tail: the codes' shape after [B, H, blocks]): fp32 [B, H, Q, width], or
+    None when the library is unavailable or the layout does not apply (groups: the scale's last dim)."""
     lib = native.lib()
     if lib is None:
         return None
@@ -37,7 +37,7 @@ def native_guide(kernel: str, x: torch.Tensor, qg, n: int, tail: tuple[int, ...]
     d, g, bits = qg.head_dim, qg.group, qg.bits
     codes, scale, zero = qg.codes, qg.scale, qg.zero
     if (codes.dtype != torch.uint8 or scale.dtype != torch.float16 or zero.dtype != torch.float16
-            or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != tail
+            or codes.device.type != "cpu" or codes.shape[:2] != (b, h) or codes.shape[3:] != qg.code_tail
             or scale.shape[3] != groups or zero.shape != scale.shape or zero.stride() != scale.stride()
             or not inner_contiguous(codes, 2) or not inner_contiguous(scale, 2)):
         return None
@@ -116,13 +116,13 @@ class NativeCPU(Kernels):
 
     def guide_scores(self, q, keys, n):
         d = q.shape[-1]
-        if d % 8 or d > 1024:
+        if d % 8 or d > 1024 or keys.head_dim != d:
             return None
-        return native_guide("specache_guide_scores", q, keys, n, (keys.bits, keys.group // 8, d), d, n)
+        return native_guide("specache_guide_scores", q, keys, n, d, n)
 
     def guide_values(self, p, values, n):
         d = values.head_dim
-        return native_guide("specache_guide_weighted_values", p, values, n, (values.bits, 8, d), d // values.group, d)
+        return native_guide("specache_guide_weighted_values", p, values, n, d // values.group, d)
 
     def sliding_attention(self, layer, qg, scaling, step, softcap):
         """qg [b, H_kv, G*T, D] fp32 (rows contiguous) over the ring of `layer` (k, v, pos, window, shape.group)

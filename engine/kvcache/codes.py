@@ -169,6 +169,11 @@ class QuantizedKeys:
     def head_dim(self) -> int:
         return self.scale.shape[3]
 
+    @property
+    def code_tail(self) -> tuple[int, int, int]:
+        """The codes' shape after [B, H, groups]: (bits, g/8, D), the layout the kernels read."""
+        return self.bits, self.group // 8, self.head_dim
+
     def prefix(self, n: int) -> "QuantizedKeys":
         """View of the first ``n`` tokens (n % group == 0)."""
         j = _key_groups(n, self.group, self.capacity)
@@ -195,6 +200,11 @@ class QuantizedValues:
     @property
     def head_dim(self) -> int:
         return self.codes.shape[-1]
+
+    @property
+    def code_tail(self) -> tuple[int, int, int]:
+        """The codes' shape after [B, H, blocks]: (bits, _VR, D), the layout the kernels read."""
+        return self.bits, _VR, self.head_dim
 
     def prefix(self, n: int) -> "QuantizedValues":
         """View of the first ``n`` tokens."""

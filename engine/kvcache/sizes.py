@@ -49,21 +49,22 @@ def layer_kv_bytes_per_token(shape, element_bytes: int) -> int:
 STORE_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def store_dtype(config: CacheConfig, device_type: str, dtype: torch.dtype) -> torch.dtype:
-    """The exact host store's element type: on a CPU, config.store_dtype (default DEFAULT_STORE_DTYPE: the store
-    is most of a long document's memory there, and only the k rows a step fetches are read back, widened to the
-    compute dtype); elsewhere the compute dtype (a GPU's fp16 / bf16 is already 16-bit)."""
-    if device_type != "cpu":
-        return dtype
+def cpu_store_dtype(config: CacheConfig) -> torch.dtype:
+    """The exact host store's element type on a CPU: config.store_dtype, default DEFAULT_STORE_DTYPE."""
     return STORE_TORCH_DTYPES[config.store_dtype or DEFAULT_STORE_DTYPE]
+
+
+def store_dtype(config: CacheConfig, device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The exact host store's element type: on a CPU, cpu_store_dtype (the store is most of a long document's
+    memory there, and only the k rows a step fetches are read back, widened to the compute dtype); elsewhere the
+    compute dtype (a GPU's fp16 / bf16 is already 16-bit)."""
+    return cpu_store_dtype(config) if device_type == "cpu" else dtype
 
 
 def store_element_bytes(config: CacheConfig, unified: bool, element_bytes: int) -> int:
     """Bytes of one exact store element: the planner's view of store_dtype (unified: the CPU, where the store
     is the device's memory; element_bytes: the compute dtype's)."""
-    if not unified:
-        return element_bytes
-    return STORE_TORCH_DTYPES[config.store_dtype or DEFAULT_STORE_DTYPE].itemsize
+    return cpu_store_dtype(config).itemsize if unified else element_bytes
 
 
 def store_at_compute_dtype(t: "PlanTerms") -> "PlanTerms":

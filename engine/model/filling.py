@@ -130,8 +130,8 @@ def transformers_model(folder: Path, dtype: torch.dtype, **kwargs) -> torch.nn.M
 def load_gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype, held: bool,
                     config=None) -> torch.nn.Module:
     """The model of a GGUF file: built without weights, then filled tensor by tensor from the file;
-    held=True keeps the linears and the embedding in their blocks (no fp32 copy). Architectures outside
-    gguf_header.held_architecture refuses load through transformers (dequantized). config: own_config's, to
+    held=True keeps the linears and the embedding in their blocks (no fp32 copy). Architectures that are
+    not held (gguf_header.held_architecture) load through transformers (dequantized). config: own_config's, to
     build engine.model.llama's model; None: transformers' class."""
     tensors = TensorFile(gguf_path)
     if not held_architecture(tensors.arch):

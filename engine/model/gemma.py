@@ -189,10 +189,9 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaCausalLM(CausalLM):
-    """The causal LM of a model type whose family names the "gemma" decoder (engine.model.families), named
-    as transformers names it (model.embed_tokens,
-    model.layers, model.norm, lm_head); built on the meta device, filled by the loader; forward as
-    engine.model.llama.CausalLM's."""
+    """The causal LM of a model type whose family names the "gemma" decoder (engine.model.families), named as
+    transformers names it (model.embed_tokens, model.layers, model.norm, lm_head); built on the meta device,
+    filled by the loader; forward as engine.model.llama.CausalLM's."""
 
     def __init__(self, config):
         nn.Module.__init__(self)
@@ -240,9 +239,3 @@ def gemma_config(values: dict) -> PreTrainedConfig:
     config = PreTrainedConfig(**values)
     config.use_cache = values.get("use_cache", True)
     return config
-
-
-def own_gemma_config(values: dict) -> PreTrainedConfig | None:
-    """gemma_config, None when our decoders do not run it (why_not_gemma)."""
-    config = gemma_config(values)
-    return config if why_not_gemma(config) is None else None

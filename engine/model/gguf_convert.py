@@ -91,7 +91,8 @@ def convert(path: Path, dest: Path, on_status: Callable[[str], None] | None = No
 
 def config_and_tokenizer(path: Path, arch: str):
     """The GGUF's transformers config and tokenizer, and its header read with arrays where they were made from
-    it (a held architecture: gguf_header.held_architecture), else None; refused in one line where transformers cannot."""
+    it (a held architecture: gguf_header.held_architecture), else None; refused in one line where transformers
+    cannot."""
     try:
         header = read_header(path, arrays=True) if held_architecture(arch) else None
         if header is not None:  # (config_dict, gguf_tokenizer: the same as transformers' GGUF readers)

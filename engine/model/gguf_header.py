@@ -22,7 +22,6 @@ from engine.errors import ModelLoadError
 from engine.model import families
 
 
-
 def held_architecture(arch: str) -> bool:
     """Whether a GGUF architecture's tensors map one to one onto the Hugging Face model's parameters (Q and
     K rows permuted back for llama-style files) and are held in their blocks: a registered family's

@@ -284,8 +284,8 @@ def kept_positions(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch
 
 
 class CausalLM(nn.Module):
-    """The causal LM of a model type whose family names the "llama" decoder (engine.model.families): model.{embed_tokens, layers, norm} and lm_head, named as
-    transformers names them; built on the meta device (`with torch.device("meta")`), its parameters then
+    """The causal LM of a model type whose family names the "llama" decoder (engine.model.families):
+    model.{embed_tokens, layers, norm} and lm_head, named as transformers names them; built on the meta device (`with torch.device("meta")`), its parameters then
     given by the loader. forward takes what the engine's steps pass (input_ids, position_ids, cache,
     logits_to_keep; other keyword arguments go on to the attention function, as in transformers)
     -> Output(logits)."""

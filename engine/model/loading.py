@@ -145,7 +145,7 @@ def native_fallback(error: str) -> str:
     """The one line a run shows when the native CPU kernels could not be built or loaded: the compiler's
     (or loader's) first error line and the path taken instead."""
     lines = [line.strip() for line in error.splitlines() if line.strip()]
-    first = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0] if lines else "")
+    first = next((line for line in lines[1:] if "error" in line.lower()), lines[0] if lines else "")
     return f"the native CPU kernels are unavailable ({first[:300]}): torch's kernels run instead, slower"
 
 

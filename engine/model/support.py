@@ -2,9 +2,9 @@
 
 A model is run only when its attention is one the engine was checked to reproduce token for token
 against transformers' own eager attention (tests/test_conformance.py: every mode, prompts longer
-than the windows): the model families of engine.model.families (families.checked()). Anything else (a model type not checked, an
-attention module that bypasses the attention interface, a feature such as attention sinks that the
-engine does not implement) is refused with one UnsupportedModel line naming the model type and what
+than the windows): the model families of engine.model.families (families.checked()). Anything else (a
+model type not checked, an attention module that bypasses the attention interface, a feature such as
+attention sinks that the engine does not implement) is refused with one UnsupportedModel line naming the model type and what
 is missing, never run with a different attention."""
 from __future__ import annotations
 
