@@ -160,12 +160,10 @@ def logits_on_both_classes(stock, own, attention: str) -> torch.Tensor:
 
 def cuda_layout(monkeypatch) -> None:
     """Guided layers laid out as on CUDA (residual buffers of their own), decoded by the torch code (not the
-    CPU's fused call), without the guide watch (its check, every few passes, runs on the host)."""
+    CPU's fused call); the guide watch on (with a stand-in's streams its check is deferred to its host thread)."""
     import engine.kvcache
     import engine.kvcache.guided
-    from engine.kvcache.policies.specache import SpecacheLayer
     from engine.kvcache.transfer import Transfer
 
-    monkeypatch.setattr(SpecacheLayer, "watches", False)
     monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
     monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)

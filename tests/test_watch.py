@@ -142,3 +142,39 @@ def test_a_replayed_decode_whose_guide_is_lost_goes_on_exactly(tiny_model, refer
     torch.testing.assert_close(logits[:fired], eager[:fired], rtol=1e-4, atol=1e-4)
     after = (logits[fired + 1:] - full[fired + 1:]).abs().max()
     assert after < 0.25 * (logits[1:fired] - full[1:fired]).abs().max()
+
+
+@pytest.mark.parametrize("noise", [False, True])
+def test_on_an_asynchronous_device_the_check_runs_on_the_watchs_host_thread(tiny_model, reference, capsys,
+                                                                         monkeypatch, noise):
+    """Through the stand-in's streams (CUDA's orchestration): the checks and their ratios are the synchronous
+    run's, computed on the watch's own host thread from the host store (the pass sends no exact key to the
+    device and waits on nothing); a lost guide is still noticed, once."""
+    import threading
+
+    from engine.kvcache.watch import WatchedLayer
+    from tests.conftest import cuda_layout
+    from tests.test_cuda_standin import standin_caches
+
+    prompt, forced, _ = reference
+    if noise:
+        real_add = guide_module.Guide.add
+        monkeypatch.setattr(guide_module.Guide, "add", lambda self, row, start, k, v, q=None: real_add(
+            self, row, start, torch.randn(k.shape, generator=torch.Generator().manual_seed(start)) * 8, v, q))
+    cuda_layout(monkeypatch)
+    _, plain = watch_stats(tiny_model, CONFIG, prompt, forced)
+    capsys.readouterr()
+    threads = []
+    real_scores = WatchedLayer.exact_scores
+    monkeypatch.setattr(WatchedLayer, "exact_scores", lambda self, q0, *region: threads.append(
+        (threading.current_thread().name, q0.device.type)) or real_scores(self, q0, *region))
+    made = standin_caches(monkeypatch)
+    _, deferred = watch_stats(tiny_model, CONFIG, prompt, forced)
+    assert made and deferred["checks"] >= 4
+    assert threads and all(name.startswith("specache-watch") and device == "cpu" for name, device in threads)
+    if noise:  # (its verdict lands a pass or more later than the synchronous one's: a check or two more)
+        assert plain["lost"] and deferred["lost"] and deferred["fallback"] == "exact"
+        assert deferred["coverage_vs_oracle"] < 0.5
+    else:
+        assert deferred == plain and not deferred["lost"]
+    assert capsys.readouterr().err.count("lost the model") == int(noise)

@@ -303,7 +303,10 @@ class KVCache(Cache):
         return all(layer.capturable for layer in self.layers)
 
     def close(self) -> None:
-        """Release the transfer resources (worker thread, stream); the cache is not used afterwards."""
+        """Release the transfer resources (worker thread, stream) and the watch's host thread; the cache is
+        not used afterwards."""
+        if self.watch is not None:
+            self.watch.close()
         self.transfer.close()
 
     def __enter__(self) -> "KVCache":

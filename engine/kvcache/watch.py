@@ -12,10 +12,17 @@ When the mean of a row's last WINDOW checks falls below THRESHOLD the guide is l
 line on stderr, and from then on every watched layer attends its guide region with the exact keys
 and values of the host store instead of the guide (the full cache's attention: slower, not wrong);
 `--json` says so (GuideWatch.stats under the cache's "guide_check"). A watch that has fired stays so.
+
+On an asynchronous device (CUDA) the check stays off the step's critical path: the device scores the guide
+and picks its top-k, and only the query and those positions are copied to the host (no exact keys cross
+the bus, no host sync); the exact scores come from the host store itself, on the watch's own host thread,
+once the copies have landed (GuideWatch.collect, at the next pass). Its verdict lands a pass or more later.
 """
 from __future__ import annotations
 
 import sys
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -46,11 +53,15 @@ class GuideWatch:
         self.ratios: list[float] = []
         self.by_row: dict[int, list[float]] = {}  # each row's checks: one lost document is enough
         self.lost = False
+        self.waiting: deque = deque()  # (row, event, check) of asynchronous checks whose copies may be in flight
+        self.running: deque[tuple[int, Future]] = deque()  # (row, check) computing on the host thread
+        self._host: ThreadPoolExecutor | None = None
 
     def due(self, layer) -> bool:
         """Called by each watched layer at each of its decode passes: True when it checks this one."""
         if layer is self.layers[0]:
             self.passes += 1
+            self.collect()
         if self.lost or self.passes % self.every:
             return False
         return layer is self.layers[(self.passes // self.every) % len(self.layers)]
@@ -60,6 +71,32 @@ class GuideWatch:
         (GuidedLayer.check_kept: the queries the pass kept)."""
         for layer in self.layers:
             layer.check_kept(rows)
+
+    def defer(self, row: int, event, check: Callable[[], float]) -> None:
+        """An asynchronous check: check() computes its ratio on the host once `event` (recorded after the
+        copies it reads) has completed."""
+        self.waiting.append((row, event, check))
+
+    def collect(self, wait: bool = False) -> None:
+        """Record the deferred checks that are done, in order (wait: all of them; never inside a recorded
+        pass: an event query is a host call)."""
+        while self.waiting and (wait or self.waiting[0][1].query()):
+            row, event, check = self.waiting.popleft()
+            if wait:
+                event.synchronize()
+            if self._host is None:
+                self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-watch")
+            self.running.append((row, self._host.submit(check)))
+        while self.running and (wait or self.running[0][1].done()):
+            row, future = self.running.popleft()
+            self.record(future.result(), row)
+
+    def close(self) -> None:
+        """Finish the deferred checks and stop the host thread."""
+        self.collect(wait=True)
+        if self._host is not None:
+            self._host.shutdown()
+            self._host = None
 
     def record(self, ratio: float, row: int = 0) -> None:
         """One check's ratio on a row; fires (once) when the mean of that row's last `window` checks is below
@@ -76,6 +113,7 @@ class GuideWatch:
 
     def stats(self) -> dict:
         """For --json: the checks made, their mean and lowest ratio, and whether the watch fired."""
+        self.collect(wait=True)
         r = self.ratios
         return {"checks": len(r), "coverage_vs_oracle": round(sum(r) / len(r), 4) if r else None,
                 "lowest": round(min(r), 4) if r else None, "lost": self.lost,
@@ -87,13 +125,23 @@ def coverage_ratio(exact: torch.Tensor, guide: torch.Tensor, k: int) -> float:
     capped as the model does). -> the mean over KV heads of the exact attention mass (each query head's
     softmax over the region, summed over the KV head's query heads) on the guide's top-k positions,
     divided by the mass on the exact top-k."""
-    if not bool(torch.isfinite(guide).all()):  # a guide that scores inf or nan has lost the model
+    return coverage_of_choice(exact, *guide_choice(guide, k))
+
+
+def guide_choice(guide: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """guide scores [H_kv, G, n] -> (the guide's top-k positions [H_kv, k], whether it scored every position
+    finitely: a guide that scores inf or nan has lost the model), on the guide's device."""
+    ranked = torch.softmax(guide.float(), -1).sum(1)
+    return ranked.topk(k, -1).indices, torch.isfinite(guide).all()
+
+
+def coverage_of_choice(exact: torch.Tensor, chosen: torch.Tensor, finite: torch.Tensor) -> float:
+    """coverage_ratio from the exact scores [H_kv, G, n] and guide_choice's output."""
+    if not bool(finite):
         return 0.0
     mass = torch.softmax(exact.float(), -1).sum(1)  # [H_kv, n]
-    ranked = torch.softmax(guide.float(), -1).sum(1)
-    guide_mass = mass.gather(-1, ranked.topk(k, -1).indices).sum(-1)
-    best = mass.topk(k, -1).values.sum(-1)
-    return float((guide_mass / best.clamp(min=1e-30)).mean())
+    best = mass.topk(chosen.shape[-1], -1).values.sum(-1)
+    return float((mass.gather(-1, chosen).sum(-1) / best.clamp(min=1e-30)).mean())
 
 
 class WatchedLayer:
@@ -134,8 +182,24 @@ class WatchedLayer:
         if qend - self.sinks <= self.topk:
             return
         q0 = q0s[i : i + 1].float()  # [1, H_kv, G, D]
-        self.store.transfer.host_ready()  # (CUDA: the store's own copies done)
-        keys = self.store.k[row : row + 1, :, self.sinks : qend].to(q0.device).float()
-        exact = soft_cap((q0 @ keys.transpose(-1, -2)) * scaling, softcap)[0]
         guide = soft_cap(self.guide.scores(q0, slice(row, row + 1), qend) * scaling, softcap)[0, ..., self.sinks :]
-        self.watch.record(coverage_ratio(exact, guide, self.topk), row)
+        chosen, finite = guide_choice(guide, self.topk)
+        region = (row, slice(self.sinks, qend), scaling, softcap)
+        if not self.store.transfer.asynchronous:
+            self.watch.record(coverage_of_choice(self.exact_scores(q0, *region), chosen, finite), row)
+            return
+        streams = self.store.streams  # CUDA: off the critical path (module docstring)
+        q_host, chosen_host, finite_host = (streams.pinned_zeros(t.shape, t.dtype) for t in (q0, chosen, finite))
+        for host, t in ((q_host, q0), (chosen_host, chosen), (finite_host, finite)):
+            host.copy_(t, non_blocking=True)
+        landed = streams.event()
+        landed.record()  # (after the store's own copies of the region too: they are queued on this stream)
+        self.watch.defer(row, landed, lambda: coverage_of_choice(self.exact_scores(q_host, *region),
+                                                                 chosen_host, finite_host))
+
+    def exact_scores(self, q0: torch.Tensor, row: int, region: slice, scaling: float,
+                     softcap: float | None) -> torch.Tensor:
+        """The output token's exact scores [H_kv, G, n] over `region` of `row`, from the host store's keys
+        (on the queries' device)."""
+        keys = self.store.k[row : row + 1, :, region].to(q0.device).float()
+        return soft_cap((q0 @ keys.transpose(-1, -2)) * scaling, softcap)[0]
