@@ -375,6 +375,29 @@ def test_exact_mode_verifies_through_the_streamed_buffers(tiny_model, monkeypatc
     assert transfer.streams.launches >= 2 * transfer.verify.passes
 
 
+@pytest.mark.parametrize("mode", ["specache", "exact"])
+def test_a_rows_prefill_attends_its_exact_prefix_on_the_device_not_over_the_bus(tiny_model, monkeypatch, mode):
+    """CUDA's orchestration: rows prefilled in several chunks attend their exact prefix from the device copy that
+    write_span keeps while they are prefilled (HostStore.read_prefix), so nothing is read back from the host store
+    (before: the whole prefix, once a chunk and layer); the tokens are the synchronous run's, and the copy goes
+    back at the first decode pass."""
+    config = (CacheConfig(mode="specache", prefetch="current", **SPECACHE) if mode == "specache" else
+              CacheConfig(mode="exact", gamma=4, chunk_size=64, k=16, residual=32, group=32, sinks=4))
+    ps = [list(range(3, 3 + n)) for n in (300, 170)]
+    cuda_layout(monkeypatch)
+    plain = generate(tiny_model, ps, config, max_tokens=8)
+    made = standin_caches(monkeypatch)
+    reads, released = [], []
+    real_read, real_release = HostStore.read, HostStore.release_prefix
+    monkeypatch.setattr(HostStore, "read", lambda self, row, start, end: reads.append((row, start, end)) or
+                        real_read(self, row, start, end))
+    monkeypatch.setattr(HostStore, "release_prefix", lambda self: released.append(self) or real_release(self))
+    got = generate(tiny_model, ps, config, max_tokens=8)
+    assert got.tokens == plain.tokens and made
+    assert reads == []
+    assert len(set(map(id, released))) == tiny_model.config.num_hidden_layers
+
+
 class HostReads(torch.overrides.TorchFunctionMode):
     """Counts the tensor values read on the host (what syncs a device), by where they were read."""
 

@@ -246,7 +246,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         start, t = step.starts[0], step.n_new
         qend = self.qend_host[row]
         if self.store is not None:
-            k_past, v_past = self.store.read(row, 0, qend)  # (a 16-bit store's elements: widened below where read)
+            k_past, v_past = self.store.read_prefix(row, qend)  # (a 16-bit store's elements: widened below)
         else:  # window mode keeps no store: sinks and the window are all there is
             k_past, v_past = self.sink_k[row : row + 1, :, : min(self.sinks, qend)], \
                 self.sink_v[row : row + 1, :, : min(self.sinks, qend)]
@@ -263,7 +263,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
                     # as one piece [0, start), as the full cache has it, so the same floats (a third merged part
                     # rounds otherwise, and a bf16 prefill's linears amplify that to 0.3 in the logits: exact /
                     # k >= context != full wherever the native bf16 kernel is missing)
-                    past = [self.store.read(row, 0, start)]
+                    past = [self.store.read_prefix(row, start)]
                 else:  # the sinks (window mode) or the store's quantized prefix, and the residual positions before
                     # the chunk, as one piece
                     past = [(torch.cat([k_past.to(rk.dtype), rk[:, :, :recent]], dim=2),
@@ -291,6 +291,8 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         """One or two new tokens per row against guide + sinks + fetched set + residual (the native
         fused call where it applies, softcapped layers included); the torch steps below otherwise."""
         rows, t = step.rows, step.n_new
+        if self.store is not None and self.store.held is not None:  # the prefill is over (HostStore.read_prefix)
+            self.store.release_prefix()
         qg = grouped_query(q, self.shape.kv_heads)  # [b, H_kv, G*T, D]
         exact_region = self.watch is not None and self.watched(qg, scaling, step, softcap)
         if not step.fixed and not exact_region and fused_applies(self, q):  # one native call: below

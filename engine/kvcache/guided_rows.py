@@ -40,6 +40,7 @@ class GuidedRows:
         if self.store is not None:
             self.store.settle()  # CUDA: a prefetch into the fetched set may be in flight
             self.store.transfer.host_ready()  # and copies into the pinned store
+            self.store.release_prefix()  # (a held row's device copy would no longer be its store's)
             self.store.fk[dst], self.store.fv[dst] = self.store.fk[src], self.store.fv[src]
             self.store.k[dst, :, :length] = self.store.k[src, :, :length]
             self.store.v[dst, :, :length] = self.store.v[src, :, :length]
@@ -77,6 +78,8 @@ class GuidedRows:
             self.qend_host[row] = qend
             self.fvalid[row] = False
             self.stored[row] = length
+            if self.store is not None:
+                self.store.release_prefix()  # (the row's store is written below, not by write_span)
         s = min(self.sinks, length)
         r0 = qend if self.res_in_store else 0  # (the same memory as the store's positions, written twice alike)
         views = {"sink_k": self.sink_k[row, :, :s], "sink_v": self.sink_v[row, :, :s],

@@ -353,5 +353,7 @@ def guided_sizing(t: PlanTerms) -> Sizing:
     read = state["guide"] + (tail + min(c.sinks, context)) * kvb + t.window_read()
     prefill = prefill_activation_bytes(t.model, t.chunk, t.element_bytes, past_tokens=context, past_views=PAST_VIEWS,
                                        mask=True)
+    if not (t.unified or t.paper):  # the prefilling row's exact K/V stay on the device while its prefill needs it
+        prefill += context * t.store_kv_bytes  # (HostStore.read_prefix: one row, every layer)
     return Sizing({**state, **t.windows()}, decode_working_set_bytes(t.model, context, 1, t.element_bytes,
                   guided=True), prefill, t.paper, 0, read, 1)

@@ -156,6 +156,15 @@ class Transfer:
             self.streams.current_stream().synchronize()
 
 
+class HeldRow:
+    """One row's exact K/V on the device while it is prefilled (HostStore.read_prefix): k, v [1, H_kv, L, D],
+    positions [0, upto) of `row` filled."""
+
+    def __init__(self, k: torch.Tensor):
+        self.k, self.v = k, torch.empty_like(k)
+        self.row, self.upto = -1, 0
+
+
 class HostStore:
     """Exact K/V of every token of every row of one layer: [B, H_kv, L, D] each, preallocated. dtype: the
     elements of the store and of the fetched set, or (the store's, the fetched set's) where they differ (a
@@ -165,6 +174,7 @@ class HostStore:
                  dtype: torch.dtype | tuple[torch.dtype, torch.dtype], device: torch.device, transfer: Transfer):
         self.device = device
         self.transfer, self.streams = transfer, transfer.streams
+        self.held: HeldRow | None = None  # CUDA: the prefilling row's exact K/V on the device (read_prefix)
         self.asynchronous = transfer.asynchronous  # (CUDA's orchestration: streams, events, a pinned store)
         shape = (batch, kv_heads, max_len, head_dim)
         kept, dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
@@ -204,6 +214,36 @@ class HostStore:
         for h in range(k.shape[0]):
             self.k[row, h, start:end].copy_(k[h], non_blocking=True)
             self.v[row, h, start:end].copy_(v[h], non_blocking=True)
+        held = self.hold(row) if start == 0 else self.held  # (a row's first tokens: its prefill begins)
+        if held is not None and held.row == row and start <= held.upto:  # (the prefilling row: kept on the device)
+            held.k[0, :, start:end], held.v[0, :, start:end] = k, v
+            held.upto = max(held.upto, end)
+
+    def read_prefix(self, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V of row's positions [0, end) on the compute device, for a chunk of its prefill. -> [1, H_kv, n,
+        D] each. CUDA: the prefilling row's exact K/V stay on the device while its prefill needs them (HeldRow,
+        filled by write_span as positions enter the store; read over the bus only where it did not see them, a
+        stored document prefix): each position crosses the bus at most once per prefill, not once a chunk."""
+        if not self.asynchronous:
+            return self.read(row, 0, end)
+        held = self.hold(row)
+        if held.upto < end:
+            held.k[:, :, held.upto : end], held.v[:, :, held.upto : end] = self.read(row, held.upto, end)
+            held.upto = end
+        return held.k[:, :, :end], held.v[:, :, :end]
+
+    def hold(self, row: int) -> "HeldRow":
+        """The device copy of `row`'s exact K/V during its prefill (the buffers reused from row to row)."""
+        held = self.held
+        if held is None:
+            held = self.held = HeldRow(torch.empty((1, *self.k.shape[1:]), dtype=self.k.dtype, device=self.device))
+        if held.row != row:
+            held.row, held.upto = row, 0
+        return held
+
+    def release_prefix(self) -> None:
+        """The prefill is over (the first decode pass): the held row's device memory goes back."""
+        self.held = None
 
     def read(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact K/V of one row's positions [start, end) on the compute device. -> [1, H_kv, n, D] each
