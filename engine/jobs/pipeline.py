@@ -53,7 +53,7 @@ class Runner:
             self.plan = {"batch": min(self.batch, rows), "chosen_by": "flag"}
         else:
             model = replace(model_profile_from_config(self.lm.model.config, parameters=held_parameters(self.lm.model)),
-                            held_weight_bytes=held_bytes(self.lm.model)["total"])
+                            held_weight_bytes=held_bytes(self.lm.model)["total"], max_context=self.lm.max_context)
             mp = plan_for_run(model, length, policy, self.cache, batch_limit=rows, weights_resident=True)
             self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
                          "max_batch_for_context": mp.max_batch, "context": context}

@@ -23,6 +23,7 @@ from engine.errors import BadArgument, ProfileError
 from engine.kvcache.passes import sliding_windows
 from engine.model import families
 from engine.model.embedded import EMBEDDED_NAME
+from engine.model.files import context_window
 from engine.model.gguf_convert import ensure_converted
 from engine.model.gguf_header import estimate_held_bytes, read_header
 from engine.model.held_model import held_bytes, held_parameters
@@ -50,10 +51,11 @@ def model_profile_from_config(config: Any, name: str | None = None, source: str 
                               parameters: int | None = None) -> ModelProfile:
     """A ModelProfile from a Hugging Face config (dict, or an object with to_dict(), e.g. PretrainedConfig).
 
-    parameters: the true count if known (e.g. sum of numel of a loaded model); otherwise estimated.
+    parameters: the true count if known (e.g. sum of numel of a loaded model); otherwise estimated. The
+    model's window (max_context) by the loader's one rule (engine.model.files.window_rule).
     """
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    cfg = cfg.get("text_config") or cfg  # multimodal wrappers keep the LM under text_config
+    whole = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    cfg = whole.get("text_config") or whole  # multimodal wrappers keep the LM under text_config
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -77,7 +79,7 @@ def model_profile_from_config(config: Any, name: str | None = None, source: str 
     window, window_layers = sliding_layers(cfg, layers)
     return ModelProfile(
         name=str(label), display_name=str(label), **vars(shape),
-        max_context=int(cfg.get("max_position_embeddings") or 2048), parameters=int(parameters),
+        max_context=context_window(whole), parameters=int(parameters),
         sliding_window=window,
         sliding_window_layers=window_layers, source=source)
 
@@ -217,11 +219,13 @@ def device_prefetch(kind: str) -> str:
 
 
 def loaded_model_profile(lm) -> ModelProfile:
-    """A loaded model's profile: the embedded model's own, else one derived from its config."""
+    """A loaded model's profile: the embedded model's own, else one derived from its config, with the window
+    the loader found (LoadedModel.max_context: a config object fills in its class's default where config.json
+    names none)."""
     if lm.name == EMBEDDED_NAME:
         return load_model_profile("smollm2-135m")
     profile = model_profile_from_config(lm.model.config, name=lm.name, parameters=held_parameters(lm.model))
-    return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"])
+    return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"], max_context=lm.max_context)
 
 
 def profile_defaults(profile: ModelProfile, device_kind: str, prefetch: str | None = None) -> dict:
