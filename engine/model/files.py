@@ -3,9 +3,10 @@ its GGUF header (read once), the folder of its config.json and tokenizer (a GGUF
 first needed) and its config.json (read once). Everything that reads the model before or while loading
 it (the window check, the fit check, the load, the planner) takes this one object.
 
-The model's context window has one rule (context_window): the config's own length key, else
-FALLBACK_WINDOW; a GGUF's is its header's `<arch>.context_length` (what its converted config holds), read
-without converting the file."""
+The model's context window has one rule (window_rule): the config's own length key, else FALLBACK_WINDOW; a
+GGUF's is its header's `<arch>.context_length` (what its converted config holds), read without converting the
+file. The run's checks (engine.jobs.prepare), the loader (LoadedModel.max_context) and the planner's profiles
+(engine.plan.profiles.model_profile_from_config) all take it."""
 from __future__ import annotations
 
 import json

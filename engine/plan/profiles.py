@@ -22,7 +22,7 @@ from typing import Any, Iterator
 from engine.errors import BadArgument, ProfileError
 from engine.kvcache.passes import sliding_windows
 from engine.model import families
-from engine.model.embedded import EMBEDDED_NAME
+from engine.model.embedded import EMBEDDED_NAME, EMBEDDED_PROFILE
 from engine.model.files import context_window
 from engine.model.gguf_convert import ensure_converted
 from engine.model.gguf_header import estimate_held_bytes, read_header
@@ -223,7 +223,7 @@ def loaded_model_profile(lm) -> ModelProfile:
     the loader found (LoadedModel.max_context: a config object fills in its class's default where config.json
     names none)."""
     if lm.name == EMBEDDED_NAME:
-        return load_model_profile("smollm2-135m")
+        return load_model_profile(EMBEDDED_PROFILE)
     profile = model_profile_from_config(lm.model.config, name=lm.name, parameters=held_parameters(lm.model))
     return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"], max_context=lm.max_context)
 
