@@ -206,7 +206,8 @@ def test_verbose_says_how_the_run_was_prepared_and_nothing_new_without_it(tiny_m
     assert f"folder: {tiny_model_dir}" in said and "model type 'llama'" in said
     assert "window: 1024 tokens (config.json's max_position_embeddings)" in said
     assert "threads: 1 " in said and "(--threads)" in said
-    assert "defaults: bits " in said and "given: none" in said and "decoder: the engine's CausalLM" in said
+    assert "defaults: bits " in said and "given: none" in said
+    assert "decoder: the engine's CausalLM, weights in float32, not held as stored: its files hold no 16-bit" in said
     assert not [line for line in plain.stderr.splitlines() if line.startswith("-v ")]
     assert len(plain.stderr.splitlines()) == len(verbose.stderr.splitlines()) - len(steps)
     strip = ("prefill_seconds", "decode_seconds", "decode_tokens_per_second")
@@ -214,11 +215,13 @@ def test_verbose_says_how_the_run_was_prepared_and_nothing_new_without_it(tiny_m
         {k: v for k, v in json.loads(verbose.stdout).items() if k not in strip}
 
 
-def test_verbose_names_the_given_settings_and_a_gguf_window_from_its_header():
-    r = cli("summarize", str(DATA / "sample.txt"), "--max-tokens", "3", "--no-store", "--quiet", "-v", "--k", "64")
+def test_verbose_names_the_given_settings_a_gguf_window_from_its_header_and_why_it_is_not_held():
+    r = cli("summarize", str(DATA / "sample.txt"), "--max-tokens", "3", "--no-store", "--quiet", "-v", "--k", "64",
+            "--dtype", "float32")
     assert r.exit_code == 0, r.stderr
     assert "window: 8192 tokens (the GGUF header's llama.context_length)" in r.stderr
     assert "format: GGUF, architecture llama" in r.stderr and "given: k 64" in r.stderr
+    assert "not held as stored: --dtype float32 on cpu" in r.stderr
 
 
 def test_a_worker_s_copy_is_silent_and_keeps_the_resolved_model(tiny_model_dir):

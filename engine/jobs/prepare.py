@@ -31,14 +31,13 @@ from engine.errors import BadArgument, ModelLoadError, ProfileError
 from engine.jobs.pipeline import STRATEGIES, Runner, count_tokens
 from engine.kvcache import policy
 from engine.model.files import ModelFiles, model_files
-from engine.model.loading import LoadedModel, estimate_weight_bytes, load_model
+from engine.model.loading import DTYPES, LoadedModel, estimate_weight_bytes, holds_blocks, load_model
 from engine.paths import cache_root
 from engine.plan.planner import check_fits_before_load
-from engine.plan.profiles import loaded_model_profile, profile_defaults
+from engine.plan.profiles import loaded_model_profile, model_defaults
 from engine.plan.threads import choose_threads
 
 DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 PROMPT_SLACK = 512  # tokens a prompt may add around the document and question (chat template, labels)
 # the settings that size buffers in tokens (engine.config.Setting.tokens): bounded by the model's window
 WINDOW_FLAGS = {name: declared for name, declared in settings().items() if declared.tokens}
@@ -162,7 +161,7 @@ class PreparedRun:
             lm = load_model(self.files, device=r.device, dtype=r.dtype, on_status=self.notes.status,
                             on_warning=self.notes.warning)
             self.notes.say("status", f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
-            describe_decoder(lm, self.notes)
+            describe_decoder(lm, r.dtype, self.notes)
             self._runner = Runner(lm, self.cache_config(lm), r.gen, r.strategy, r.batch, store=self.store(),
                                   policy=self.policy)
         return self._runner
@@ -172,7 +171,7 @@ class PreparedRun:
         then cut to the longest model call."""
         r = self.request
         profile = loaded_model_profile(lm)
-        defaults = profile_defaults(profile, lm.device.type, r.overrides.get("prefetch"))
+        defaults = model_defaults(lm, r.overrides.get("prefetch"), profile)
         cache = CacheConfig(mode=r.mode, **defaults).with_overrides(**r.overrides)
         given = {name: value for name, value in r.overrides.items() if value is not None}
         self.notes.say("detail", f"defaults: {describe_defaults(defaults)} (model profile {profile.name}, "
@@ -245,14 +244,22 @@ def describe_model(files: ModelFiles, notes: Notes) -> None:
     notes.detail(f"window: {files.window} tokens ({files.window_origin})")
 
 
-def describe_decoder(lm: LoadedModel, notes: Notes) -> None:
-    """-v: which classes run the model and how its weights are held (a fallback's reason is a warning)."""
+def describe_decoder(lm: LoadedModel, dtype: str, notes: Notes) -> None:
+    """-v: which classes run the model and how its weights are held, and why not as stored when they are not
+    (the reason for transformers' classes is load_model's warning)."""
     if notes.detail is None:
         return
     cls = type(lm.model)
     own = cls.__module__.startswith("engine.")
-    held = "held as stored (quantized blocks or 16-bit)" if getattr(lm.model, "specache_held", False) else \
-        f"in {str(lm.dtype).removeprefix('torch.')}"
+    held = f"in {str(lm.dtype).removeprefix('torch.')}"
+    if getattr(lm.model, "specache_held", False):
+        held = "held as stored (quantized blocks or 16-bit)"
+    elif not own:
+        held += ", not held as stored: transformers' classes (the warning says why)"
+    elif not holds_blocks(lm.device, dtype):
+        held += f", not held as stored: --dtype {dtype} on {lm.device.type} (held only on a CPU with --dtype auto)"
+    else:
+        held += ", not held as stored: its files hold no 16-bit or quantized weights"
     owner = "the engine's" if own else "transformers'"
     notes.detail(f"decoder: {owner} {cls.__name__}, weights {held}")
 
