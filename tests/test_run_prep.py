@@ -254,3 +254,15 @@ def test_a_gguf_s_window_from_its_header_agrees_with_its_converted_config():
     from_header = files.window
     assert files.config["max_position_embeddings"] == from_header
     assert files.window_origin.startswith("config.json's") and files.window == from_header
+
+
+def test_plan_of_a_gguf_resolves_it_once_and_reads_its_config_once(resolutions, opened):
+    """`specache plan --model FILE.gguf` takes the model through the run's ModelFiles too."""
+    gguf = model_files(None).source.gguf
+    config = model_files(str(gguf)).folder / "config.json"  # (converted here, once per machine)
+    resolutions.clear()
+    opened.clear()
+    r = cli("plan", "--gpu", "cpu", "--model", str(gguf), "--json")
+    assert r.exit_code == 0, r.stderr
+    assert resolutions == [str(gguf)] and opened.count(str(config)) == 1
+    assert json.loads(r.stdout)["model_profile"]["max_context"] == 8192

@@ -23,11 +23,10 @@ from engine.errors import BadArgument, ProfileError
 from engine.kvcache.passes import sliding_windows
 from engine.model import families
 from engine.model.embedded import EMBEDDED_NAME, EMBEDDED_PROFILE
-from engine.model.files import context_window
-from engine.model.gguf_convert import ensure_converted
-from engine.model.gguf_header import estimate_held_bytes, read_header
+from engine.model.files import ModelFiles, context_window, model_files
+from engine.model.gguf_header import estimate_held_bytes
 from engine.model.held_model import held_bytes, held_parameters
-from engine.model.sources import OLLAMA_PREFIX, is_gguf_file, resolve_source
+from engine.model.sources import OLLAMA_PREFIX, is_gguf_file
 from engine.plan.profile_types import (  # noqa: F401  (the types are part of this module's API)
     HardwareProfile,
     ModelProfile,
@@ -177,7 +176,7 @@ def load_model_profile(name_or_path: str) -> ModelProfile:
     """A model profile by name or alias, a YAML path, a local HF model dir / config.json, or a GGUF
     file (or ollama:NAME[:TAG]), whose weights count as the engine holds them."""
     if name_or_path.startswith(OLLAMA_PREFIX):
-        return model_from_gguf(resolve_source(name_or_path).gguf)
+        return model_from_gguf(model_files(name_or_path))
     if _looks_like_path(name_or_path):
         path = Path(name_or_path).expanduser()
         if not path.exists():
@@ -185,19 +184,18 @@ def load_model_profile(name_or_path: str) -> ModelProfile:
         if path.suffix in (".yaml", ".yml"):
             return model_from_yaml(path)
         if path.is_file() and is_gguf_file(path):
-            return model_from_gguf(path)
+            return model_from_gguf(model_files(str(path)))
         return model_from_hf(path)
     return _by_name(name_or_path, list_models(), "model profile")
 
 
-def model_from_gguf(path: Path) -> ModelProfile:
-    """A GGUF file's profile: its config (converted once), its parameters counted from the tensor table
-    and its weights' bytes as held on the CPU (engine.model.gguf_header.estimate_held_bytes)."""
-    folder = ensure_converted(path, path.stem)
-    header = read_header(path)
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+def model_from_gguf(files: ModelFiles) -> ModelProfile:
+    """A GGUF's profile (files: the model as engine.model.files resolved it, once): its config (converted
+    once), its parameters counted from the tensor table and its weights' bytes as held on the CPU
+    (engine.model.gguf_header.estimate_held_bytes)."""
+    path, header = files.source.gguf, files.header
     parameters = sum(int(math.prod(t.ne)) for t in header.tensors.values())
-    profile = model_profile_from_config(config, name=path.stem, source=str(path), parameters=parameters)
+    profile = model_profile_from_config(files.config, name=path.stem, source=str(path), parameters=parameters)
     return replace(profile, held_weight_bytes=estimate_held_bytes(header))
 
 
