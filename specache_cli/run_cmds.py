@@ -6,6 +6,7 @@ import sys
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from engine.errors import BadArgument, BatchFailures, EmptyDocument, SpecacheError
 from engine.inputs.documents import STDIN
@@ -71,7 +72,7 @@ class Session:
 
     @staticmethod
     def detail(message: str) -> None:
-        err_console.print(f"[dim]-v {message}[/]", highlight=False, soft_wrap=True)
+        err_console.print(f"[dim]-v {escape(message)}[/]", highlight=False, soft_wrap=True)
 
     def saw(self, *texts: str) -> None:
         self.run.saw(*texts)

@@ -220,8 +220,12 @@ def loaded_model_profile(lm) -> ModelProfile:
     """A loaded model's profile: the embedded model's own, else one derived from its config, with the window
     the loader found (LoadedModel.max_context: a config object fills in its class's default where config.json
     names none)."""
-    if lm.name == EMBEDDED_NAME:
-        return load_model_profile(EMBEDDED_PROFILE)
+    return load_model_profile(EMBEDDED_PROFILE) if lm.name == EMBEDDED_NAME else held_model_profile(lm)
+
+
+def held_model_profile(lm) -> ModelProfile:
+    """A loaded model's profile derived from its config: its parameters and weight bytes as held, and the
+    window the loader found."""
     profile = model_profile_from_config(lm.model.config, name=lm.name, parameters=held_parameters(lm.model))
     return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"], max_context=lm.max_context)
 
