@@ -166,4 +166,4 @@ def cuda_layout(monkeypatch) -> None:
     from engine.kvcache.transfer import Transfer
 
     monkeypatch.setattr(engine.kvcache, "Transfer", lambda device: Transfer(device, residual_in_store=False))
-    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q, step: False)

@@ -14,7 +14,7 @@ import torch
 from engine.backends.streams import HOST_READS, SYNC, StandinStreams, SyncStreams, streams_for
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import DoesNotFit
-from engine.kvcache import guide_triton
+from engine.backends import triton_guide
 from engine.kvcache.transfer import HostStore, Transfer, overlap_share
 from tests.conftest import cuda_layout
 
@@ -45,9 +45,9 @@ def taken(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def kernel_gather(monkeypatch):
     """The Triton gather on CPU tensors (its interpreter); a failure stays in this test."""
     pytest.importorskip("triton")
-    if not guide_triton.interpreted():
+    if not triton_guide.interpreted():
         pytest.skip("the gather kernel runs on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1)")
-    monkeypatch.setattr(guide_triton, "FAILED", {})
+    monkeypatch.setattr(triton_guide, "FAILED", {})
 
 
 # --- the stand-in itself -------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def test_a_fixed_prefetch_without_the_kernel_refuses():
 def test_a_gather_kernel_that_does_not_run_stops_a_fixed_pass(kernel_gather, monkeypatch):
     """gather_now in a recorded pass when the kernel refuses (a launch error): said, never a silent stale set."""
     store, _, _ = standin_store(pinned=True)
-    monkeypatch.setattr(guide_triton, "gather_rows", lambda *args, **kwargs: False)
+    monkeypatch.setattr(triton_guide, "gather_rows", lambda *args, **kwargs: False)
     with pytest.raises(RuntimeError, match="in-place gather did not run"):
         store.gather_now(slice(0, 2), torch.zeros(2, 3, 8, dtype=torch.long))
     store.transfer.close()
@@ -333,7 +333,7 @@ def test_specache_through_cudas_orchestration_decodes_the_synchronous_tokens(tin
     cuda_layout(monkeypatch)
     plain = generate(tiny_model, ps, config)
     if path == "thread":
-        monkeypatch.setattr(guide_triton, "FAILED", {"gather": "switched off by the test"})
+        monkeypatch.setattr(triton_guide, "FAILED", {"gather": "switched off by the test"})
     made = standin_caches(monkeypatch)
     got = generate(tiny_model, ps, config)
     assert got.tokens == plain.tokens

@@ -354,7 +354,7 @@ def test_corrected_speculation_attends_with_the_output_tokens_own_set(tiny_model
     import engine.kvcache.guided
 
     if not fused:
-        monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+        monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q, step: False)
     (prompt,) = prompts_of((300,))
     forced = prompts_of((40,), seed=9)[0]
     base = dict(mode="specache", k=8, bits=1, group=32, residual=16, sinks=2, chunk_size=64)
@@ -433,7 +433,7 @@ def test_current_prefetch_selects_the_guides_top_k(tiny_model):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(GuidedLayer, "select_current", spy)
-        mp.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+        mp.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q, step: False)
         forward(tiny_model, cache, last.argmax(-1).view(1, 1), slice(0, 1))
     assert len(seen) == len(cache.layers)
     for layer in cache.layers:
@@ -652,7 +652,7 @@ def test_residual_window_in_the_store_equals_its_own_buffer(tiny_model, monkeypa
     from engine.kvcache.transfer import Transfer
 
     if not native_on:
-        monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+        monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q, step: False)
     prompts, gen = prompts_of((150, 97, 260)), GenerationConfig(max_tokens=20)
     (doc,) = prompts_of((200,), seed=5)
     shared = [doc + q for q in prompts_of((7, 12), seed=6)]

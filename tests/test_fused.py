@@ -126,7 +126,7 @@ def test_fused_decode_equals_torch_path(tiny_model, monkeypatch, config):
     assert calls[0] > 0, "the fused path did not run"
     layer = Engine(tiny_model, config).new_cache(1, 64).layers[0]
     assert layer.store.k.dtype == {None: torch.bfloat16, "fp32": torch.float32}[config.store_dtype]
-    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q, step: False)
     plain, plain_guides = forced_and_guides(Engine(tiny_model, config), prompt, forced)
     assert fused.shape == (len(forced), tiny_model.config.vocab_size)
     # The two paths' outputs differ by float rounding, and so do the K/V of the tokens after them: a
@@ -165,7 +165,7 @@ def test_fused_decode_of_softcapped_layers_equals_torch_path(monkeypatch, config
     monkeypatch.setattr(engine.backends.native_fused.FusedDecode, "__call__", wrapped)
     fused, fused_guides = forced_and_guides(Engine(model, config), prompt, forced)
     assert caps and set(caps) == {4.0}, "the softcapped layers did not take the native call"
-    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q, step: False)
     plain, plain_guides = forced_and_guides(Engine(model, config), prompt, forced)
     same = next((i for i, (a, b) in enumerate(zip(fused_guides, plain_guides)) if a != b), len(forced))
     assert same >= 30, f"the guides parted at step {same}"
@@ -185,7 +185,7 @@ def test_fused_batch_of_different_lengths_equals_torch_path(tiny_model, monkeypa
     prompts = prompts_of((150, 97, 260))
     gen = GenerationConfig(max_tokens=24)
     fused = next(e for e in Engine(tiny_model, config).generate(prompts, gen) if isinstance(e, Finished))
-    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q: False)
+    monkeypatch.setattr(engine.kvcache.guided, "fused_applies", lambda layer, q, step: False)
     plain = next(e for e in Engine(tiny_model, config).generate(prompts, gen) if isinstance(e, Finished))
     assert fused.tokens == plain.tokens
 

@@ -1,6 +1,6 @@
 """Every Triton kernel of the engine compiled for the GPUs on this machine, without one: sm_80 and sm_90, at the
 launch configurations the engine makes (tests/triton_compile_run.py records them from the engine's own
-wrappers and compiles them with engine.kvcache.triton_build, in a process of its own: the interpreter the other
+wrappers and compiles them with engine.backends.triton_code.build, in a process of its own: the interpreter the other
 tests run the kernels in replaces parts of triton.language). A kernel that cannot compile for a target fails
 here. Skipped only where Triton is not installed (the `gpu` extra)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fused Triton decode (engine/kvcache/triton_decode.py) run by Triton's interpreter on the CPU against the
+"""The fused Triton decode (engine/backends/triton_decode.py) run by Triton's interpreter on the CPU against the
 torch code it replaces: SpecacheLayer.attend_decode (its recorded-pass path: region scores, the fetched set's
 exact scores, the causal residual window, one softmax, mixed values, the next fetched set from the selecting
 token) on a layer assembled from a real Guide and exact buffers. Two rows of different lengths (one whose
@@ -24,7 +24,7 @@ from engine.kvcache.policies.specache import SpecacheLayer
 from engine.kvcache.sizes import quant_boundary
 
 pytest.importorskip("triton")  # (tests/conftest.py has set TRITON_INTERPRET=1)
-from engine.kvcache import triton_decode  # noqa: E402
+from engine.backends import triton_decode  # noqa: E402
 
 B, H, D, CAP, GROUP, SINKS, K, W, RESIDUAL = 2, 2, 32, 256, 32, 4, 16, 64, 16
 QEND, START = (192, 96), (230, 143)  # row 1's group leaves the window when the step commits
@@ -33,6 +33,8 @@ QEND, START = (192, 96), (230, 143)  # row 1's group leaves the window when the 
 class Store:
     """The host store as attend_decode reads it in a recorded pass: the fetched rows, a prefetch that does
     nothing (the test reads the layer's new fidx / fvalid)."""
+
+    held = None  # no row's prefill copy held (HostStore.read_prefix)
 
     def __init__(self, fk, fv):
         self.fk, self.fv = fk, fv
@@ -190,13 +192,14 @@ def drive(layer, steps: int, seed: int, monkeypatch, kernels: bool) -> list:
     """A prompt of 150 tokens into one row and 170 into the other (update, after_step), then `steps` speculative
     decode passes (two new tokens, the second selecting), each committing one -> their outputs and fetched sets;
     through the Triton kernels (kernels) or the torch code."""
-    from engine.kvcache import guided, triton_layer
+    from engine.backends import kernels as table
+    from engine.backends.triton_cuda import TritonCUDA, TritonDecode
     from engine.kvcache.passes import Step
 
-    monkeypatch.setattr(guided, "fused_applies", lambda *a: False)  # (the CPU's native call: not either of these)
-    monkeypatch.setattr(triton_layer, "DEVICES", {"cuda", "cpu"} if kernels else {"cuda"})
-    calls = []
-    monkeypatch.setattr(guided, "triton_attend", lambda *a: calls.append(1) or triton_layer.triton_attend(*a))
+    # the CPU's backend: CUDA's (its kernels in the interpreter), or the torch reference (not the native call)
+    monkeypatch.setitem(table._CHOSEN, "cpu", TritonCUDA() if kernels else table.REFERENCE)
+    calls, call = [], TritonDecode.__call__
+    monkeypatch.setattr(TritonDecode, "__call__", lambda *a: calls.append(1) or call(*a))
     gen = torch.Generator().manual_seed(seed)
     lengths = [150, 170]
     for row, n in enumerate(lengths):
@@ -217,7 +220,7 @@ def drive(layer, steps: int, seed: int, monkeypatch, kernels: bool) -> list:
 
 
 def test_a_layer_decodes_through_the_kernels_as_through_torch(monkeypatch):
-    """SpecacheLayer.attend_decode with the kernels wired in (triton_layer: the CUDA layout on the CPU, the
+    """SpecacheLayer.attend_decode with the kernels wired in (the CUDA backend chosen for the CPU: its layout, the
     interpreter running them) against the same layer's torch code: equal outputs each step and nearly the same
     fetched sets, over passes where groups leave the window and the set feeds the next pass."""
     from engine.config import CacheConfig

@@ -1,5 +1,5 @@
 """Compiles every Triton kernel of the engine at the launch configurations the engine makes, for sm_80 and
-sm_90, and prints what each compile gave as JSON lines (engine.kvcache.triton_build.Built). Run by
+sm_90, and prints what each compile gave as JSON lines (engine.backends.triton_code.build.Built). Run by
 tests/test_triton_compile.py in a process of its own, without TRITON_INTERPRET (the interpreter replaces
 parts of triton.language in the process that uses it). The configurations are the shipped model profiles'
 shapes (head_dim; query heads per KV head times the two tokens of a speculative step; their guide bits and
@@ -20,7 +20,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import DEFAULT_OUTLIERS, RESIDUAL, SINKS  # noqa: E402
-from engine.kvcache import guide_triton, quant, triton_build, triton_decode  # noqa: E402
+from engine.backends import triton_decode, triton_guide  # noqa: E402
+from engine.backends.triton_code import build as triton_build  # noqa: E402
+from engine.kvcache import quant  # noqa: E402
 from engine.kvcache.outliers import OutlierKeys  # noqa: E402
 from engine.kvcache.sizes import residual_slots, value_group  # noqa: E402
 from engine.plan.profiles import list_models  # noqa: E402
@@ -43,7 +45,7 @@ def shapes() -> list[tuple[int, int, int, int, int]]:
 
 def guide_launches(d: int, nq: int, bits: int, group: int, k: int) -> list[triton_build.Launch]:
     """The guide kernels' launches (scores, weighted values, the gather of the fetched set and of the corrected
-    slots) for one shape, recorded from the wrappers of engine/kvcache/guide_triton.py."""
+    slots) for one shape, recorded from the wrappers of engine/backends/triton_guide.py."""
     into: list[triton_build.Launch] = []
     tag = f"d{d}-q{nq}-{bits}b-g{group}"
     keys = quant.empty_keys(2, 2, CAPACITY, d, bits, group, "cpu")
@@ -51,12 +53,12 @@ def guide_launches(d: int, nq: int, bits: int, group: int, k: int) -> list[trito
     store = torch.zeros(2, 2, CAPACITY, d, dtype=torch.bfloat16)
     fetched = torch.zeros(2, 2, k, d, dtype=torch.bfloat16)
     idx = torch.zeros(2, 2, k, dtype=torch.long)
-    with triton_build.recording(guide_triton, (f"scores-{tag}", f"values-{tag}", f"gather-d{d}-k{k}"), into):
-        guide_triton.guide_scores(torch.zeros(2, 2, nq, d), keys.codes, keys.scale, keys.zero, CAPACITY, group, bits)
-        guide_triton.guide_weighted_values(torch.zeros(2, 2, nq, CAPACITY), values.codes, values.scale, values.zero,
+    with triton_build.recording(triton_guide, (f"scores-{tag}", f"values-{tag}", f"gather-d{d}-k{k}"), into):
+        triton_guide.guide_scores(torch.zeros(2, 2, nq, d), keys.codes, keys.scale, keys.zero, CAPACITY, group, bits)
+        triton_guide.guide_weighted_values(torch.zeros(2, 2, nq, CAPACITY), values.codes, values.scale, values.zero,
                                            CAPACITY, values.group, bits)
-        guide_triton.gather_rows(store, store, idx, fetched, fetched)
-        guide_triton.gather_rows(store, store, idx, fetched, fetched, only=torch.zeros(2, 2, k, dtype=torch.bool))
+        triton_guide.gather_rows(store, store, idx, fetched, fetched)
+        triton_guide.gather_rows(store, store, idx, fetched, fetched, only=torch.zeros(2, 2, k, dtype=torch.bool))
     return into
 
 
@@ -76,7 +78,7 @@ def decode_buffers(d: int, bits: int, group: int, k: int, outliers: int) -> trit
 
 def decode_launches(d: int, nq: int, bits: int, group: int, k: int) -> list[triton_build.Launch]:
     """The fused decode's launches (split, merge, select) for one shape, with the bits' default outlier channels
-    and a rotation and without, recorded from engine/kvcache/triton_decode.py's decode."""
+    and a rotation and without, recorded from engine/backends/triton_decode.py's decode."""
     into: list[triton_build.Launch] = []
     for outliers in sorted({0, DEFAULT_OUTLIERS[bits]}):
         tag = f"d{d}-q{nq}-{bits}b-g{group}-o{outliers}"

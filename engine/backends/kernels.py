@@ -20,6 +20,12 @@ every hook declines. The hooks:
   pack_weight(weight, record_bytes)          an fp32 weight repacked as exact blocks       engine.model.held_weights
   fused_decode(layer)                        a guided layer's decode pass as one call      engine.kvcache.fused
 
+Besides the hooks: `runs(hook)` says whether a hook's code runs here now (the backend available, the hook its
+own, its kernels not switched off by a failed launch); `fused_takes(layer, q, step)` whether its fused call
+takes this pass of this layer (the cache modes, layouts and dtypes its code implements: anything else runs
+the torch pass); `gather_applies` / `gather_rows` the device-side gather of exact rows from a pinned, mapped
+host store (engine.kvcache.transfer, on an asynchronous device only: not named in `describe`).
+
 A backend is one module of this package whose Kernels subclass is registered (`@register`) with its
 `name`, the device types it serves (`devices`) and its `rank` among them; `backends()` is the table they make
 (device type -> the backends in rank order), found by importing the package's modules, so a new backend is
@@ -89,6 +95,23 @@ class Kernels:
 
     def fused_decode(self, layer):
         return None
+
+    def fused_takes(self, layer, q, step) -> bool:
+        """Whether fused_decode's call computes this decode pass of `layer` (q: its queries, step: the pass)."""
+        return False
+
+    def gather_applies(self, src_k, src_v, idx, dst_k, dst_v, only=None) -> bool:
+        """Whether gather_rows runs on these tensors."""
+        return False
+
+    def gather_rows(self, src_k, src_v, idx, dst_k, dst_v, only=None) -> bool:
+        """dst[b, h, j] = src[b, h, idx[b, h, j]] for K and V on the device (only: those slots alone). -> False
+        where it does not run (the caller gathers otherwise)."""
+        return False
+
+    def runs(self, hook: str) -> bool:
+        """Whether this backend's own code runs `hook` here now."""
+        return self.available() and getattr(type(self), hook) is not getattr(Kernels, hook)
 
     def implements(self) -> dict[str, str]:
         """hook -> the backend whose code runs it: this one's where it defines the hook, else "torch" (found once

@@ -9,7 +9,7 @@ import torch
 
 from engine import native
 from engine.backends.kernels import Kernels, register
-from engine.backends.native_fused import FusedDecode
+from engine.backends.native_fused import STORE_DTYPES, FusedDecode
 
 BLOCK = 32
 
@@ -216,6 +216,11 @@ class NativeCPU(Kernels):
         if rc != 0:
             raise RuntimeError(f"specache_unpack: rc {rc}")
         return out
+
+    def fused_takes(self, layer, q, step) -> bool:
+        """An eager pass (not a recorded one) of fp32 queries on the CPU, the residual fp32, the store fp32 or bf16."""
+        return (not step.fixed and q.device.type == "cpu" and q.dtype == torch.float32
+                and layer.res_k.dtype == torch.float32 and layer.store.k.dtype in STORE_DTYPES)
 
     def fused_decode(self, layer):
         return FusedDecode(layer) if native.lib() is not None else None

@@ -49,6 +49,7 @@ class Streams:
     asynchronous = False  # the device has memory of its own and asynchronous streams
     records_graphs = False  # capture() records a pass that replay() runs again without the host
     graphs_by_default = False  # decode passes replayed as graphs unless SPECACHE_CUDA_GRAPHS says otherwise
+    kernels_of: str | None = None  # the device type whose backend (engine.backends.kernels) serves; None: its own
 
     def __init__(self, wait_seconds: float = WAIT_SECONDS):
         self.wait_seconds = wait_seconds
@@ -242,6 +243,7 @@ class StandinStreams(Streams):
 
     asynchronous = True
     records_graphs = True
+    kernels_of = "cuda"  # CUDA's backend (its Triton gather runs on CPU tensors in Triton's interpreter)
 
     def __init__(self, wait_seconds: float = STANDIN_WAIT_SECONDS):
         super().__init__(wait_seconds)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from engine.backends.kernels import backend_for
-from engine.backends.native_fused import STORE_DTYPES
 
 
 # The hooks of a guided decode pass whose code the native call reproduces, and the classes whose
@@ -53,17 +52,17 @@ def unfused(cls: type) -> dict:
     return {"fused_decode": f"torch: {cls.__name__} overrides {', '.join(own)}"} if own else {}
 
 
-def fused_applies(layer, q: torch.Tensor) -> bool:
-    """True when the fused native call can run this layer's decode pass: a guide, fp32 on the CPU (the exact
-    store fp32 or bf16), the native library, no hit-rate measurement, and no hook of the pass overridden by a
-    class whose code the call does not reproduce (hooks_reproduced)."""
+def fused_applies(layer, q: torch.Tensor, step) -> bool:
+    """True when the device's backend runs this decode pass of the layer as one call: a guide, no hit-rate
+    measurement, no hook of the pass overridden by a class whose code the call does not reproduce
+    (hooks_reproduced), and a pass the backend's call takes (Kernels.fused_takes: the native CPU's, fp32 on the
+    CPU with an fp32 or bf16 store; the Triton one's, the CUDA layout and the speculative prefetch)."""
     backend = backend_for(q.device)
-    return (layer.use_guide and q.device.type == "cpu" and q.dtype == torch.float32
-            and layer.res_k.dtype == torch.float32 and layer.store.k.dtype in STORE_DTYPES
-            and not layer.config.measure_hits and backend.available()
-            and backend.implements()["fused_decode"] != "torch" and hooks_reproduced(type(layer)))
+    return (layer.use_guide and not layer.config.measure_hits and backend.runs("fused_decode")
+            and hooks_reproduced(type(layer)) and backend.fused_takes(layer, q, step))
 
 
 def fused_decode(layer):
-    """The layer's fused call (its device's backend: engine.backends.native_fused.FusedDecode on the CPU)."""
+    """The layer's fused call (its device's backend: engine.backends.native_fused.FusedDecode on the CPU,
+    engine.backends.triton_cuda.TritonDecode on CUDA)."""
     return backend_for(layer.sink_k.device).fused_decode(layer)

@@ -50,7 +50,6 @@ from engine.kvcache.sizes import (
 )
 from engine.kvcache.guided_rows import GuidedRows
 from engine.kvcache.transfer import HostStore, Transfer
-from engine.kvcache.triton_layer import triton_applies, triton_attend
 from engine.kvcache.watch import WatchedLayer
 
 NEG_INF = float("-inf")
@@ -174,9 +173,9 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
             return False
         return self.topk == 0 or self.store.can_gather_now()
 
-    def boundaries(self, lengths: list[int]) -> list[int]:
-        """Each row's quantized prefix for these lengths (what qend becomes after after_step)."""
-        return [quant_boundary(n, self.residual, self.group) for n in lengths]
+    def boundaries(self, lengths: list[int] | torch.Tensor) -> list[int] | torch.Tensor:
+        """Each row's quantized prefix for these lengths (what qend becomes after after_step; ints or [b] tensor)."""
+        return quant_boundary(lengths, self.residual, self.group)
 
     def after_step(self, step: Step, new_q: list[int]) -> None:
         """After a pass is committed: quantize the groups that left the residual window (new_q: each
@@ -286,19 +285,18 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         return ungroup_output(out, self.shape.heads, t)
 
     def attend_decode(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
-        """One or two new tokens per row against guide + sinks + fetched set + residual (the native
-        fused call where it applies, softcapped layers included); the torch steps below otherwise."""
+        """One or two new tokens per row against guide + sinks + fetched set + residual (the device's
+        backend's fused call where it applies, softcapped layers included); the torch steps below otherwise."""
         rows, t = step.rows, step.n_new
         if self.store is not None:  # the prefill is over: a held row's device copy goes (HostStore.read_prefix)
             self.store.release_prefix()
         qg = grouped_query(q, self.shape.kv_heads)  # [b, H_kv, G*T, D]
         exact_region = self.watch is not None and self.watched(qg, scaling, step, softcap)
-        if not step.fixed and not exact_region and fused_applies(self, q):  # one native call: below
+        if not exact_region and fused_applies(self, q, step):  # one call of the device's backend
             self.fused = self.fused or fused_decode(self)
-            return ungroup_output(self.fused(qg, scaling, step, softcap).to(q.dtype), self.shape.heads, t)
-        out = triton_attend(self, qg, scaling, step, softcap) if not exact_region and triton_applies(self, q) else None
-        if out is not None:  # CUDA, where it applies: the fused Triton kernels (engine/kvcache/triton_layer.py)
-            return ungroup_output(out.to(q.dtype), self.shape.heads, t)
+            out = self.fused(qg, scaling, step, softcap)
+            if out is not None:  # (None: a kernel failed to launch, said once on stderr; the torch steps run)
+                return ungroup_output(out.to(q.dtype), self.shape.heads, t)
         qend = self.qend[rows]  # [b]
         nq = max(self.qend_host[rows]) if self.use_guide else 0
         if step.fixed and self.use_guide:  # the guide's whole capacity, its columns past a row's qend masked

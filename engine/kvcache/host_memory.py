@@ -1,62 +1,11 @@
-"""The host side of the exact store (engine/kvcache/transfer.py): memory mappings that CUDA may pin in
-place, the prefetch worker thread, and the gathers of exact K/V rows from the store."""
+"""The host side of the exact store (engine/kvcache/transfer.py): the prefetch worker thread and the gathers
+of exact K/V rows from the store (its memory, which CUDA may pin in place: engine/backends/host_mapping.py)."""
 from __future__ import annotations
 
-import mmap
 import queue
 import threading
 
-import numpy as np
 import torch
-
-from engine.kvcache import guide_triton
-
-
-class HostMapping(mmap.mmap):
-    """Anonymous private memory (as malloc's) that a device with memory of its own may pin in place
-    (Streams.pin: page-locked and mapped, so that copies from it run asynchronously and kernels may read
-    it). Unpinned before it is unmapped, also when dropped without unpin() (a registration outliving its
-    mapping would refuse the next one at that address)."""
-
-    address = nbytes = 0
-    pinned = False
-    streams = None  # the Streams that pinned it
-
-    def pin(self, streams) -> bool:
-        """Page-lock it. -> whether the device did."""
-        if not self.pinned:
-            self.pinned = streams.pin(self.address, self.nbytes)
-            self.streams = streams if self.pinned else None
-        return self.pinned
-
-    def unpin(self) -> None:
-        if self.pinned:
-            self.streams.unpin(self.address)
-            self.pinned = False
-
-    def __del__(self) -> None:
-        if self.pinned:
-            self.streams.synchronize()  # no copy from or to it is in flight
-            self.unpin()
-
-
-def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, HostMapping | None]:
-    """A zero CPU tensor in memory of its own mapping (anonymous mmap: page-aligned, the system's zero
-    pages until written, returned to the system when the tensor is freed), and that mapping (None for
-    an empty tensor). torch.zeros writes every byte, so a store planned for prompt + max_tokens would be
-    resident in full from the start; this one costs resident memory only for the positions a run writes."""
-    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype), None
-    mapping = HostMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
-    mapping.address, mapping.nbytes = t.data_ptr(), nbytes
-    return t, mapping
-
-
-def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """mapped_zeros' tensor."""
-    return mapped_zeros(shape, dtype)[0]
 
 
 class PrefetchWorker:
@@ -93,19 +42,20 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None
 
 
 def corrected_rows_fixed(fk: torch.Tensor, fv: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor,
-                         idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor, in_place: bool = False):
+                         idx: torch.Tensor, old_idx: torch.Tensor, old_valid: torch.Tensor, in_place=None):
     """corrected_rows at fixed shapes and without a host read (a recorded pass, Step.fixed): each slot of idx
     [b, H_kv, k] matched against the k fetched positions old_idx (valid where old_valid) pairwise, the
     matches taken from fk/fv [b, H_kv, k, D], every other slot read from the host store host_k/v: with
-    in_place (a pinned, mapped store) by the kernel's gather of those slots only (the store read over the bus)
-    where it runs, else gathered whole and chosen by torch.where. -> (k rows, v rows, reused [b, H_kv, k] bool)."""
+    in_place (a pinned, mapped store: the device backend's Kernels.gather_rows) by its gather of those slots
+    only (the store read over the bus) where it runs, else gathered whole and chosen by torch.where.
+    -> (k rows, v rows, reused [b, H_kv, k] bool)."""
     d = fk.shape[-1]
     eq = (idx[..., :, None] == old_idx[..., None, :]) & old_valid[..., None, :]  # [b, H_kv, k, k]
     reused = eq.any(-1)
     rows = eq.to(torch.uint8).argmax(-1)[..., None].expand(-1, -1, -1, d)
     k, v = fk.gather(2, rows), fv.gather(2, rows)
     missing = ~reused
-    if in_place and guide_triton.gather_rows(host_k, host_v, idx, k, v, only=missing):
+    if in_place is not None and in_place(host_k, host_v, idx, k, v, only=missing):
         return k, v, reused
     got_k = torch.empty(*idx.shape, d, dtype=host_k.dtype, device=host_k.device)
     got_v = torch.empty_like(got_k)

@@ -7,14 +7,14 @@ dequantized copy of the guide: per group, K = s * c + z, so q @ K^T = (q * s) @ 
 q @ z^T, with c the expanded codes (exact small integers) and s folded into the query
 (keys) or the probabilities (values).
 
-On a CPU the kernels run the native code of ``engine.native`` (C, engine/native/
-guide_kernels.c: 4-bit lookup tables with the queries in SIMD lanes, fp32 throughout)
-when it can be built and ``$SPECACHE_NATIVE`` is not 0; one thread unless
-``$SPECACHE_NATIVE_THREADS`` says otherwise. It reads this same layout (it gathers a
-token's channel bits, or a channel's token bits, with a few SIMD instructions).
-On CUDA the Triton kernels of engine/kvcache/guide_triton.py read the same layout in one launch
-each (GUIDE_KERNELS, guide_kernel). Otherwise the torch code below expands the codes in cache-sized
-chunks and multiplies. The ``*_reference`` functions dequantize then matmul, for tests.
+The device's backend (engine.backends.kernels: its guide_scores / guide_values hooks) computes them where it
+takes the call: on a CPU the native code of ``engine.native`` (C, engine/native/guide_kernels.c: 4-bit
+lookup tables with the queries in SIMD lanes, fp32 throughout) when it can be built and ``$SPECACHE_NATIVE``
+is not 0; one thread unless ``$SPECACHE_NATIVE_THREADS`` says otherwise. It reads this same layout (it
+gathers a token's channel bits, or a channel's token bits, with a few SIMD instructions). On CUDA the
+Triton kernels of engine/backends/triton_guide.py read the same layout in one launch each (guide_kernel
+names the code a device gets). Otherwise the torch code below, the hooks' reference, expands the codes in
+cache-sized chunks and multiplies. The ``*_reference`` functions dequantize then matmul, for tests.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine import native
 from engine.backends.kernels import backend_for
-from engine.kvcache import codes, guide_triton
+from engine.kvcache import codes
 from engine.kvcache.codes import (
     _VR,
     VALUE_BLOCK,
@@ -88,8 +87,7 @@ def guide_scores(
     j = _key_groups(n, qk.group, qk.capacity)
     if j == 0:
         return q.new_zeros(b, h, nq, 0, dtype=torch.float32)
-    kernel = GUIDE_KERNELS.get(q.device.type)
-    out = kernel[0](q, qk, n) if kernel is not None else None
+    out = backend_for(q.device).guide_scores(q, qk, n)
     return out if out is not None else _torch_scores(q, qk, n, dtype)
 
 
@@ -123,11 +121,6 @@ def _torch_scores(q: Tensor, qk: QuantizedKeys, n: int, dtype: torch.dtype) -> T
     return out.view(b, h, nq, n)
 
 
-def _native_scores(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor | None:
-    """``guide_scores`` by the CPU's backend (engine.backends.native_cpu), or None where it does not apply."""
-    return backend_for("cpu").guide_scores(q, qk, n)
-
-
 def guide_scores_reference(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor:
     """Dequantize-then-matmul version of ``guide_scores`` (for tests): fp32 [B, Hkv, Q, n]."""
     return torch.matmul(q.float(), dequantize_keys(qk, n).transpose(-1, -2))
@@ -150,8 +143,7 @@ def guide_weighted_values(
         raise ValueError(f"p has {p.shape[-1]} columns, expected n={n}")
     if n == 0:
         return p.new_zeros(b, h, nq, d, dtype=torch.float32)
-    kernel = GUIDE_KERNELS.get(p.device.type)
-    out = kernel[1](p, qv, n) if kernel is not None else None  # (reads the first n tokens of the full buffers)
+    out = backend_for(p.device).guide_values(p, qv, n)  # (reads the first n tokens of the full buffers)
     return out if out is not None else _torch_weighted_values(p, qv, n, dtype)
 
 
@@ -194,41 +186,17 @@ def _torch_weighted_values(p: Tensor, qv: QuantizedValues, n: int, dtype: torch.
     return (acc.transpose(-1, -2) + zt.transpose(-1, -2)[..., None]).reshape(b, h, nq, d)
 
 
-def _native_weighted_values(p: Tensor, qv: QuantizedValues, n: int) -> Tensor | None:
-    """``guide_weighted_values`` by the CPU's backend, or None where it does not apply."""
-    return backend_for("cpu").guide_values(p, qv, n)
-
-
 def guide_weighted_values_reference(p: Tensor, qv: QuantizedValues, n: int) -> Tensor:
     """Dequantize-then-matmul version of ``guide_weighted_values``: fp32 [B, Hkv, Q, D]."""
     return torch.matmul(p.float(), dequantize_values(qv, n))
 
 
-def _triton_scores(q: Tensor, qk: QuantizedKeys, n: int) -> Tensor | None:
-    """``guide_scores`` by the Triton kernel (engine/kvcache/guide_triton.py), or None where it does not apply."""
-    return guide_triton.guide_scores(q, qk.codes, qk.scale, qk.zero, n, qk.group, qk.bits)
-
-
-def _triton_weighted_values(p: Tensor, qv: QuantizedValues, n: int) -> Tensor | None:
-    """``guide_weighted_values`` by the Triton kernel, or None where it does not apply."""
-    return guide_triton.guide_weighted_values(p, qv.codes, qv.scale, qv.zero, n, qv.group, qv.bits)
-
-
-# The guide's kernels per device type: (scores, weighted values), each returning None where it does not
-# apply (no native library or no Triton, another layout); the torch code above runs then, and everywhere
-# else. guide_kernel() says which one a device gets (--json, benches).
-GUIDE_KERNELS = {"cpu": (_native_scores, _native_weighted_values),
-                 "cuda": (_triton_scores, _triton_weighted_values)}
-
-
 def guide_kernel(device: torch.device) -> str:
-    """Which code computes the guide's scores and weighted values on this device: "native" (C, the CPU),
-    "triton" (CUDA) or "torch" (the fallback: no native library, no Triton, or another device)."""
-    if device.type == "cpu" and native.lib() is not None:
-        return "native"
-    if device.type == "cuda" and guide_triton.available("guide"):
-        return "triton"
-    return "torch"
+    """Which code computes the guide's scores and weighted values on this device: its backend's name ("native"
+    on a CPU, "triton" on CUDA) where that runs them, else "torch" (no native library, no Triton, a failed
+    launch, or another device)."""
+    backend = backend_for(device)
+    return backend.name if backend.runs("guide_scores") else "torch"
 
 
 # ---------------------------------------------------------------------------- storage

@@ -102,9 +102,11 @@ def value_group(group: int, head_dim: int) -> int:
     return math.gcd(group, head_dim)
 
 
-def quant_boundary(length: torch.Tensor | int, residual: int, group: int) -> torch.Tensor | int:
+def quant_boundary(length: torch.Tensor | int | list[int], residual: int, group: int) -> torch.Tensor | int | list[int]:
     """Positions below the returned value are quantized: whole groups that left the residual window
-    (a tensor of lengths, or one length as an int: the host's copy, read without a device sync)."""
+    (a tensor of lengths, or one length as an int: the host's copy, read without a device sync; a list: each)."""
+    if isinstance(length, list):
+        return [quant_boundary(n, residual, group) for n in length]
     if isinstance(length, int):
         return max(length - residual, 0) // group * group
     return ((length - residual).clamp(min=0) // group) * group

@@ -6,14 +6,16 @@ On a device with memory of its own and asynchronous streams (CUDA; engine.backen
 stand-in runs this code on CPU tensors in the tests) the store lives in host memory pinned in place at
 exactly its bytes (Transfer.pin_host, once the cache is built; mapped into the device's address space). A prefetch
 must not stall the GPU: a Triton kernel on a side stream reads the selected rows straight from the
-pinned store into the device's fetched set (engine.kvcache.guide_triton.gather_rows), recording a
+pinned store into the device's fetched set (its backend's Kernels.gather_rows: on CUDA
+engine.backends.triton_guide.gather_rows), recording a
 `ready` event. Without Triton (or after a launch error) the fallback is a worker thread: the indices
 are copied to pinned host memory asynchronously (an event marks when they are there), the thread
 gathers the rows on the CPU into a pinned staging buffer and issues the copy on the side stream. The
 next step's attention makes the compute stream wait for `ready`, so the fetch overlaps everything the
 GPU does in between (the rest of this step, and the layers before this one in the next).
 `overlap_share()` reports how often the fetch had finished before the attention needed it. The host
-memory itself, the worker thread and the row gathers are in engine/kvcache/host_memory.py.
+memory itself is engine/backends/host_mapping.py's; the worker thread and the row gathers are in
+engine/kvcache/host_memory.py.
 
 Exact mode's verification (engine/kvcache/policies/exact.py) attends with every committed exact K/V. On
 CUDA a `VerifyStream` copies them layer by layer from the pinned store into two device buffers on
@@ -26,18 +28,11 @@ import threading
 
 import torch
 
+from engine.backends.host_mapping import HostMapping, mapped_zeros, untouched_zeros
+from engine.backends.kernels import backend_for
 from engine.backends.streams import Streams, streams_for
 from engine.errors import DoesNotFit
-from engine.kvcache import guide_triton
-from engine.kvcache.host_memory import (
-    HostMapping,
-    PrefetchWorker,
-    corrected_rows,
-    corrected_rows_fixed,
-    gather_rows,
-    mapped_zeros,
-    untouched_zeros,
-)
+from engine.kvcache.host_memory import PrefetchWorker, corrected_rows, corrected_rows_fixed, gather_rows
 from engine.kvcache.verify_stream import WHOLE_ROWS_WASTE, VerifyStream, copy_prefix
 from engine.machine import pinnable_bytes
 
@@ -85,6 +80,11 @@ class Transfer:
         if mapping is not None:
             self._mappings.append(mapping)
         return t
+
+    @property
+    def kernels(self):
+        """The device's backend (engine.backends.kernels; the stand-in's: CUDA's), for its gather from the store."""
+        return backend_for(self.streams.kernels_of or self.device)
 
     @property
     def pinned(self) -> bool:
@@ -280,7 +280,7 @@ class HostStore:
     def can_gather_now(self) -> bool:
         """Whether gather_now runs here: on the CPU always; on an asynchronous device with the store pinned
         (mapped) and the Triton gather available (the store is read in place)."""
-        return not self.asynchronous or (self.transfer.pinned and guide_triton.available("gather"))
+        return not self.asynchronous or (self.transfer.pinned and self.transfer.kernels.runs("gather_rows"))
 
     def gather_now(self, rows: slice, idx: torch.Tensor) -> None:
         """Fetch the exact K/V at idx [b, H_kv, k] into the fetched set on the compute stream, in order with
@@ -290,7 +290,8 @@ class HostStore:
             gather_rows(self.k[rows], idx, self.fk[rows, :, :n])
             gather_rows(self.v[rows], idx, self.fv[rows, :, :n])
             return
-        if not guide_triton.gather_rows(self.k[rows], self.v[rows], idx, self.fk[rows, :, :n], self.fv[rows, :, :n]):
+        if not self.transfer.kernels.gather_rows(self.k[rows], self.v[rows], idx, self.fk[rows, :, :n],
+                                                 self.fv[rows, :, :n]):
             raise RuntimeError("the in-place gather did not run: the pass cannot be fixed-shape (can_gather_now)")
 
     def join(self) -> None:
@@ -306,12 +307,12 @@ class HostStore:
         copy), after what the compute stream queued so far (idx, and the attention that read the set it
         replaces). -> False where the kernel does not run (the worker thread's path then)."""
         k, v, fk, fv = self.k[rows], self.v[rows], self.fk[rows, :, :n], self.fv[rows, :, :n]
-        if not guide_triton.gather_applies(k, v, idx, fk, fv):
+        if not self.transfer.kernels.gather_applies(k, v, idx, fk, fv):
             return False
         side = self.transfer.stream
         self.idx_ready.record()
         side.wait_event(self.idx_ready)
-        if not self.streams.launch(side, lambda: guide_triton.gather_rows(k, v, idx, fk, fv)):
+        if not self.streams.launch(side, lambda: self.transfer.kernels.gather_rows(k, v, idx, fk, fv)):
             return False
         self.ready.record(side)
         if record:  # (not in a recorded pass: its idx is the graph's own memory)
@@ -370,7 +371,8 @@ class HostStore:
         fk, fv = self.fetched(rows, fixed)
         if fixed or self.asynchronous:
             k, v, reused = corrected_rows_fixed(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx,
-                                                old_valid, in_place=self.asynchronous and self.transfer.pinned)
+                                                old_valid, in_place=self.transfer.kernels.gather_rows
+                                                if self.asynchronous and self.transfer.pinned else None)
         else:
             k, v, reused = corrected_rows(fk[:, :, :n], fv[:, :, :n], self.k[rows], self.v[rows], idx, old_idx,
                                           old_valid, bound)

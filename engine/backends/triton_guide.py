@@ -23,7 +23,7 @@ MIN_DOT = 16  # tl.dot's smallest dimension: the queries are padded to it
 
 FAILED: dict[str, str] = {}  # per family ("guide", "gather", "decode"): the first launch error; then the fallback runs
 FALLBACK = {"guide": "the torch code computes the guide", "gather": "a worker thread gathers the fetched rows",
-            "decode": "the torch code decodes (engine/kvcache/triton_layer.py)"}
+            "decode": "the torch code decodes (engine/backends/triton_cuda.py)"}
 
 
 def launch(family: str, kernel, grid, *args, **meta) -> bool:
@@ -47,11 +47,11 @@ def available(family: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def kernels():
-    """(scores, values, gather) kernels of engine/kvcache/triton_kernels.py, or None without Triton. Loaded on
+    """(scores, values, gather) kernels of engine/backends/triton_code/guide_kernels.py, or None without Triton. Loaded on
     first use, by name (Triton is an optional dependency, and importing it costs ~0.25 s; Triton reads
     TRITON_INTERPRET when it jits them)."""
     try:
-        mod = importlib.import_module("engine.kvcache.triton_kernels")
+        mod = importlib.import_module("engine.backends.triton_code.guide_kernels")
     except ImportError:
         return None
     return mod.scores_kernel, mod.values_kernel, mod.gather_kernel

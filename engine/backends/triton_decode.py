@@ -1,6 +1,6 @@
 """A guided layer's decode pass in Triton kernels (CUDA; Triton's interpreter in the tests): what
 GuidedLayer.attend_decode and select_and_prefetch compute with ~30 torch ops, and the CPU's native call
-(engine/kvcache/fused.py) in one, here flash-decoding over split blocks of the guide:
+(engine/backends/native_fused.py) in one, here flash-decoding over split blocks of the guide:
 
 1. guide_split_kernel, per (row, KV head, split of the guide region): scores of the grouped queries against
    the packed 1/2-bit key codes (and the 4-bit outlier channels) on the tensor cores, fp16 operands and fp32
@@ -33,9 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kvcache.codes import QuantizedKeys, QuantizedValues
-from engine.kvcache.guide_triton import MIN_DOT, _padded, launch
-from engine.kvcache.outliers import OutlierKeys
+from engine.backends.triton_guide import MIN_DOT, _padded, launch
 
 PROGRAMS = 256  # splits per pass: enough (row, KV head, split) programs for this many at least
 # the guide's key dots split the scaled queries into two fp16 parts (PRECISE) up to this head size (past it,
@@ -51,9 +49,9 @@ class DecodeBuffers:
     at positions fidx [B, H, K] where fvalid, the residual window res_k / res_v [B, H, W, D] (slot j at
     position qend + j), and each row's qend [B] (long)."""
 
-    keys: QuantizedKeys
-    values: QuantizedValues
-    outliers: OutlierKeys | None
+    keys: object  # engine.kvcache.codes.QuantizedKeys
+    values: object  # engine.kvcache.codes.QuantizedValues
+    outliers: object | None  # engine.kvcache.outliers.OutlierKeys
     rotation: torch.Tensor | None
     sink_k: torch.Tensor
     sink_v: torch.Tensor
@@ -88,9 +86,9 @@ class DecodePass:
 
 @functools.lru_cache(maxsize=1)
 def kernels():
-    """(split, merge, select) kernels of engine/kvcache/triton_decode_kernels.py, or None without Triton."""
+    """(split, merge, select) kernels of engine/backends/triton_code/decode_kernels.py, or None without Triton."""
     try:
-        mod = importlib.import_module("engine.kvcache.triton_decode_kernels")
+        mod = importlib.import_module("engine.backends.triton_code.decode_kernels")
     except ImportError:
         return None
     return mod.guide_split_kernel, mod.decode_merge_kernel, mod.select_weights_kernel
@@ -177,7 +175,7 @@ def _selects(p: DecodePass) -> bool:
 
 
 def _candidates(buf: DecodeBuffers, p: DecodePass, geo: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidate lists of a selecting pass (int64 keys, engine/kvcache/triton_decode_kernels.py's _keys):
+    """The candidate lists of a selecting pass (int64 keys, engine/backends/triton_code/decode_kernels.py's _keys):
     the guide's, the CP best of each split [b*H, splits, CP], and the exact positions' [b*H, K + W]; stand-ins
     (never written) otherwise."""
     b, h = p.q.shape[:2]
@@ -244,7 +242,7 @@ def top_positions(keys: torch.Tensor, bound: torch.Tensor, sinks: int, k: int) -
 def decode(buf: DecodeBuffers, p: DecodePass) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
     """One guided decode pass (module docstring) -> (output fp32 [b, H, G*T, D], the next fetched set
     (idx, valid) [b, H, k] when p.select or p.select_both, else None), or None where a kernel failed to launch
-    (said once on stderr by guide_triton.launch; the caller computes the pass otherwise)."""
+    (said once on stderr by triton_guide.launch; the caller computes the pass otherwise)."""
     if kernels() is None:
         raise RuntimeError("the fused Triton decode needs Triton")
     geo = _geometry(buf, p)

@@ -8,7 +8,7 @@ kernel at the engine's launch configurations with it; a planner could read a ker
 memory for its occupancy.
 
 The launches come from the engine's launch code itself (``recording``: the kernels swapped for recorders
-while a wrapper of engine/kvcache/guide_triton.py or triton_decode.py runs on CPU tensors), so the
+while a wrapper of engine/backends/triton_guide.py or triton_decode.py runs on CPU tensors), so the
 signatures cannot drift from what the engine passes. Triton's interpreter (TRITON_INTERPRET=1) replaces
 parts of triton.language in the process that runs it, so compiling happens in a process of its own
 (tests/triton_compile_run.py)."""

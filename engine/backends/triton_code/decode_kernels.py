@@ -1,5 +1,5 @@
 """The fused guided decode's Triton kernels (their launch code, the contract and the layout:
-engine/kvcache/triton_decode.py). Imported only where they run (CUDA, or Triton's interpreter in the tests).
+engine/backends/triton_decode.py). Imported only where they run (CUDA, or Triton's interpreter in the tests).
 
 The guide's dots take fp16 operands on the tensor cores with fp32 accumulation: the key codes are small
 integers (exact in fp16) and the key scale is folded into the queries (a block of tokens lies inside one key

@@ -1,4 +1,4 @@
-"""The guide's Triton kernels (wrappers, layout and references: engine/kvcache/guide_triton.py). Imported
+"""The guide's Triton kernels (wrappers, layout and references: engine/backends/triton_guide.py). Imported
 only where they run (CUDA, or Triton's interpreter in the tests): importing Triton costs ~0.25 s."""
 import triton
 import triton.language as tl
