@@ -144,6 +144,31 @@ def test_the_reference_declines_every_hook_and_names_torch():
     assert kernels.describe("meta") == {"name": "torch", "reference_hooks": list(kernels.HOOKS)}
 
 
+def test_a_cuda_device_gets_the_triton_backend_from_the_table(monkeypatch):
+    """The table lists the Triton backend for the device type cuda; a CUDA device (any index) gets it, once, and
+    --json's backend and guide_kernel name it; the streams' stand-in (CUDA's orchestration on CPU tensors) asks
+    it for the store's gather; without Triton a CUDA device gets the torch reference, said as "torch"."""
+    pytest.importorskip("triton")
+    from engine.backends.streams import StandinStreams
+    from engine.backends.triton_cuda import TritonCUDA
+    from engine.kvcache.transfer import Transfer
+
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    assert [cls.name for cls in kernels.backends()["cuda"]] == ["triton"]
+    chosen = kernels.backend_for("cuda")
+    assert type(chosen) is TritonCUDA and kernels.backend_for(torch.device("cuda", 1)) is chosen
+    described = kernels.describe("cuda")
+    assert described["name"] == "triton" and "rms_norm" in described["reference_hooks"]
+    assert not {"guide_scores", "guide_values", "fused_decode"} & set(described["reference_hooks"])
+    assert quant.guide_kernel(torch.device("cuda")) == "triton"
+    transfer = Transfer(torch.device("cpu"), streams=StandinStreams())
+    assert transfer.kernels is chosen and Transfer(torch.device("cpu")).kernels is kernels.backend_for("cpu")
+    transfer.close()
+    monkeypatch.setattr(TritonCUDA, "available", classmethod(lambda cls: False))
+    kernels.forget()
+    assert kernels.backend_for("cuda") is kernels.REFERENCE and quant.guide_kernel(torch.device("cuda")) == "torch"
+
+
 PROBE = '''"""A test's backend: the CPU's first choice, with one hook of its own."""
 import torch
 

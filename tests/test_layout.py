@@ -4,6 +4,7 @@ every package is installed by pyproject.toml."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -315,3 +316,33 @@ def test_adding_a_policy_is_one_module(tmp_path, tiny_model_dir):
     assert probe[0]["store"]["hit"] is False and probe[1]["store"]["hit"] is True
     assert probe[0]["store"]["key"] == probe[1]["store"]["key"] != kivi[0]["store"]["key"]
     assert sorted(e["mode"] for e in out["store"]) == ["kivi", "probe"]
+
+
+# The modules outside engine/backends that may test for CUDA or call torch.cuda themselves, and why: each finds
+# out what the machine is or which device a flag names, none chooses code for a device (the backends do).
+CUDA_ALLOWED = {
+    "engine/plan/hardware.py": "hardware detection: the GPU's name, memory and bus bandwidth",
+    "engine/plan/profiles.py": "the built-in hardware profile matching torch.cuda's device name",
+    "engine/plan/profile_types.py": "a hardware profile's kind and CUDA names",
+    "engine/plan/roofline.py": "the planner's model of a machine kind (a profile's, not a device's)",
+    "engine/plan/planner.py": "the planner's model of a machine kind (a profile's, not a device's)",
+    "engine/model/loading.py": "--device auto / cuda resolved to a torch device (pick_device)",
+    "engine/jobs/workers.py": "Ray's GPU placement for --device cuda",
+    "specache_cli/run_cmds.py": "--device checked against the CUDA devices present",
+}
+CUDA_BRANCH = re.compile(r'^\s*(import triton|from triton)|torch\.cuda\b|[=!]= "cuda"|startswith\("cuda"\)|\.is_cuda\b',
+                         re.M)
+
+
+def test_only_the_backends_branch_on_cuda_or_import_triton():
+    """No module outside engine/backends imports Triton or branches on a CUDA device (`device.type == "cuda"`,
+    torch.cuda, `.is_cuda`) but CUDA_ALLOWED's; they ask the device's backend (engine.backends.kernels) or its
+    streams (engine.backends.streams) instead."""
+    found = set()
+    for pkg in ("engine", "specache_cli"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if not rel.startswith("engine/backends/") and CUDA_BRANCH.search(path.read_text()):
+                found.add(rel)
+    assert found <= set(CUDA_ALLOWED), sorted(found - set(CUDA_ALLOWED))
+    assert all((ROOT / rel).is_file() for rel in CUDA_ALLOWED)

@@ -239,3 +239,64 @@ def test_a_layer_decodes_through_the_kernels_as_through_torch(monkeypatch):
         same = sum(len(set(i1[r, h][v1[r, h]].tolist()) & set(i2[r, h][v2[r, h]].tolist()))
                    for r in range(B) for h in range(H))
         assert torch.equal(v1.sum(-1), v2.sum(-1)) and v2.sum() > 0 and same >= 0.9 * int(v2.sum())
+
+
+def mode_layer(mode: str, residual_in_store: bool = False, **settings):
+    """A layer of policy `mode` on the CPU (the CUDA layout: residual buffers of its own, unless residual_in_store)."""
+    from engine.config import CacheConfig
+    from engine.kvcache import registry
+    from engine.kvcache.transfer import Transfer
+
+    registry.discover()
+    config = CacheConfig(**{"mode": mode, "bits": 2, "group": 32, "k": 16, "residual": 16, "sinks": 4,
+                            "chunk_size": 192, "correct": False, **settings})
+    return registry.policy(mode)(ModelShape(1, 2 * H, H, D), config, B, 512, torch.float32, torch.device("cpu"),
+                                 Transfer(torch.device("cpu"), residual_in_store=residual_in_store))
+
+
+# (policy, settings, residual window in the store, $SPECACHE_TRITON_DECODE) -> whether the fused kernels take the
+# layer's decode passes: only the CUDA layout, the speculative prefetch without the corrected set (or nothing
+# fetched: kivi), no hit measurement, a guide (window mode has none), and only when asked for
+MODES = [
+    ("specache", {}, False, "1", True),
+    ("kivi", {"correct": True}, False, "1", True),  # nothing fetched: no set to correct
+    ("specache", {"correct": True}, False, "1", False),
+    ("specache", {"prefetch": "current"}, False, "1", False),
+    ("specache", {"measure_hits": True}, False, "1", False),
+    ("specache", {"store_dtype": "fp32"}, True, "1", False),  # the CPU layout: the window is the store's positions
+    ("specache", {}, False, None, False),
+    ("window", {}, False, "1", False),
+]
+
+
+@pytest.mark.parametrize("mode, settings, in_store, env, takes", MODES)
+def test_the_fused_triton_decode_takes_only_the_modes_it_implements(mode, settings, in_store, env, takes,
+                                                                    monkeypatch):
+    """The CUDA backend chosen from the table for the device its layer is on (here the CPU, standing in),
+    engine.kvcache.fused.fused_applies says the Triton call runs a decode pass only in the modes the kernels
+    compute; every other mode runs the torch pass."""
+    from engine.backends import kernels as table
+    from engine.backends.triton_cuda import TritonCUDA
+    from engine.kvcache.fused import fused_applies
+    from engine.kvcache.passes import Step
+
+    monkeypatch.setitem(table._CHOSEN, "cpu", TritonCUDA())
+    if env is None:
+        monkeypatch.delenv("SPECACHE_TRITON_DECODE", raising=False)
+    else:
+        monkeypatch.setenv("SPECACHE_TRITON_DECODE", env)
+    layer = mode_layer(mode, in_store, **settings)
+    assert layer.res_in_store is in_store
+    step = Step(slice(0, B), torch.tensor([150, 170]), 2, 1, select=1)
+    assert fused_applies(layer, torch.zeros(B, 2 * H, 2, D), step) is takes
+
+
+def test_kivi_decodes_through_the_kernels_as_through_torch(monkeypatch):
+    """kivi (k = 0: nothing fetched, the guide, sinks and window only) through the fused kernels equals its
+    torch pass each step, the fetched set left empty."""
+    monkeypatch.setenv("SPECACHE_TRITON_DECODE", "1")
+    got = drive(mode_layer("kivi"), 3, 12, monkeypatch, kernels=True)
+    want = drive(mode_layer("kivi"), 3, 12, monkeypatch, kernels=False)
+    for (o1, _, v1), (o2, _, v2) in zip(got, want):
+        torch.testing.assert_close(o1, o2, atol=3e-3, rtol=1e-3)
+        assert not v1.any() and not v2.any()

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 
+from engine.backends.streams import streams_for
 from engine.kvcache import KVCache
 from engine.model.linear_passes import prefill_pass
 from engine.native import release_freed_memory
@@ -62,6 +63,6 @@ def prefill(model, cache: KVCache, prompt: list[int], row: int, chunk_size: int)
 
 
 def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA), so that a clock reading means something."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the device's queued work (its streams': CUDA's; nothing on the CPU), so that a clock reading
+    means something."""
+    streams_for(device).synchronize()
