@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine import native
+from engine.backends import native_cpu
 from engine.model import decode_kernels as dk
 from engine.model.gguf_tensors import held_from_raw
 from engine.model.linear_passes import prefill_pass
@@ -75,7 +76,7 @@ def test_the_kernel_quantizes_as_the_torch_reference_does():
 def test_the_choice_is_declared(monkeypatch):
     monkeypatch.delenv(dk.ENV, raising=False)
     want = {"avx512": "int16", "avx2": "int16"}.get(native.isa(), "exact")  # int16 where it was measured
-    assert dk.choose() == dk.DEFAULT_BY_ISA.get(native.isa(), "exact") == want
+    assert dk.choose() == native_cpu.DECODE_LINEAR_BY_ISA.get(native.isa(), "exact") == want
     for value in dk.CHOICES:
         monkeypatch.setenv(dk.ENV, value)
         assert dk.choose() == value

@@ -222,21 +222,30 @@ def test_a_store_that_cannot_be_pinned_is_refused_before_anything_is_pinned():
 
 
 def test_sdpa_backends_are_chosen_per_device_from_one_table(monkeypatch):
-    """engine.kvcache.base.SDPA_BACKENDS names the backends each device's attention may use (CUDA: not
-    cuDNN, which plans each new key length): a table entry is applied (an empty one leaves no kernel),
-    and a device it does not name keeps torch's choice."""
+    """The device's backends in the table (engine.backends.kernels.sdpa_backends) name the SDPA backends its
+    attention may use (CUDA's: not cuDNN, which plans each new key length): a declared list is applied (an
+    empty one leaves no kernel), and a device whose backends declare none keeps torch's choice."""
     import engine.kvcache.base as base
     from torch.nn.attention import SDPBackend
 
-    assert SDPBackend.CUDNN_ATTENTION not in base.SDPA_BACKENDS["cuda"]
+    from engine.backends import kernels
+    from engine.backends.native_cpu import NativeCPU
+
+    assert SDPBackend.CUDNN_ATTENTION not in kernels.sdpa_backends("cuda") and kernels.sdpa_backends("cpu") is None
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.3)
     assert torch.equal(base.sdpa(q, k, v, None, 0.3), want)
-    monkeypatch.setitem(base.SDPA_BACKENDS, "cpu", [SDPBackend.MATH])
-    torch.testing.assert_close(base.sdpa(q, k, v, None, 0.3), want)
-    monkeypatch.setitem(base.SDPA_BACKENDS, "cpu", [])
-    with pytest.raises(RuntimeError):
-        base.sdpa(q, k, v, None, 0.3)
+    try:
+        monkeypatch.setattr(NativeCPU, "sdpa_backends", [SDPBackend.MATH])
+        kernels.sdpa_backends.cache_clear()
+        torch.testing.assert_close(base.sdpa(q, k, v, None, 0.3), want)
+        monkeypatch.setattr(NativeCPU, "sdpa_backends", [])
+        kernels.sdpa_backends.cache_clear()
+        with pytest.raises(RuntimeError):
+            base.sdpa(q, k, v, None, 0.3)
+    finally:
+        monkeypatch.undo()
+        kernels.sdpa_backends.cache_clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -54,6 +54,7 @@ class Kernels:
     name: ClassVar[str] = "torch"
     devices: ClassVar[tuple[str, ...]] = ()  # device types it serves (the reference serves every one)
     rank: ClassVar[int] = 0  # its place among a device's backends: lowest first
+    sdpa_backends: ClassVar[list | None] = None  # torch's SDPA backends its devices' attention may use (None: any)
 
     @classmethod
     def available(cls) -> bool:
@@ -161,6 +162,15 @@ def backend_for(device: torch.device | str) -> Kernels:
 def forget() -> None:
     """Choose again on the next backend_for (tests that switch a library off)."""
     _CHOSEN.clear()
+    sdpa_backends.cache_clear()
+
+
+@functools.cache
+def sdpa_backends(kind: str) -> list | None:
+    """The SDPA backends torch may use on a device type, in its order of preference: the first of the type's
+    backends in the table that declares some (its own library here or not: torch computes the attention), else
+    None (torch's own choice)."""
+    return next((cls.sdpa_backends for cls in backends().get(kind, ()) if cls.sdpa_backends is not None), None)
 
 
 def describe(device: torch.device | str) -> dict:

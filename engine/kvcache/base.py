@@ -16,7 +16,6 @@ from transformers.cache_utils import Cache
 from engine.backends.kernels import describe
 from engine.config import CacheConfig
 from engine.kvcache.passes import (  # noqa: F401  (part of this module's API: the layers import them here)
-    SDPA_BACKENDS,
     ModelShape,
     Step,
     additive_mask,

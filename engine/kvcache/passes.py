@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
-from engine import native
-from engine.backends.kernels import backend_for
+from engine.backends.kernels import backend_for, sdpa_backends
+from engine.backends.native_cpu import bf16_prefill_kernel
 
 
 @dataclass(frozen=True)
@@ -137,16 +137,10 @@ def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.where(torch.isneginf(scores), scores, torch.tanh(scores / softcap) * softcap)
 
 
-# SDPA backends per device type, in torch's order of preference. CUDA leaves out cuDNN's, which builds a
-# plan for every new key length (2.2 ms of CPU per call measured on an H200, 69 ms of a 101 ms decode step:
-# the length grows by one each step); flash takes unmasked calls, the memory-efficient kernel masked ones.
-SDPA_BACKENDS = {"cuda": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
-
-
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """torch's scaled_dot_product_attention with the backends SDPA_BACKENDS names for q's device (torch's
-    own choice where it names none)."""
-    backends = SDPA_BACKENDS.get(q.device.type)
+    """torch's scaled_dot_product_attention with the SDPA backends q's device's backend declares
+    (engine.backends.kernels.sdpa_backends; torch's own choice where it declares none)."""
+    backends = sdpa_backends(q.device.type)
     if backends is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     with sdpa_kernel(backends):
@@ -241,21 +235,6 @@ def native_prefill_attention(q: torch.Tensor, pieces: list[tuple[torch.Tensor, t
         return None
     qg = grouped_query(q, pieces[0][0].shape[1]).float().contiguous()  # [1, H_kv, G*T, D]
     return backend_for(q.device).prefill_attention(qg, pieces, scaling, start, first, window)
-
-
-# The code of a bf16 prefill chunk's attention (prepare_model's prefill dtype: where the CPU has native bf16), by
-# what the CPU has, first match: "torch", torch's flash kernel on bf16 Q, K and V, which runs on AMX tiles (Sapphire
-# Rapids, 2 threads, 4 query heads x 512 tokens over 1,023 keys of 256 channels: 2.1-2.5 ms, the native kernel 6.7 ms
-# with a window of 512, 9.1 without); "native", the AVX512-BF16 kernel below (Zen 4, no AMX: torch's flash kernel
-# computes in fp32 there, the native one ~4x its rate). Elsewhere None: the exact fp32 path.
-BF16_PREFILL_KERNELS = (("amx_bf16", "torch"), ("avx512_bf16", "native"))
-
-
-def bf16_prefill_kernel() -> str | None:
-    """Which code computes a bf16 prefill chunk's attention on this CPU (BF16_PREFILL_KERNELS): "torch", "native"
-    or None."""
-    flags = native.cpu_flags()
-    return next((kernel for flag, kernel in BF16_PREFILL_KERNELS if flag in flags), None)
 
 
 def one_element_type(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

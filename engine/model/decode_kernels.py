@@ -13,7 +13,8 @@ Two kernels, one declared choice (never a silent one):
     int16   the same kernel with the activations quantized to int16 per 32 (dx = amax / 32767): ~256x
             smaller activation error, integer products still (vpdpwssd / vpmaddwd / smull).
 
-The choice is per machine, from one table (DEFAULT_BY_ISA: the native library's instruction set), unless
+The choice is per machine, from one table (engine.backends.native_cpu.DECODE_LINEAR_BY_ISA: the native
+library's instruction set), unless
 $SPECACHE_DECODE_LINEAR says exact, int8 or int16; prepare_model records it on the model (specache_decode_linear),
 and with an integer kernel it also turns on the native norms and ropes of the decode step (engine.model.decode_norms):
 the fast path is one choice, the exact path the other.
@@ -31,29 +32,23 @@ import os
 
 import torch
 
-from engine import native
 from engine.backends.kernels import backend_for
+from engine.backends.native_cpu import default_decode_linear
 
 ENV = "SPECACHE_DECODE_LINEAR"
 CHOICES = ("exact", "int8", "int16")
 BITS = {"int8": 8, "int16": 16}  # the activations' width in the integer kernels
-# the native library's instruction set -> the decode kernel taken by default. int16 on x86 (AVX-512, AVX2): on
-# Gemma 3 270M Q4_K_M its 64 greedy tokens were the exact kernel's on all six windows checked (three documents,
-# start and end; bench-results/decode-kernels.md), and per weight it ran 1.1-2.0x the exact kernel's speed
-# on Zen 4 at both levels (scripts/bench_decode_kernels.py). int8 stays opt-in: its tokens left the exact ones
-# after 6-25 tokens on five of those six windows (Gemma's outlier channels). NEON keeps exact: int16 is not measured
-# there yet. $SPECACHE_DECODE_LINEAR=exact gives the de-quantized fp32 model's products bit for bit.
-DEFAULT_BY_ISA = {"avx512": "int16", "avx2": "int16", "neon": "exact", "generic": "exact", "torch": "exact"}
 INT8_FMTS = frozenset({2, 3, 9, 10, 11, 5, 6, 7})  # Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q4_K
 BLOCK = 32
 
 
 def choose(setting: str | None = None) -> str:
     """The decode kernel: setting (or $SPECACHE_DECODE_LINEAR) when it is one of CHOICES, else (auto, unset)
-    DEFAULT_BY_ISA's for the native library's instruction set. Raises ValueError for another value."""
+    the CPU backend's for this machine (engine.backends.native_cpu.default_decode_linear). Raises ValueError for
+    another value."""
     raw = (setting if setting is not None else os.environ.get(ENV, "auto")).strip().lower() or "auto"
     if raw == "auto":
-        return DEFAULT_BY_ISA.get(native.isa(), "exact")
+        return default_decode_linear()
     if raw not in CHOICES:
         raise ValueError(f"${ENV} must be auto, {', '.join(CHOICES)}, not {raw!r}")
     return raw
