@@ -34,10 +34,11 @@ class Store:
     """The host store as attend_decode reads it in a recorded pass: the fetched rows, a prefetch that does
     nothing (the test reads the layer's new fidx / fvalid)."""
 
-    held = None  # no row's prefill copy held (HostStore.read_prefix)
-
     def __init__(self, fk, fv):
         self.fk, self.fv = fk, fv
+
+    def release_prefix(self):  # (no row's prefill copy held: HostStore.read_prefix)
+        pass
 
     def fetched(self, rows):
         return self.fk[rows], self.fv[rows]
