@@ -14,7 +14,8 @@ from engine.backends.native_fused import STORE_DTYPES, FusedDecode
 BLOCK = 32
 
 # The choices this backend declares for the machine it runs on (read by engine.model.decode_kernels and
-# engine.kvcache.passes). The native library's instruction set -> the decode kernel taken by default. int16 on x86 (AVX-512, AVX2): on
+# engine.kvcache.passes).
+# The native library's instruction set -> the decode kernel taken by default. int16 on x86 (AVX-512, AVX2): on
 # Gemma 3 270M Q4_K_M its 64 greedy tokens were the exact kernel's on all six windows checked (three documents,
 # start and end; bench-results/decode-kernels.md), and per weight it ran 1.1-2.0x the exact kernel's speed
 # on Zen 4 at both levels (scripts/bench_decode_kernels.py). int8 stays opt-in: its tokens left the exact ones
@@ -32,8 +33,8 @@ def default_decode_linear() -> str:
 # The code of a bf16 prefill chunk's attention (prepare_model's prefill dtype: where the CPU has native bf16), by
 # what the CPU has, first match: "torch", torch's flash kernel on bf16 Q, K and V, which runs on AMX tiles (Sapphire
 # Rapids, 2 threads, 4 query heads x 512 tokens over 1,023 keys of 256 channels: 2.1-2.5 ms, the native kernel 6.7 ms
-# with a window of 512, 9.1 without); "native", the AVX512-BF16 kernel (prefill_attention below; Zen 4, no AMX: torch's flash kernel
-# computes in fp32 there, the native one ~4x its rate). Elsewhere None: the exact fp32 path.
+# with a window of 512, 9.1 without); "native", the AVX512-BF16 kernel (prefill_attention below; Zen 4, no AMX:
+# torch's flash kernel computes in fp32 there, the native one ~4x its rate). Elsewhere None: the exact fp32 path.
 BF16_PREFILL_KERNELS = (("amx_bf16", "torch"), ("avx512_bf16", "native"))
 
 
