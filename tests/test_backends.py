@@ -101,7 +101,8 @@ def case_sliding_attention(backend):
 
 
 def case_fused_decode(backend):
-    pytest.skip("held by tests/test_fused.py: the native call against the torch pass on real guided layers")
+    pytest.skip("held by tests/test_fused.py (the native call) and tests/test_triton_decode.py (the Triton one): "
+                "each against the torch pass on real guided layers")
 
 
 def case_prefill_attention(backend):
