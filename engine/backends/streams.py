@@ -27,6 +27,7 @@ import collections
 import contextlib
 import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -193,7 +194,7 @@ class StandinEvent:
         self.owner.record(self, stream)
 
     def query(self) -> bool:
-        self.owner.host_sync("event.query()")
+        self.owner.host_sync("event.query()", waits=False)
         return self.owner.done(self, "event.query()")
 
     def synchronize(self) -> None:
@@ -252,7 +253,9 @@ class StandinStreams(Streams):
         self.capturing = 0
         self.launches = self.graphs = 0
         self.pinned: dict[int, int] = {}
+        self.buffers: dict[int, int] = {}  # pinned_zeros' host buffers alive: address -> bytes
         self.recorded: list[tuple[int, str]] = []
+        self.sync_observer: Callable[[str], None] | None = None  # told of each host wait (engine.backends.costs)
 
     def stream(self) -> StandinStream:
         with self.lock:
@@ -350,10 +353,28 @@ class StandinStreams(Streams):
             stream.held = False
             self.lock.notify_all()
 
-    def host_sync(self, what: str) -> None:
-        """A host wait on the device: refused while a pass is recorded (a graph cannot hold one)."""
+    def host_sync(self, what: str, waits: bool = True) -> None:
+        """A host wait on the device (waits: the host blocks; an event's query does not): refused while a pass
+        is recorded (a graph cannot hold one); told to sync_observer."""
         if self.capturing:
             raise RuntimeError(f"{what} inside a recorded pass: a graph cannot wait on the host")
+        if waits and self.sync_observer is not None:
+            self.sync_observer(what)
+
+    def pinned_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=dtype)
+        address = t.data_ptr()
+        with self.lock:
+            self.buffers[address] = t.numel() * t.element_size()
+        weakref.finalize(t, self.buffers.pop, address, None)
+        return t
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor lies in the host's memory on a device: the pinned store or a pinned_zeros buffer
+        (the rest is the device's)."""
+        address = tensor.data_ptr()
+        return any(start <= address < start + size for memory in (self.pinned, self.buffers)
+                   for start, size in list(memory.items()))
 
     def synchronize(self) -> None:
         self.host_sync("synchronize()")
