@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import engine.kvcache
-from engine.backends.costs import CostCounter, Counts
+from engine.backends.costs import CostCounter, Counts, host_memory
 from engine.backends.streams import StandinStreams
 from engine.config import CacheConfig
 from engine.generate.engine import Engine
@@ -108,8 +108,9 @@ def test_a_steady_step_launches_the_planners_kernels(counted, mode):
     assert steps[1].ops == steps[2].ops  # a steady step: the same kernels, step after step
     layer = per_layer(counted, mode, "launches")
     outside = counted[mode, 1][-1].launches - layer
-    assert (layer, outside) == (step_costs.LAUNCHES_PER_LAYER[mode], step_costs.LAUNCHES_PER_STEP[mode])
-    assert step_costs.kernel_launches(mode, 3) == steps[-1].launches
+    policy, config = POLICIES[CONFIGS[mode].mode], CONFIGS[mode]
+    assert (layer, outside) == policy.step_launches(config)  # (the planner's: a change must update the policy's)
+    assert step_costs.kernel_launches(policy, config, 3) == steps[-1].launches
 
 
 @pytest.mark.parametrize("mode", list(CONFIGS))
@@ -194,7 +195,8 @@ def test_copies_to_and_from_host_memory_cross_pcie_and_host_work_launches_nothin
         rows = torch.index_select(store, 0, torch.tensor([3, 7]))  # a kernel reading 2 rows of the mapped store
     c = counter.take()
     assert c.launches == 2 and c.pcie_bytes == 256 + 2 * 64 and dict(c.pcie) == {"copy_": 256, "index_select": 128}
-    assert streams.is_host(staged[1:]) and streams.is_host(store[5]) and not streams.is_host(device) and rows.shape == (2, 16)
+    is_host = host_memory(streams)
+    assert is_host(staged[1:]) and is_host(store[5]) and not is_host(device) and rows.shape == (2, 16)
     address = staged.data_ptr()
     del staged
     assert address not in streams.buffers  # (a freed buffer's memory is no longer the host's)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.backends.streams import HOST_READS, SYNC, StandinStreams, SyncStreams, streams_for
+from engine.backends.costs import HOST_READS
+from engine.backends.streams import SYNC, StandinStreams, SyncStreams, streams_for
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import DoesNotFit
 from engine.kvcache import guide_triton

@@ -3,7 +3,7 @@ in device memory, bytes over PCIe and host syncs, from the ops torch dispatches 
 (a TorchDispatchMode and a TorchFunctionMode on the counting thread; nothing is counted, and nothing costs,
 outside one). The CUDA orchestration runs on CPU tensors through the stand-in (engine.backends.streams.
 StandinStreams), which knows which memory is the host's: the exact store pinned in place and its pinned
-buffers (StandinStreams.is_host). engine/plan/step_costs.py gives the planner the counts per decode step and
+buffers (host_memory). engine/plan/step_costs.py gives the planner the counts per decode step and
 mode; tests/test_cost_model.py counts them and holds them to budgets.
 
 What counts:
@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.backends.streams import HOST_READS, Streams
-
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__}  # a tensor's value read on the host
 # ops that make views or allocate: no kernel on a GPU
 NO_LAUNCH = frozenset({
     "empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view", "reshape", "slice", "select",
@@ -91,6 +91,28 @@ def aliases(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) 
     return not name.endswith("_") and any(first.data_ptr() == t.data_ptr() and first.numel() for t in inputs)
 
 
+class RefuseHostReads(torch.overrides.TorchFunctionMode):
+    """A tensor's value read on the host (tolist, item, bool, int, float, an index): on a device a host
+    sync, which a recorded pass cannot hold; on the stand-in's CPU tensors free, so refused here
+    (StandinStreams.recording)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            raise RuntimeError(f"Tensor.{func.__name__} inside a recorded pass: a graph cannot read a value on the host")
+        return func(*args, **(kwargs or {}))
+
+
+def host_memory(streams) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor lies in host memory, by what the stand-in's streams know (the exact store pinned in
+    place: `pinned`, and the pinned buffers alive: `buffers`); with other streams, none does."""
+    spans = [getattr(streams, name, {}) for name in ("pinned", "buffers")]
+
+    def is_host(tensor: torch.Tensor) -> bool:
+        address = tensor.data_ptr()
+        return any(start <= address < start + size for memory in spans for start, size in list(memory.items()))
+    return is_host
+
+
 class _HostReads(torch.overrides.TorchFunctionMode):
     """The tensor values read on the host while its counter is active."""
 
@@ -109,10 +131,10 @@ class CostCounter(TorchDispatchMode):
     streams: the device's (the stand-in's: it says which memory is the host's and reports its host waits; other
     streams: all memory is the device's and only value reads count as host syncs)."""
 
-    def __init__(self, streams: Streams | None = None):
+    def __init__(self, streams=None):
         super().__init__()
         self.streams = streams
-        self.is_host: Callable[[torch.Tensor], bool] = getattr(streams, "is_host", lambda t: False)
+        self.is_host = host_memory(streams)
         self.counts = Counts()
         self._reads = _HostReads(self)
         self._thread = 0

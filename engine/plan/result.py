@@ -44,8 +44,8 @@ class ModePlan:
     transfer_seconds_per_step: float
     compute_seconds_per_step: float
     step_seconds: float
-    kernels_per_step: float  # kernels launched per step (exact: per output token), engine/plan/step_costs.py
-    predicted_step_seconds: float  # step_seconds + their launches (step_costs.KERNEL_LAUNCH_SECONDS each)
+    kernels_per_step: float | None  # a GPU's kernels per step (exact: per output token; engine/plan/step_costs.py)
+    predicted_step_seconds: float | None  # step_seconds + their launches (step_costs.KERNEL_LAUNCH_SECONDS each)
     prefetch_hidden: bool
     tokens_per_second: float
     predicted_speedup_vs_full: float | None

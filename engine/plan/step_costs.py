@@ -1,41 +1,36 @@
-"""The kernels of a decode step, for the planner's roofline: launches per layer and per step of each mode, as
-engine.backends.costs counts them on the CPU through the CUDA stand-in (tests/test_cost_model.py counts them
-and fails where these figures and the count part), and the time their launches add to a step.
+"""The kernels of a decode step, for the planner's roofline: each policy declares the kernels a steady step of it
+launches on CUDA (CacheLayer.decode_launches / step_launches: per layer and outside the layers, as
+engine.backends.costs counts them on the CPU through the CUDA stand-in; tests/test_cost_model.py counts them and
+fails where a declaration and the count part), and the time their launches add to a step.
 
 A GPU step is not only bandwidth: every kernel launched costs the device a gap of its own (a replayed CUDA
 graph's launch, ~2-4 us; an eager launch, more, unless the host runs ahead). The planner adds launches x
 KERNEL_LAUNCH_SECONDS to the roofline step: an assumption, named here once, to be measured on a GPU
-(scripts/gpu_check.py prints the planner's prediction beside each measured step)."""
+(scripts/gpu_check.py times the steps the planner predicts)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
+from engine.config import CacheConfig
 from engine.kvcache.policies.exact import expected_tokens
 
 KERNEL_LAUNCH_SECONDS = 3e-6  # device time per kernel of a decode step: an assumption, to be measured on a GPU
 
-# launches per layer per decode step of the torch decode (what runs on CUDA; the engine's Llama layer: its
-# linears, norms, rotary embedding and the cache's attention), and outside the layers (embedding, final norm,
-# lm_head, the output token), counted under the stand-in (tests/test_cost_model.py: steady steps of two rows)
-LAUNCHES_PER_LAYER = {"full": 39, "kivi": 77, "window": 54, "specache-current": 103, "specache-speculative": 147}
-LAUNCHES_PER_STEP = {"full": 28, "kivi": 20, "window": 20, "specache-current": 20, "specache-speculative": 22}
+
+def kernel_launches(policy: type, config: CacheConfig, layers: int) -> int:
+    """Kernels one steady decode step of `policy` under `config` launches in a model of `layers` layers."""
+    per_layer, outside = policy.step_launches(config)
+    return per_layer * layers + outside
 
 
-def counted_mode(mode: str, speculative: bool) -> str:
-    """The counted mode a planned column's step runs: specache under its prefetch; exact drafts as specache
-    current (a draft step fetches its own set) and verifies as full (kernel_launches_per_token)."""
-    if mode in ("specache", "exact"):
-        return "specache-speculative" if speculative and mode == "specache" else "specache-current"
-    return mode
-
-
-def kernel_launches(mode: str, layers: int) -> int:
-    """Kernels one decode step of a counted mode launches in a model of `layers` layers."""
-    return LAUNCHES_PER_LAYER[mode] * layers + LAUNCHES_PER_STEP[mode]
-
-
-def exact_launches_per_token(layers: int, gamma: int, acceptance: float) -> float:
-    """Exact mode's kernels per output token of a row: gamma draft steps and one verification (a full pass)
-    per cycle, over the tokens a cycle emits."""
-    cycle = gamma * kernel_launches("specache-current", layers) + kernel_launches("full", layers)
+def launches_per_token(policy: type, config: CacheConfig, layers: int, gamma: int = 0,
+                       acceptance: float = 0.0) -> float:
+    """Kernels per output token of a row: a step's; for a policy that verifies, a cycle's (gamma draft steps,
+    each picking its own set, and one verification) over the tokens a cycle emits."""
+    if not policy.verifies:
+        return kernel_launches(policy, config, layers)
+    per_layer, outside = policy.verify_launches
+    cycle = gamma * kernel_launches(policy, replace(config, prefetch="current"), layers) + per_layer * layers + outside
     return cycle / expected_tokens(acceptance, gamma)
 
 
