@@ -32,7 +32,7 @@ from engine.backends.streams import StandinStreams
 from engine.config import CacheConfig
 from engine.generate.engine import Engine
 from engine.generate.steps import greedy
-from engine.kvcache import guide_triton
+from engine.kvcache import guide_triton, triton_decode, triton_layer
 from engine.kvcache.registry import POLICIES
 from engine.kvcache.sizes import PlanTerms
 from engine.kvcache.transfer import Transfer
@@ -60,14 +60,23 @@ BYTES_FACTOR = {"full": (1.0, 4.0), "kivi": (1.0, 4.6), "window": (1.0, 5.5), "s
                 "specache-speculative": (1.0, 14.0)}
 TOTAL_BYTES_FACTOR = 2.0  # all device bytes of a step / the roofline's read (weights and cache): measured 1.2-1.7
 PCIE_FACTOR = (1.0, 2.0)  # counted PCIe bytes / the method's k rows per step (specache)
+# the fused Triton decode (speculative, the corrected set off: what it implements): its kernels per layer, and
+# the launches a layer's step may take beyond full's (measured 33: the selection's top-k and the fetched set's
+# bookkeeping, the guide's map of fetched positions, the queries' rotation run as torch ops around the kernels)
+FUSED_KERNELS_PER_LAYER = 3
+FUSED_BEYOND_FULL = 36
 STANDIN_BOUND = 20.0  # seconds a stand-in wait may take before it fails (a busy machine)
 
 
-def count_steps(layers: int, config: CacheConfig, steps: int = 3) -> list[Counts]:
-    """Counts of `steps` steady decode steps (after T1, the pre-decoding pass and two steps) of two rows, with
-    their prompts as history (the speculative re-sync on), through the stand-in."""
+def count_steps(layers: int, config: CacheConfig, steps: int = 3, fused: bool = False, warm: int = 4) -> list[Counts]:
+    """Counts of `steps` decode steps of two rows after `warm` (T1, the pre-decoding pass and two steady steps),
+    with their prompts as history (the speculative re-sync on), through the stand-in. fused: guided layers
+    decoded by the fused Triton kernels (in Triton's interpreter; each launch counted as one kernel)."""
     made: list[Transfer] = []
+    counters: list[CostCounter] = []  # the counter, once counting starts
     with pytest.MonkeyPatch.context() as mp:
+        if fused:
+            fused_kernels(mp, counters)
         cuda_layout(mp)
         mp.setattr(engine.kvcache, "Transfer", lambda device: made.append(
             Transfer(device, streams=StandinStreams(wait_seconds=STANDIN_BOUND))) or made[-1])
@@ -80,9 +89,10 @@ def count_steps(layers: int, config: CacheConfig, steps: int = 3) -> list[Counts
         prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in PROMPTS]
         last = [list(eng.prefill(cache, p, row))[-1] for row, p in enumerate(prompts)]
         it = eng.steps(cache, torch.stack(last), greedy, history=prompts)
-        for _ in range(4):
+        for _ in range(warm):
             next(it)
         counter = CostCounter(made[0].streams if made else None)
+        counters.append(counter)
         counted = []
         for _ in range(steps):
             with counter:
@@ -91,6 +101,23 @@ def count_steps(layers: int, config: CacheConfig, steps: int = 3) -> list[Counts
         it.close()
         cache.close()
     return counted
+
+
+def fused_kernels(mp: pytest.MonkeyPatch, counters: list[CostCounter]) -> None:
+    """The fused Triton decode on CPU tensors, each kernel launch counted as one by the counter in `counters`
+    once there is one (its interpreter's own torch ops not counted)."""
+    real = triton_decode.launch
+
+    def launch(family, kernel, grid, *args, **meta):
+        if not counters:
+            return real(family, kernel, grid, *args, **meta)
+        counters[0].kernel(f"triton-{family}", args)
+        with counters[0].paused():
+            return real(family, kernel, grid, *args, **meta)
+
+    mp.setenv("SPECACHE_TRITON_DECODE", "1")
+    mp.setattr(triton_layer, "DEVICES", {"cuda", "cpu"})
+    mp.setattr(triton_decode, "launch", launch)
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +246,18 @@ def test_host_syncs_are_value_reads_and_waits_of_the_counting_thread():
     c = counter.take()
     assert c.syncs == ["synchronize()", "Tensor.item", "Tensor.tolist"] and c.host_syncs == 3
     assert streams.sync_observer is None  # (released with the counter)
+
+
+@pytest.mark.slow  # (the interpreter: ~30 s of CPU)
+def test_the_fused_triton_decode_launches_three_kernels_a_layer_and_few_ops_around_them(counted):
+    """The first two-token step after the pre-decoding pass, with one and two layers (the interpreter takes
+    seconds a pass): the launches of a layer's step."""
+    if not guide_triton.interpreted() or triton_decode.kernels() is None:
+        pytest.skip("the fused Triton decode runs on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1)")
+    config = replace(CONFIGS["specache-speculative"], correct=False)
+    one, two = (count_steps(n, config, steps=1, fused=True, warm=2)[0] for n in (1, 2))
+    assert two.ops["triton-decode"] - one.ops["triton-decode"] == FUSED_KERNELS_PER_LAYER
+    layer = two.launches - one.launches
+    speculative = per_layer(counted, "specache-speculative", "launches")
+    assert layer <= POLICIES["full"].decode_launches[0] + FUSED_BEYOND_FULL < speculative, layer
+    assert two.host_syncs == HOST_SYNCS_PER_STEP and two.syncs == ["Tensor.tolist"]
