@@ -42,7 +42,6 @@ NO_LAUNCH = frozenset({
 IDENTITY = frozenset({"to", "contiguous", "type_as", "resolve_conj", "resolve_neg"})
 # ops that read only the rows they take from their first argument (its bytes are the output's)
 GATHERS = frozenset({"index_select", "gather", "index", "take_along_dim", "embedding"})
-# ops that move bytes between memories when one side is the host's
 
 
 @dataclass
@@ -57,11 +56,6 @@ class Counts:
     ops: Counter = field(default_factory=Counter)
     pcie: Counter = field(default_factory=Counter)  # PCIe bytes by op name
     syncs: list[str] = field(default_factory=list)  # what each host sync was
-
-    def __add__(self, other: "Counts") -> "Counts":
-        return Counts(self.launches + other.launches, self.device_bytes + other.device_bytes,
-                      self.pcie_bytes + other.pcie_bytes, self.host_syncs + other.host_syncs,
-                      self.ops + other.ops, self.pcie + other.pcie, self.syncs + other.syncs)
 
 
 def nbytes(t: torch.Tensor) -> int:
