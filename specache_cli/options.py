@@ -123,6 +123,9 @@ class OutputOptions:
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per result on stdout.")] = False
     jsonl: Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per line (for batch jobs).")] = False
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress or timings on stderr.")] = False
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Say on stderr how the run was prepared: the model's source, format and window "
+        "(and where it came from), the threads, the fit check, the cache defaults chosen and the decoder.")] = False
     password: Annotated[Optional[str], typer.Option(help="Password of encrypted PDFs.")] = None
 
     @property

@@ -11,6 +11,7 @@ from rich.table import Table
 from engine.config import CacheConfig
 from engine.errors import BadArgument
 from engine.kvcache.registry import POLICIES
+from engine.model.embedded import EMBEDDED_PROFILE
 from engine.plan.hardware import detect_hardware
 from engine.plan.planner import REFERENCES, cache_for, check_plan, plan
 from engine.plan.profiles import HardwareProfile, load_hardware, load_model_profile
@@ -140,7 +141,7 @@ def plan_cmd(
     context: Optional[int] = typer.Option(None, "--context", "-c",
                                           help="Tokens per sequence, prompt + generated (default: the model's window)."),
     gpu: str = typer.Option("auto", "--gpu", help=GPU_HELP),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    model: str = typer.Option(EMBEDDED_PROFILE, "--model", "-m", help=MODEL_HELP),
     cache: PlanCacheOptions = None,
     host_ram: Optional[float] = typer.Option(None, "--host-ram", help=HOST_HELP),
     reference: str = typer.Option("engine", help=REFERENCE_HELP),

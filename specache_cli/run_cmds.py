@@ -1,37 +1,18 @@
 """`specache summarize` and `specache ask`."""
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
-import re
 import sys
-from dataclasses import replace
 from typing import Optional
 
-import torch
 import typer
+from rich.markup import escape
 
-from engine.config import CacheConfig, settings
-from engine.docstore.store import DocStore, check_folder, max_bytes_from
-from engine.errors import (
-    BadArgument,
-    BatchFailures,
-    EmptyDocument,
-    ModelLoadError,
-    ProfileError,
-    SpecacheError,
-)
+from engine.errors import BadArgument, BatchFailures, EmptyDocument, SpecacheError
 from engine.inputs.documents import STDIN
-from engine.jobs.pipeline import STRATEGIES, Failed, Runner, ask_many, count_tokens, summarize_many
+from engine.jobs.pipeline import Failed, Runner, ask_many, summarize_many
+from engine.jobs.prepare import Notes, PreparedRun, RunRequest
 from engine.jobs.workers import WorkerConfig, ask_tasks, import_ray, run_job, summarize_tasks, validate
-from engine.kvcache import policy
-from engine.model.files import model_files
-from engine.model.loading import estimate_weight_bytes, load_model
-from engine.plan.planner import check_fits_before_load
-from engine.paths import cache_root
-from engine.plan.profiles import model_defaults
-from engine.plan.threads import choose_threads
 from specache_cli.console import err_console, guarded, print_error, print_warning
 from specache_cli.options import (
     CacheOptions,
@@ -65,56 +46,6 @@ def parse_batch(batch: str) -> int | None:
     return int(batch)
 
 
-DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-PROMPT_SLACK = 512  # tokens a prompt may add around the document and question (chat template, labels)
-# the settings that size buffers in tokens (engine.config.Setting.tokens): bounded by the model's window
-WINDOW_FLAGS = {name: declared for name, declared in settings().items() if declared.tokens}
-
-
-def check_device(device: str, dtype: str) -> None:
-    """--device and --dtype, before anything is loaded: names only, and CUDA only where there is one."""
-    if not DEVICES.fullmatch(device):
-        raise BadArgument(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
-    if dtype not in DTYPES:
-        raise BadArgument(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ModelLoadError(f"--device {device} was asked for but no CUDA device is available")
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise BadArgument(f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s)")
-
-
-def check_window(cache: CacheOptions, max_tokens: int, window: int) -> None:
-    """Flags that size buffers in tokens, against the model's window: none may exceed it (a bigger
-    value could only waste memory), and --max-tokens leaves at least half the window to the document."""
-    for field, declared in WINDOW_FLAGS.items():
-        value = getattr(cache, field)
-        if value is not None and value > window:
-            raise BadArgument(f"{declared.flag} {value} is more than the model's window of {window} tokens "
-                              f"(at most {window})")
-    if max_tokens > window // 2:
-        raise BadArgument(f"--max-tokens {max_tokens} leaves too little of the model's {window}-token window for "
-                          f"the document (at most {window // 2})")
-
-
-def clamp_to_prompt(config: CacheConfig, longest: int) -> tuple[CacheConfig, list[str]]:
-    """The cache settings with k, sinks, residual and chunk_size cut to `longest` (tokens of the
-    longest model call: prompt and answer); beyond it they change nothing but the size of buffers.
-    -> (config, the flags cut, as "--k 5000")."""
-    cut, notes = {}, []
-    for field, declared in WINDOW_FLAGS.items():
-        value = getattr(config, field)
-        if value > longest:
-            cut[field] = max(longest, declared.low or 1)
-            if cut[field] < value:
-                notes.append(f"{declared.flag} {value}")
-    return (replace(config, **cut) if cut else config), notes
-
-
 def check_stdin_once(sources: list[str], questions_file: str | None = None) -> None:
     """Standard input can be read once: "-" given twice (or for documents and --questions) is refused."""
     if sources.count(STDIN) + (questions_file == STDIN) > 1:
@@ -123,91 +54,32 @@ def check_stdin_once(sources: list[str], questions_file: str | None = None) -> N
 
 
 class Session:
-    """Flags validated up front; the model loaded on first use (so bad flags and unreadable
-    documents are reported before any model load)."""
+    """The flags of a run turned into a RunRequest and prepared up front (engine.jobs.prepare: the model
+    resolved, the settings checked); progress on stderr unless --quiet, -v's resolution steps with -v."""
 
-    def __init__(self, model: ModelOptions, cache: CacheOptions, gen: GenerationOptions, quiet: bool):
-        if gen.strategy not in STRATEGIES:
-            raise BadArgument(f"--strategy must be one of {', '.join(STRATEGIES)}, not {gen.strategy!r}")
-        check_device(model.device, model.dtype)
-        self.overrides = cache.overrides()
-        self.policy = policy(cache.cache)  # the mode's class, resolved once: a registered mode (BadArgument)
-        CacheConfig(mode=cache.cache).with_overrides(**self.overrides)  # the settings, checked now
-        self.model_opts, self.cache_opts, self.quiet = model, cache, quiet
-        self.gen = gen.config()
-        self.strategy, self.batch = gen.strategy, parse_batch(gen.batch)
-        try:
-            self.store_max_bytes = max_bytes_from(cache.cache_max_gb)
-        except ValueError as exc:
-            raise BadArgument(f"--cache-max-gb: {exc}") from None
-        self.files = model_files(model.model, self.status)  # --model resolved once for the command
-        check_window(cache, gen.max_tokens, self.files.window)
-        if self.files.source.kind == "embedded" or not cache.no_store:  # the converted model and the store live there
-            check_folder(cache_root())
-        self.longest_text = ""  # the longest document (and question) read: bounds the cache flags
-        self._runner: Runner | None = None
-        self.pick_threads = True  # False in a worker's copy: its threads come from --threads-per-worker
+    def __init__(self, model: ModelOptions, cache: CacheOptions, gen: GenerationOptions, out: OutputOptions):
+        self.quiet = out.quiet
+        request = RunRequest(model=model.model, device=model.device, dtype=model.dtype, threads=model.threads,
+                             mode=cache.cache, overrides=cache.overrides(), gen=gen.config(), strategy=gen.strategy,
+                             batch=parse_batch(gen.batch), store=not cache.no_store, cache_max_gb=cache.cache_max_gb)
+        notes = Notes(status=self.status, warning=print_warning, detail=self.detail if out.verbose else None)
+        self.run = PreparedRun(request, notes)
+        self.batch = request.batch
 
     def status(self, message: str) -> None:
         if not self.quiet:
             err_console.print(f"[dim]{message}[/]", highlight=False)
 
+    @staticmethod
+    def detail(message: str) -> None:
+        err_console.print(f"[dim]-v {escape(message)}[/]", highlight=False, soft_wrap=True)
+
     def saw(self, *texts: str) -> None:
-        """Note the text of a document (or question) read, so the cache flags can be cut to its length."""
-        self.longest_text = max((self.longest_text, *texts), key=len)
+        self.run.saw(*texts)
 
     @property
     def runner(self) -> Runner:
-        if self._runner is None:
-            m = self.model_opts
-            if self.pick_threads:
-                self.set_threads(m.threads)
-            self.check_fits()
-            lm = load_model(self.files, device=m.device, dtype=m.dtype, on_status=self.status, on_warning=print_warning)
-            self.status(f"model {lm.name} on {lm.device} ({lm.dtype}) loaded in {lm.load_seconds:.1f} s")
-            defaults = model_defaults(lm, self.overrides.get("prefetch"))
-            cache = CacheConfig(mode=self.cache_opts.cache, **defaults).with_overrides(**self.overrides)
-            floor = min(lm.max_context, self.gen.max_tokens + PROMPT_SLACK)  # no call is shorter than this bound
-            if any(getattr(cache, f) > floor for f in WINDOW_FLAGS):  # (counting tokens costs ~1 s per 100k)
-                longest = min(lm.max_context, count_tokens(lm.tokenizer, self.longest_text) + floor)
-                cache, notes = clamp_to_prompt(cache, longest)
-                if notes:
-                    self.status(f"{', '.join(notes)}: cut to {longest} tokens, the longest model call here")
-            self._runner = Runner(lm, cache, self.gen, self.strategy, self.batch, store=self.store(),
-                                  policy=self.policy)
-        return self._runner
-
-    def check_fits(self) -> None:
-        """Before loading: the weights as they will be held and one sequence's cache of the longest
-        call (its text counted at 4 characters a token, the least a tokenizer gives), with the settings
-        given (--k, --residual, ...; the others by their default rule), must fit in memory."""
-        m = self.model_opts
-        if m.device.startswith("cuda") or (m.device == "auto" and torch.cuda.is_available()):
-            return  # the GPU's check runs after loading (plan_for_run), with the device's own free memory
-        files = self.files
-        context = min(files.window, self.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)
-        try:
-            check_fits_before_load(files.config, estimate_weight_bytes(files, m.dtype), context,
-                                   self.policy, self.overrides, name=files.name)
-        except ProfileError:
-            return  # a config without the model's shapes: the load itself reports what is wrong
-
-    def set_threads(self, requested: int | None) -> None:
-        """torch's CPU threads for this run (engine.plan.threads: --threads, $OMP_NUM_THREADS or the
-        free cores); a note on stderr when the machine is busy and fewer than its cores are used."""
-        choice = choose_threads(requested)
-        torch.set_num_threads(choice.threads)
-        if choice.reason == "free cores" and choice.threads < choice.cores:
-            self.status(f"the machine is busy ({choice.busy:.1f} of {choice.cores} cores in use by other work): "
-                        f"{choice.threads} thread{'s' if choice.threads > 1 else ''} (--threads to choose)")
-
-    def store(self) -> DocStore | None:
-        """The persistent document store, unless --no-store; opening it applies its cap."""
-        if self.cache_opts.no_store:
-            return None
-        store = DocStore(max_bytes=self.store_max_bytes, warn=print_warning, note=self.status)
-        store.tidy()
-        return store
+        return self.run.runner
 
 
 def summarize_cmd(
@@ -217,7 +89,7 @@ def summarize_cmd(
 ) -> None:
     """Summarize each document (several documents are decoded together in batches)."""
     check_stdin_once(files)
-    session = Session(model, cache, gen, out.quiet)
+    session = Session(model, cache, gen, out)
     config = worker_config(work, model, out.quiet)
     quiet, structured, jsonl = out.quiet, out.structured, out.jsonl
     many = len(files) > 1
@@ -283,7 +155,7 @@ def ask_cmd(
         raise BadArgument("a question is empty")
     if resume is not None:
         check_resume(out)
-    session = Session(model, cache, gen, out.quiet)
+    session = Session(model, cache, gen, out)
     if resume is not None:
         done = done_questions(resume, doc)
         todo = [q for q in asked if q not in done]
@@ -322,19 +194,15 @@ def worker_config(opts: WorkerOptions, model: ModelOptions, quiet: bool) -> Work
     return config
 
 
-def worker_runner(session: Session) -> Runner:
-    """The Runner an actor builds from the driver's Session (quietly: the driver shows progress)."""
-    own = copy.copy(session)
-    own.quiet = True
-    own.files = dataclasses.replace(session.files, on_status=None)
-    own.pick_threads = False  # the actor's threads: --threads-per-worker
-    return own.runner
+def worker_runner(run: PreparedRun) -> Runner:
+    """The Runner an actor builds from the driver's preparation (its PreparedRun.for_worker copy)."""
+    return run.runner
 
 
 def run_on_workers(session: Session, config: WorkerConfig, tasks, total: int, out: OutputOptions,
                    noun: str) -> int:
     """Run tasks on the workers, writing each result as it completes; the number that failed."""
-    events = run_job(tasks, functools.partial(worker_runner, session), config)
+    events = run_job(tasks, functools.partial(worker_runner, session.run.for_worker()), config)
     return render_job(events, total, config.workers, out.quiet, functools.partial(write_item, out=out),
                       noun).failed
 

@@ -401,7 +401,7 @@ def test_a_document_that_tokenizes_to_nothing_is_one_error_line_and_the_empty_do
         lm.tokenizer = DroppingTokenizer(lm.tokenizer)
         return lm
 
-    monkeypatch.setattr("specache_cli.run_cmds.load_model", dropping)
+    monkeypatch.setattr("engine.jobs.prepare.load_model", dropping)
     r = CliRunner().invoke(app, [*command, str(DATA / "sample.txt"), "--model", str(tiny_model_dir), "--no-store",
                                  "--max-tokens", "4"])
     assert r.exit_code == 8, r.stderr

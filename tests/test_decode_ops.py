@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import CacheConfig
 from engine.generate.engine import Engine
 from engine.generate.steps import greedy
+from engine.kvcache.watch import WatchedLayer
 from tests.conftest import cuda_layout, make_tiny_model
 
 # ops that make views or allocate (no kernel on a GPU); the rest count as launches
@@ -43,15 +44,32 @@ CONFIGS = {
 
 
 class Recorder(TorchDispatchMode):
-    """The ops dispatched while active, and the host reads of tensor values (item, tolist)."""
+    """The ops dispatched while active, and the host reads of tensor values (item, tolist); none while
+    `aside` (the guide watch's check: one layer every few passes, not part of the step's program)."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[str] = []
+        self.aside = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
+        if not self.aside:
+            self.ops.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def watch_aside(monkeypatch, rec: Recorder) -> None:
+    """The guide watch's checks run while `rec` records, their ops left out."""
+    check = WatchedLayer.check_guide
+
+    def aside(self, *args):
+        rec.aside += 1
+        try:
+            return check(self, *args)
+        finally:
+            rec.aside -= 1
+
+    monkeypatch.setattr(WatchedLayer, "check_guide", aside)
 
 
 def record_steps(monkeypatch, layers: int, config: CacheConfig, steps: int = 3) -> list[list[str]]:
@@ -73,7 +91,9 @@ def record_steps(monkeypatch, layers: int, config: CacheConfig, steps: int = 3) 
     tolist = torch.Tensor.tolist
     for _ in range(steps):
         with Recorder() as rec:
-            monkeypatch.setattr(torch.Tensor, "tolist", lambda self: rec.ops.append("tolist") or tolist(self))
+            watch_aside(monkeypatch, rec)
+            monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (rec.ops.append("tolist") if not rec.aside
+                                                                      else None) or tolist(self))
             next(it)
             monkeypatch.setattr(torch.Tensor, "tolist", tolist)
         recorded.append(rec.ops)

@@ -87,3 +87,20 @@ def test_adding_a_family_is_one_module(tmp_path, tiny_model_dir):
     assert out["own_class"] is True and out["warnings"] == []
     assert out["texts"]["probe"] == out["texts"]["llama"], out["texts"]
     assert out["bias_params"] == out["per_layer_bias"] > 0
+
+
+def test_the_readme_s_family_table_is_the_registry_s():
+    """README.md's table of model families is generated from the registry (families.docs_table): a family
+    added or changed without regenerating it fails here, with the table to paste."""
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- generated from engine/model/families/", "<!-- end of the generated table -->"
+    assert readme.count(start) == 1 and readme.count(end) == 1
+    found = readme.split(start, 1)[1].split("\n", 1)[1].split(end, 1)[0].strip()
+    assert found == families.docs_table(), "README.md's family table is stale; paste:\n" + families.docs_table()
+
+
+def test_the_tiny_architectures_cover_every_family():
+    """tests/tiny_archs.py (the conformance test's models) has a model of every registered family's type."""
+    from tests.tiny_archs import ARCHS, tiny_config
+
+    assert {tiny_config(name).model_type for name in ARCHS} == set(families.discover())

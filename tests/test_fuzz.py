@@ -671,7 +671,7 @@ def test_guard_maps_unexpected_failures_to_one_line(capsys, monkeypatch):
 
 def test_clamp_to_prompt_cuts_only_what_exceeds_the_longest_call():
     from engine.config import CacheConfig
-    from specache_cli.run_cmds import clamp_to_prompt
+    from engine.jobs.prepare import clamp_to_prompt
 
     config, notes = clamp_to_prompt(CacheConfig(k=5000, sinks=4, residual=64, chunk_size=8000), 1000)
     assert (config.k, config.sinks, config.residual, config.chunk_size) == (1000, 4, 64, 1000)

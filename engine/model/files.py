@@ -3,9 +3,10 @@ its GGUF header (read once), the folder of its config.json and tokenizer (a GGUF
 first needed) and its config.json (read once). Everything that reads the model before or while loading
 it (the window check, the fit check, the load, the planner) takes this one object.
 
-The model's context window has one rule (context_window): the config's own length key, else
-FALLBACK_WINDOW; a GGUF's is its header's `<arch>.context_length` (what its converted config holds), read
-without converting the file."""
+The model's context window has one rule (window_rule): the config's own length key, else FALLBACK_WINDOW; a
+GGUF's is its header's `<arch>.context_length` (what its converted config holds), read without converting the
+file. The run's checks (engine.jobs.prepare), the loader (LoadedModel.max_context) and the planner's profiles
+(engine.plan.profiles.model_profile_from_config) all take it."""
 from __future__ import annotations
 
 import json
@@ -23,15 +24,21 @@ WINDOW_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", 
 FALLBACK_WINDOW = 4096  # a config that names no window: what most of today's small models were trained with
 
 
-def context_window(config: dict) -> int:
-    """The model's context window in tokens: the first positive integer of WINDOW_KEYS in its config
-    (or its text_config, for a multimodal wrapper), else FALLBACK_WINDOW."""
-    for values in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+def window_rule(config: dict) -> tuple[int, str]:
+    """(the model's context window in tokens, where it comes from): the first positive integer of WINDOW_KEYS
+    in its config (or its text_config, for a multimodal wrapper), else FALLBACK_WINDOW."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for values, prefix in ((config, ""), (text, "text_config.")):
         for key in WINDOW_KEYS:
             value = values.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return FALLBACK_WINDOW
+                return value, f"config.json's {prefix}{key}"
+    return FALLBACK_WINDOW, f"config.json names none: the fallback {FALLBACK_WINDOW}"
+
+
+def context_window(config: dict) -> int:
+    """The model's context window in tokens (window_rule)."""
+    return window_rule(config)[0]
 
 
 @dataclass
@@ -43,6 +50,7 @@ class ModelFiles:
     _header: Header | None = field(default=None, repr=False)
     _folder: Path | None = field(default=None, repr=False)
     _config: dict | None = field(default=None, repr=False)
+    _config_bytes: bytes | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -73,22 +81,39 @@ class ModelFiles:
         if self._config is None:
             path = self.folder / "config.json"
             try:
-                config = json.loads(path.read_text(encoding="utf-8"))
+                raw = path.read_bytes()
+                config = json.loads(raw.decode("utf-8"))
             except (OSError, UnicodeDecodeError, ValueError) as exc:
                 raise ModelLoadError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
             if not isinstance(config, dict):
                 raise ModelLoadError(f"{path} is not a JSON object")
-            self._config = config
+            self._config, self._config_bytes = config, raw
         return self._config
 
     @property
+    def config_bytes(self) -> bytes:
+        """config.json as read (once, with `config`): the model's fingerprint hashes it."""
+        _ = self.config
+        return self._config_bytes
+
+    @property
     def window(self) -> int:
-        """The context window (context_window), a GGUF's from its header without converting it."""
+        """The context window (window_rule), a GGUF's from its header without converting it."""
+        return self.window_and_origin[0]
+
+    @property
+    def window_origin(self) -> str:
+        """Where the window comes from, in words (what -v says)."""
+        return self.window_and_origin[1]
+
+    @property
+    def window_and_origin(self) -> tuple[int, str]:
         if self.is_gguf and self._config is None:
-            length = self.header.fields.get(f"{self.header.arch}.context_length")
+            key = f"{self.header.arch}.context_length"
+            length = self.header.fields.get(key)
             if isinstance(length, int) and length > 0:
-                return length
-        return context_window(self.config)
+                return length, f"the GGUF header's {key}"
+        return window_rule(self.config)
 
 
 def model_files(spec: "str | None | ModelFiles", on_status: Callable[[str], None] | None = None) -> ModelFiles:

@@ -73,10 +73,10 @@ def resolve_model_dir(spec: "str | None | ModelFiles", on_status: Callable[[str]
     return files.name, files.folder
 
 
-def fingerprint(path: Path) -> str:
-    """Hash of config.json plus the names and sizes of the weight files (a converted GGUF folder: the
-    GGUF's identity, in its pointer file)."""
-    h = hashlib.sha256((path / "config.json").read_bytes())
+def fingerprint(path: Path, config_bytes: bytes) -> str:
+    """Hash of config.json (its bytes, as ModelFiles read them) plus the names and sizes of the weight files
+    (a converted GGUF folder: the GGUF's identity, in its pointer file)."""
+    h = hashlib.sha256(config_bytes)
     for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     if (path / GGUF_POINTER).is_file():
@@ -137,7 +137,7 @@ def load_model(
                    f"({why or 'its weights are named otherwise'}): slower, its weights in {torch_dtype}")
     if dev.type == "cpu" and on_warning is not None and native.lib() is None and native.native_error():
         on_warning(native_fallback(native.native_error()))
-    fp = fingerprint(path) + ("-held" if getattr(model, "specache_held", False) else "")
+    fp = fingerprint(path, files.config_bytes) + ("-held" if getattr(model, "specache_held", False) else "")
     return LoadedModel(model, tokenizer, source.name, path, fp, files.window, time.perf_counter() - start)
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InputNotFound, ModelLoadError
-from engine.model.embedded import EMBEDDED_NAME, find_embedded_gguf
+from engine.model.embedded import EMBEDDED_NAME, EMBEDDED_PROFILE, find_embedded_gguf
 
-EMBEDDED_SPECS = (None, "", "default", EMBEDDED_NAME, "smollm2-135m")  # --model values naming the embedded model
+EMBEDDED_SPECS = (None, "", "default", EMBEDDED_NAME, EMBEDDED_PROFILE)  # --model values naming the embedded model
 OLLAMA_PREFIX = "ollama:"
 OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"

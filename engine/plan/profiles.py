@@ -22,11 +22,11 @@ from typing import Any, Iterator
 from engine.errors import BadArgument, ProfileError
 from engine.kvcache.passes import sliding_windows
 from engine.model import families
-from engine.model.embedded import EMBEDDED_NAME
-from engine.model.gguf_convert import ensure_converted
-from engine.model.gguf_header import estimate_held_bytes, read_header
+from engine.model.embedded import EMBEDDED_NAME, EMBEDDED_PROFILE
+from engine.model.files import ModelFiles, context_window, model_files
+from engine.model.gguf_header import estimate_held_bytes
 from engine.model.held_model import held_bytes, held_parameters
-from engine.model.sources import OLLAMA_PREFIX, is_gguf_file, resolve_source
+from engine.model.sources import OLLAMA_PREFIX, is_gguf_file
 from engine.plan.profile_types import (  # noqa: F401  (the types are part of this module's API)
     HardwareProfile,
     ModelProfile,
@@ -50,10 +50,11 @@ def model_profile_from_config(config: Any, name: str | None = None, source: str 
                               parameters: int | None = None) -> ModelProfile:
     """A ModelProfile from a Hugging Face config (dict, or an object with to_dict(), e.g. PretrainedConfig).
 
-    parameters: the true count if known (e.g. sum of numel of a loaded model); otherwise estimated.
+    parameters: the true count if known (e.g. sum of numel of a loaded model); otherwise estimated. The
+    model's window (max_context) by the loader's one rule (engine.model.files.window_rule).
     """
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    cfg = cfg.get("text_config") or cfg  # multimodal wrappers keep the LM under text_config
+    whole = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    cfg = whole.get("text_config") or whole  # multimodal wrappers keep the LM under text_config
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -77,7 +78,7 @@ def model_profile_from_config(config: Any, name: str | None = None, source: str 
     window, window_layers = sliding_layers(cfg, layers)
     return ModelProfile(
         name=str(label), display_name=str(label), **vars(shape),
-        max_context=int(cfg.get("max_position_embeddings") or 2048), parameters=int(parameters),
+        max_context=context_window(whole), parameters=int(parameters),
         sliding_window=window,
         sliding_window_layers=window_layers, source=source)
 
@@ -175,7 +176,7 @@ def load_model_profile(name_or_path: str) -> ModelProfile:
     """A model profile by name or alias, a YAML path, a local HF model dir / config.json, or a GGUF
     file (or ollama:NAME[:TAG]), whose weights count as the engine holds them."""
     if name_or_path.startswith(OLLAMA_PREFIX):
-        return model_from_gguf(resolve_source(name_or_path).gguf)
+        return model_from_gguf(model_files(name_or_path))
     if _looks_like_path(name_or_path):
         path = Path(name_or_path).expanduser()
         if not path.exists():
@@ -183,19 +184,18 @@ def load_model_profile(name_or_path: str) -> ModelProfile:
         if path.suffix in (".yaml", ".yml"):
             return model_from_yaml(path)
         if path.is_file() and is_gguf_file(path):
-            return model_from_gguf(path)
+            return model_from_gguf(model_files(str(path)))
         return model_from_hf(path)
     return _by_name(name_or_path, list_models(), "model profile")
 
 
-def model_from_gguf(path: Path) -> ModelProfile:
-    """A GGUF file's profile: its config (converted once), its parameters counted from the tensor table
-    and its weights' bytes as held on the CPU (engine.model.gguf_header.estimate_held_bytes)."""
-    folder = ensure_converted(path, path.stem)
-    header = read_header(path)
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+def model_from_gguf(files: ModelFiles) -> ModelProfile:
+    """A GGUF's profile (files: the model as engine.model.files resolved it, once): its config (converted
+    once), its parameters counted from the tensor table and its weights' bytes as held on the CPU
+    (engine.model.gguf_header.estimate_held_bytes)."""
+    path, header = files.source.gguf, files.header
     parameters = sum(int(math.prod(t.ne)) for t in header.tensors.values())
-    profile = model_profile_from_config(config, name=path.stem, source=str(path), parameters=parameters)
+    profile = model_profile_from_config(files.config, name=path.stem, source=str(path), parameters=parameters)
     return replace(profile, held_weight_bytes=estimate_held_bytes(header))
 
 
@@ -217,11 +217,17 @@ def device_prefetch(kind: str) -> str:
 
 
 def loaded_model_profile(lm) -> ModelProfile:
-    """A loaded model's profile: the embedded model's own, else one derived from its config."""
-    if lm.name == EMBEDDED_NAME:
-        return load_model_profile("smollm2-135m")
+    """A loaded model's profile: the embedded model's own, else one derived from its config, with the window
+    the loader found (LoadedModel.max_context: a config object fills in its class's default where config.json
+    names none)."""
+    return load_model_profile(EMBEDDED_PROFILE) if lm.name == EMBEDDED_NAME else held_model_profile(lm)
+
+
+def held_model_profile(lm) -> ModelProfile:
+    """A loaded model's profile derived from its config: its parameters and weight bytes as held, and the
+    window the loader found."""
     profile = model_profile_from_config(lm.model.config, name=lm.name, parameters=held_parameters(lm.model))
-    return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"])
+    return replace(profile, held_weight_bytes=held_bytes(lm.model)["total"], max_context=lm.max_context)
 
 
 def profile_defaults(profile: ModelProfile, device_kind: str, prefetch: str | None = None) -> dict:

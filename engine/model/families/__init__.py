@@ -75,3 +75,16 @@ def checked() -> dict[str, str]:
 def held_architectures() -> tuple[str, ...]:
     """The GGUF architectures held in their blocks."""
     return tuple(arch for f in discover().values() for arch in f.gguf_architectures)
+
+
+DECODER_NAMES = {"llama": "the engine's Llama decoder", "gemma": "the engine's Gemma decoder",
+                 None: "transformers' classes, the engine's attention"}
+TABLE_HEADER = ("| model type | checked (tests/test_conformance.py) | runs in | GGUF architectures held |\n"
+                "|---|---|---|---|")
+
+
+def docs_table() -> str:
+    """The README's table of the model families (tests/test_families.py checks the README holds it)."""
+    rows = [f"| `{name}` | {f.checked} | {DECODER_NAMES[f.decoder]} | "
+            f"{', '.join(f'`{a}`' for a in f.gguf_architectures) or '-'} |" for name, f in sorted(discover().items())]
+    return "\n".join([TABLE_HEADER, *rows])
