@@ -107,7 +107,9 @@ def render_table(p: Plan) -> Table:
         row("transfer / step", [f"{size(mp.transfer_bytes_per_step)}, {ms(mp.transfer_seconds_per_step)}"
                                 if mp.transfer_bytes_per_step else "-" for mp in modes])
     row("compute / step", [ms(mp.compute_seconds_per_step) for mp in modes])
-    if not cpu:
+    if not cpu:  # (a CPU launches no kernels: its fused native decode is one call a layer)
+        row("kernels / step", [f"{mp.kernels_per_step:,.0f}" for mp in modes])
+        row("predicted step (+ kernels)", [ms(mp.predicted_step_seconds) for mp in modes])
         row("prefetch hidden", [("yes" if mp.prefetch_hidden else f"no (k <= {mp.k_max_hidden} would)")
                                 if mp.k_max_hidden is not None else "-" for mp in modes])
     row("exact: gamma at acceptance", [f"{mp.gamma} at {mp.acceptance:g}" if mp.gamma else "-" for mp in modes])

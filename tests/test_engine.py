@@ -326,13 +326,14 @@ def test_resync_after_a_missed_speculation_uses_prompt_lookup():
     fed = torch.tensor([21, 10])  # the guesses fed for T_{t+1}
     out = torch.tensor([10, 10])  # T_{t+1}: row 0 missed, row 1 guessed right
     spec = torch.tensor([99, 98])  # the model's next guesses
-    got = _resync(follow, prev, current, out, fed, spec)
+    got, ids = _resync(follow, prev, current, out, fed, spec)
     assert got.tolist() == [13, 98]  # row 0: what followed the latest 10; row 1 keeps the model's guess
+    assert ids == [10, 10]  # the output tokens, read on the host in the same read
     assert follow[0][13] == 20 and prev == [20, 20]  # the committed token joined the history
     # a repeated token: its latest occurrence is the token just committed
-    assert _resync([{}], [None], torch.tensor([7]), torch.tensor([7]), torch.tensor([8]), torch.tensor([1])).tolist() == [7]
+    assert _resync([{}], [None], torch.tensor([7]), torch.tensor([7]), torch.tensor([8]), torch.tensor([1]))[0].tolist() == [7]
     # nothing to look up: the model's guess stays
-    assert _resync([{}], [None], torch.tensor([7]), torch.tensor([5]), torch.tensor([8]), torch.tensor([1])).tolist() == [1]
+    assert _resync([{}], [None], torch.tensor([7]), torch.tensor([5]), torch.tensor([8]), torch.tensor([1]))[0].tolist() == [1]
 
 
 def test_resync_keeps_the_exactness_limit(tiny_model, reference):

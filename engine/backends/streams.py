@@ -27,9 +27,12 @@ import collections
 import contextlib
 import threading
 import time
+import weakref
 from typing import Callable
 
 import torch
+
+from engine.backends.costs import RefuseHostReads
 
 WAIT_SECONDS = 300.0  # a wait for another thread's signal on a real device: past this the signal is lost
 STANDIN_WAIT_SECONDS = 5.0  # the stand-in's bound on every wait: what a test waits before it fails
@@ -194,26 +197,12 @@ class StandinEvent:
         self.owner.record(self, stream)
 
     def query(self) -> bool:
-        self.owner.host_sync("event.query()")
+        self.owner.host_sync("event.query()", waits=False)
         return self.owner.done(self, "event.query()")
 
     def synchronize(self) -> None:
         self.owner.host_sync("event.synchronize()")
         self.owner.complete(self, "event.synchronize()")
-
-
-HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
-              torch.Tensor.__float__, torch.Tensor.__index__}
-
-
-class RefuseHostReads(torch.overrides.TorchFunctionMode):
-    """A tensor's value read on the host (tolist, item, bool, int, float, an index): on a device a host
-    sync, which a recorded pass cannot hold; on the stand-in's CPU tensors free, so refused here."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in HOST_READS:
-            raise RuntimeError(f"Tensor.{func.__name__} inside a recorded pass: a graph cannot read a value on the host")
-        return func(*args, **(kwargs or {}))
 
 
 class StandinGraph:
@@ -254,7 +243,9 @@ class StandinStreams(Streams):
         self.capturing = 0
         self.launches = self.graphs = 0
         self.pinned: dict[int, int] = {}
+        self.buffers: dict[int, int] = {}  # pinned_zeros' buffers alive: address -> bytes (host memory, as pinned)
         self.recorded: list[tuple[int, str]] = []
+        self.sync_observer: Callable[[str], None] | None = None  # told of each host wait (engine.backends.costs)
 
     def stream(self) -> StandinStream:
         with self.lock:
@@ -352,10 +343,19 @@ class StandinStreams(Streams):
             stream.held = False
             self.lock.notify_all()
 
-    def host_sync(self, what: str) -> None:
-        """A host wait on the device: refused while a pass is recorded (a graph cannot hold one)."""
+    def host_sync(self, what: str, waits: bool = True) -> None:
+        """A host wait on the device (waits: the host blocks, as an event's query does not): refused while a
+        pass is recorded (a graph cannot hold one); told to sync_observer."""
         if self.capturing:
             raise RuntimeError(f"{what} inside a recorded pass: a graph cannot wait on the host")
+        if waits and self.sync_observer is not None:
+            self.sync_observer(what)
+
+    def pinned_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=dtype)
+        self.buffers[t.data_ptr()] = t.numel() * t.element_size()
+        weakref.finalize(t, self.buffers.pop, t.data_ptr(), None)
+        return t
 
     def synchronize(self) -> None:
         self.host_sync("synchronize()")

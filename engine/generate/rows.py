@@ -22,8 +22,9 @@ def _histories(history: list[list[int]] | None, batch: int) -> list[list[int]]:
     return [list(h) for h in history] if history is not None else [[] for _ in range(batch)]
 
 
-def _append(hist: list[list[int]], ids: torch.Tensor) -> None:
-    for h, t in zip(hist, ids.tolist()):
+def _append(hist: list[list[int]], ids: torch.Tensor | list[int]) -> None:
+    """Each row's new token onto its history (ids on the device: read on the host here, a host sync)."""
+    for h, t in zip(hist, ids.tolist() if isinstance(ids, torch.Tensor) else ids):
         h.append(t)
 
 

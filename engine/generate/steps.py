@@ -102,10 +102,12 @@ def speculative_steps(model, cache: KVCache, logits: torch.Tensor, pick: Picker,
                         how=PassOptions(keep=1, select=1, logits_to_keep=2)))
         fed = pair[:, 1]
         out = pick(both[:, 0], hist)
-        _append(hist, out)
         spec = argmax_ids(both[:, 1])
-        if follow is not None:
-            spec = _resync(follow, prev, pair[:, 0], out, fed, spec)
+        if follow is not None:  # the output tokens read with the re-sync's vectors: one host sync a step
+            spec, ids = _resync(follow, prev, pair[:, 0], out, fed, spec)
+            _append(hist, ids)
+        else:
+            _append(hist, out)
         yield _per_row(out, slots, batch, -1), _per_row(both[:, 0], slots, batch, 0.0)
 
 
@@ -115,8 +117,9 @@ def _follow_table(tokens: list[int]) -> dict[int, int]:
 
 
 def _resync(follow, prev, current: torch.Tensor, out: torch.Tensor, fed: torch.Tensor,
-            spec: torch.Tensor) -> torch.Tensor:
-    """Record the committed tokens and replace the guesses that followed a missed one (see speculative_steps)."""
+            spec: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Record the committed tokens and replace the guesses that followed a missed one (see speculative_steps).
+    -> (the next guesses, the output tokens as read on the host: the step's one read of device values)."""
     cur, nxt, guessed, new = torch.stack([current, out, fed, spec]).long().tolist()  # one host read, not four
     for r in range(len(cur)):
         if prev[r] is not None:
@@ -126,7 +129,7 @@ def _resync(follow, prev, current: torch.Tensor, out: torch.Tensor, fed: torch.T
             following = nxt[r] if cur[r] == nxt[r] else follow[r].get(nxt[r])
             if following is not None:
                 new[r] = following
-    return torch.tensor(new, dtype=spec.dtype, device=spec.device)
+    return torch.tensor(new, dtype=spec.dtype, device=spec.device), nxt
 
 
 def decoder_for(cache: KVCache):

@@ -66,6 +66,11 @@ class CacheLayer(ABC):
     own_settings: ClassVar[tuple[str, ...]] = ()  # CacheConfig fields no other policy reads (window: window)
     window: int | None = None  # the model's sliding window of this layer (None: global attention)
     capturable: ClassVar[bool] = False  # True: decodes Step.fixed passes (engine.generate.graphs replays them)
+    # kernels a steady decode step launches on CUDA by the torch code: (per layer, outside the layers), as
+    # counted through the CPU's stand-in (tests/test_cost_model.py); the planner's (engine/plan/step_costs.py).
+    # verify_launches: a verification pass's (the policies that verify)
+    decode_launches: ClassVar[tuple[int, int]] = (0, 0)
+    verify_launches: ClassVar[tuple[int, int]] = (0, 0)
 
     @classmethod
     def build(cls, shape: ModelShape, config: CacheConfig, batch: int, max_len: int, dtype: torch.dtype,
@@ -86,6 +91,11 @@ class CacheLayer(ABC):
     def speculates(cls, config: CacheConfig) -> bool:
         """True: decode with the two-token speculative step loop (engine.generate.steps)."""
         return False
+
+    @classmethod
+    def step_launches(cls, config: CacheConfig) -> tuple[int, int]:
+        """(per layer, outside the layers) kernels of a steady decode step under `config` (decode_launches)."""
+        return cls.decode_launches
 
     def store_key(self) -> dict:
         """The settings besides the model's and the mode that a stored row of this layer depends on

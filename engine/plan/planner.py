@@ -28,6 +28,7 @@ from engine.machine import host_usable_bytes
 from engine.plan.hardware import detect_hardware
 from engine.plan.profiles import HardwareProfile, ModelProfile, model_profile_from_config, profile_defaults
 from engine.plan.result import ModePlan, Plan
+from engine.plan.step_costs import launch_seconds, launches_per_token
 from engine.plan.roofline import (
     EXACT_ACCEPTANCE,
     GIB,
@@ -142,6 +143,10 @@ def _plan_mode(policy: type, hw: HardwareProfile, t: PlanTerms, s: Sizing, avail
         compute_s = step_s
         exact = {"gamma": gamma, "acceptance": EXACT_ACCEPTANCE, "verify_seconds": verify_s,
                  "draft_seconds": draft_s}
+    kernels = None  # a GPU's kernels (a CPU runs the fused native decode: step_costs counts the torch one)
+    if hw.kind != "cpu":  # (the speculative prefetch where the policy has it: the roofline's step)
+        column = replace(t.cache, prefetch="speculative") if speculative(policy) else t.cache
+        kernels = launches_per_token(policy, column, m.layers, exact.get("gamma", 0), EXACT_ACCEPTANCE)
     breakdown = {**s.state, "decode_working_set": s.decode_working_set}
     shared = {"weights": weight_bytes(m, eb)}
     (breakdown if s.prefill_per_sequence else shared)["prefill_activations"] = s.prefill_bytes
@@ -152,6 +157,7 @@ def _plan_mode(policy: type, hw: HardwareProfile, t: PlanTerms, s: Sizing, avail
         device_bytes_per_sequence=per_seq, device_breakdown=breakdown, shared_device_bytes=shared,
         host_bytes_per_sequence=s.host_per_sequence, transfer_bytes_per_step=transfer,
         transfer_seconds_per_step=transfer_s, compute_seconds_per_step=compute_s, step_seconds=step_s,
+        kernels_per_step=kernels, predicted_step_seconds=None if kernels is None else step_s + launch_seconds(kernels),
         prefetch_hidden=transfer_s <= compute_s, tokens_per_second=batch / step_s,
         predicted_speedup_vs_full=None,
         k_max_hidden=max_hidden_k(hw, m, s, at, k, context, eb) if speculative(policy) else None, **exact)

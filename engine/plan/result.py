@@ -8,6 +8,7 @@ from engine.config import CacheConfig, settings
 from engine.kvcache.sizes import FETCH_BUFFERS, PAPER_FETCH_BUFFERS, SPECULATIVE_TOKENS
 from engine.machine import HOST_RESERVE_FRACTION, host_usable_bytes
 from engine.plan.profiles import HardwareProfile, ModelProfile
+from engine.plan.step_costs import KERNEL_LAUNCH_SECONDS
 from engine.plan.roofline import (
     ALLOCATOR_MARGIN,
     CUDA_RUNTIME_RESERVE_BYTES,
@@ -43,6 +44,8 @@ class ModePlan:
     transfer_seconds_per_step: float
     compute_seconds_per_step: float
     step_seconds: float
+    kernels_per_step: float | None  # a GPU's kernels per step (exact: per output token; engine/plan/step_costs.py)
+    predicted_step_seconds: float | None  # step_seconds + their launches (step_costs.KERNEL_LAUNCH_SECONDS each)
     prefetch_hidden: bool
     tokens_per_second: float
     predicted_speedup_vs_full: float | None
@@ -144,7 +147,7 @@ def constants() -> dict:
         "host_reserve_fraction": HOST_RESERVE_FRACTION, "memory_efficiency": MEMORY_EFFICIENCY,
         "matmul_efficiency": MATMUL_EFFICIENCY, "sparse_transfer_efficiency": SPARSE_TRANSFER_EFFICIENCY,
         "fetch_buffers": FETCH_BUFFERS, "paper_fetch_buffers": PAPER_FETCH_BUFFERS,
-        "speculative_tokens": SPECULATIVE_TOKENS,
+        "speculative_tokens": SPECULATIVE_TOKENS, "kernel_launch_seconds": KERNEL_LAUNCH_SECONDS,
     }
 
 

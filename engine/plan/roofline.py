@@ -56,11 +56,16 @@ def batch_that_fits(available: int, per_sequence: int, shared: int = 0) -> int:
     return max(0, (available - shared) // per_sequence)
 
 
+def step_read_bytes(model: ModelProfile, batch: int, read_bytes_per_sequence: int, element_bytes: int = 2) -> int:
+    """Bytes one decode step reads from device memory in the roofline: the weights once, each sequence's cache."""
+    return weight_bytes(model, element_bytes) + batch * read_bytes_per_sequence
+
+
 def decode_step_seconds(hardware: HardwareProfile, model: ModelProfile, batch: int, queries: int,
                         read_bytes_per_sequence: int, context: int, element_bytes: int = 2) -> float:
     """Roofline time of one decode step: the slower of reading (weights once + each sequence's cache)
     and computing (weight matmuls + attention over the whole context for every query token)."""
-    read = weight_bytes(model, element_bytes) + batch * read_bytes_per_sequence
+    read = step_read_bytes(model, batch, read_bytes_per_sequence, element_bytes)
     attention_flops = 4 * model.heads * model.head_dim * context * model.layers
     flops = batch * queries * (2 * model.parameters + attention_flops)
     read_s = read / (hardware.memory_bandwidth_gbps * 1e9 * MEMORY_EFFICIENCY)

@@ -40,7 +40,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.kvcache.base import ModelShape, Step, write_rows
-from engine.kvcache.policies.full import exact_attention
+from engine.kvcache.policies.full import FullLayer, exact_attention
 from engine.kvcache.registry import register
 from engine.kvcache.sizes import PlanTerms, Sizing, store_at_compute_dtype, verify_buffer_bytes
 from engine.kvcache.policies.specache import SpecacheLayer
@@ -66,6 +66,9 @@ class ExactLayer(SpecacheLayer):
     # `specache plan` has an exact column (its verification's figures); a run's batch is planned as
     # its draft cache's, specache's
     plan_mode = "specache"
+    # its drafts launch specache's (prefetch current) kernels; a verification, a full pass's (a model, not
+    # counted: CacheLayer.decode_launches)
+    verify_launches = FullLayer.decode_launches
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:

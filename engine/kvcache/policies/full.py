@@ -43,6 +43,7 @@ class FullLayer(CacheLayer):
     listed = 0  # its place in --cache's list (engine.kvcache.registry)
 
     capturable = True
+    decode_launches = (39, 28)  # (CacheLayer.decode_launches)
 
     @classmethod
     def plan_sizing(cls, terms: PlanTerms) -> Sizing:

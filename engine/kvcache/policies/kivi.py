@@ -10,3 +10,4 @@ from engine.kvcache.registry import register
 class KiviLayer(GuidedLayer):
     listed = 2  # its place in --cache's list (engine.kvcache.registry)
     fixed_settings = {"k": 0}  # SpeCache's k = 0 limit: nothing is ever fetched (GuidedLayer.layout is kivi's)
+    decode_launches = (77, 20)  # (CacheLayer.decode_launches)

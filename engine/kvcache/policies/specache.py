@@ -33,11 +33,17 @@ class SpecacheLayer(GuidedLayer):
 
     fetches = True
     watches = True  # its decode is checked against the exact store (engine/kvcache/watch.py)
+    decode_launches = (103, 20)  # (CacheLayer.decode_launches) with prefetch current; speculative_launches else
+    speculative_launches = (147, 22)
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
         """Two tokens per step unless nothing is fetched or each token picks its own set (prefetch current)."""
         return config.k > 0 and config.prefetch == "speculative"
+
+    @classmethod
+    def step_launches(cls, config: CacheConfig) -> tuple[int, int]:
+        return cls.speculative_launches if cls.speculates(config) else cls.decode_launches
 
     @classmethod
     def plan_sizing(cls, terms: PlanTerms) -> Sizing:

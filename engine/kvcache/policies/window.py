@@ -17,6 +17,7 @@ class WindowLayer(GuidedLayer):
     # the planner sizes it as kivi (no column of its own): window's default W gives it specache's device bytes
     plan_column, plan_mode = False, "kivi"
     own_settings = ("window",)  # --window / a bench label's w<n>
+    decode_launches = (54, 20)  # (CacheLayer.decode_launches)
 
     @classmethod
     def layout(cls, shape: ModelShape, config: CacheConfig, max_len: int, dtype: torch.dtype) -> Layout:
