@@ -148,8 +148,10 @@ class SlidingWindowLayer(CacheLayer):
         slots = self._kept(length)
         return {"k": self.k[row, :, slots], "v": self.v[row, :, slots]}
 
-    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
-        """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate)."""
+    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False,
+                   pages=None) -> None:
+        """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate; its window is
+        copied whatever pages is)."""
         slots = self._kept(length)
         import_tensors({"k": self.k[row, :, slots], "v": self.v[row, :, slots]}, tensors, check, strict=True)
         if not check:

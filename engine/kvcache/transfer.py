@@ -26,6 +26,7 @@ import threading
 
 import torch
 
+from engine.backends.host_pages import PlacedPages, paged_length
 from engine.backends.streams import Streams, streams_for
 from engine.errors import DoesNotFit
 from engine.kvcache import guide_triton
@@ -74,6 +75,7 @@ class Transfer:
         self.host_tensors: list[torch.Tensor] = []  # the exact host store's tensors (host_tensor), all layers
         self._mappings: list[HostMapping] = []  # their memory
         self._registered: list[HostMapping] = []  # CUDA: those pinned by pin_host(), unpinned by close()
+        self.placed = PlacedPages()  # stored rows mapped into the store from their entries (HostStore.place_row)
 
     def host_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero host tensor of the exact store, exactly its bytes (untouched_zeros: an anonymous mapping,
@@ -176,8 +178,10 @@ class HostStore:
         self.transfer, self.streams = transfer, transfer.streams
         self.held: HeldRow | None = None  # CUDA: the prefilling row's exact K/V on the device (read_prefix)
         self.asynchronous = transfer.asynchronous  # (CUDA's orchestration: streams, events, a pinned store)
-        shape = (batch, kv_heads, max_len, head_dim)
         kept, dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+        # the CPU: each row's KV heads start on a page, for place_row (the positions past max_len never touched)
+        shape = (batch, kv_heads, max_len if self.asynchronous else paged_length(max_len, head_dim * kept.itemsize),
+                 head_dim)
         self.k = transfer.host_tensor(shape, kept)  # [B, H_kv, L, D] host (pinned on CUDA: Transfer.pin_host)
         self.v = transfer.host_tensor(shape, kept)
         fshape = (batch, kv_heads, max(k_max, 1), head_dim)
@@ -218,6 +222,13 @@ class HostStore:
         if held is not None and held.row == row and start <= held.upto:  # (the prefilling row: kept on the device)
             held.k[0, :, start:end], held.v[0, :, start:end] = k, v
             held.upto = max(held.upto, end)
+
+    def place_row(self, row: int, k: torch.Tensor, v: torch.Tensor, pages) -> bool:
+        """Make row's first positions hold the stored rows k/v [H_kv, n, D], views of a mapped store entry (pages:
+        engine.backends.host_pages.MappedFile), by mapping the entry's pages over them copy-on-write instead of
+        copying them in. The CPU only (a pinned store's pages must stay its own). -> whether it did."""
+        return not self.asynchronous and pages.place(k, self.k[row], self.transfer.placed) \
+            and pages.place(v, self.v[row], self.transfer.placed)
 
     def read_prefix(self, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact K/V of row's positions [0, end) on the compute device, for a chunk of its prefill. -> [1, H_kv, n,
