@@ -24,27 +24,10 @@ from engine.docstore.store import DocStore
 from engine.generate.engine import Engine, Finished
 from engine.generate.prefixes import DocStoreUse
 from engine.kvcache.host_memory import mapped_zeros
+from tests.test_store import Warnings, own_cache_dir, prompt_ids  # noqa: F401 (own_cache_dir: autouse, a tmp store)
 
 DATA = Path(__file__).parent / "data"
 GEN = GenerationConfig(max_tokens=12)
-
-
-@pytest.fixture(autouse=True)
-def own_cache_dir(tmp_path, monkeypatch):
-    """Never the user's cache: the store lives in this test's tmp folder."""
-    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(S.ENV_MAX_GB, raising=False)
-    return tmp_path / "cache"
-
-
-class Warnings(list):
-    def __call__(self, message: str) -> None:
-        self.append(message)
-
-
-def prompt_ids(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 320, (n,), generator=g).tolist()
 
 
 def run(model, config, use, doc, question):
