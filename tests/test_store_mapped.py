@@ -82,6 +82,19 @@ def test_a_mapped_hit_gives_the_tokens_of_a_fresh_prefill(tiny_model, tmp_path, 
     assert 0 < hits[0].cache_stats["host_mapped_resident_bytes"] <= hits[0].cache_stats["host_mapped_bytes"]
 
 
+def test_questions_sharing_a_stored_document_each_map_it(tiny_model, tmp_path):
+    """Several questions on one stored document (one batch, a shared prefix): every row maps the entry's rows
+    (the pages shared), none copies row 0's; the tokens are those of each question alone."""
+    config = CacheConfig(mode="specache", k=16, group=32, residual=16, chunk_size=64)
+    use = DocStoreUse(DocStore(tmp_path / "kv"), "tiny")
+    doc, questions = prompt_ids(280, 51), [prompt_ids(n, 52 + n) for n in (6, 9, 12)]
+    alone = [run(tiny_model, config, use, doc, q) for q in questions]  # (the first stores the document)
+    events = list(Engine(tiny_model, config, use).generate([doc + q for q in questions], GEN, shared_prefix=280))
+    both = events[-1]
+    assert all(info["hit"] for info in both.store) and both.tokens == [a.tokens[0] for a in alone]
+    assert both.cache_stats["host_mapped_bytes"] == 3 * alone[1].cache_stats["host_mapped_bytes"]
+
+
 def test_ask_with_the_store_equals_no_store(tiny_model_dir, own_cache_dir):
     from specache_cli.app import app
 
