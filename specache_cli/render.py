@@ -187,7 +187,8 @@ def print_timings(result: Result) -> None:
             f"({ms:.1f} ms/token, {result.finish_reason})")
     if c:
         line += (f" · cache {c.get('mode')}: device {c.get('device_bytes', 0) / 2**20:.1f} MiB, "
-                 f"host {c.get('host_bytes', 0) / 2**20:.1f} MiB{_mapped(c)}, fp16 full {c.get('full_fp16_bytes', 0) / 2**20:.1f} MiB")
+                 f"host {c.get('host_bytes', 0) / 2**20:.1f} MiB{_mapped(c)}, "
+                 f"fp16 full {c.get('full_fp16_bytes', 0) / 2**20:.1f} MiB")
         guide = guide_settings(c)
         if guide:
             line += f" · guide {guide}"

@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache
 
+from engine.backends.host_pages import MappedFile
 from engine.backends.kernels import describe
 from engine.config import CacheConfig
 from engine.kvcache.passes import (  # noqa: F401  (part of this module's API: the layers import them here)
@@ -126,7 +127,7 @@ class CacheLayer(ABC):
         """Row `row`'s state after `length` tokens (views), for the document store."""
 
     def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False,
-                   pages=None) -> None:
+                   pages: MappedFile | None = None) -> None:
         """Make row `row` hold an export_row() of `length` tokens (check: only validate; pages: the mapped store
         entry the tensors are views of, which a layer with a host store maps its rows from: GuidedRows)."""
         import_tensors(self.export_row(row, length), tensors, check, strict=True)
@@ -242,7 +243,7 @@ class KVCache(Cache):
             out.update({f"layers.{i}.{name}": t for name, t in layer.export_row(row, length).items()})
         return out
 
-    def import_row(self, row: int, tensors: dict[str, torch.Tensor], pages=None) -> None:
+    def import_row(self, row: int, tensors: dict[str, torch.Tensor], pages: MappedFile | None = None) -> None:
         """Set row `row` (of a fresh cache) to an export_row() state. Raises ValueError, before
         changing anything, when the tensors do not fit this cache (other model or settings). pages: the
         mapped store entry the tensors are views of (engine.backends.host_pages.MappedFile), or None."""

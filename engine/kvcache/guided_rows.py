@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.backends.host_pages import MappedFile
 from engine.kvcache.base import import_tensors
 from engine.config import CacheConfig
 from engine.kvcache.sizes import layer_kv_bytes_per_token, quant_boundary, store_dtype
@@ -68,7 +69,7 @@ class GuidedRows:
         return out
 
     def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False,
-                   pages=None) -> None:
+                   pages: MappedFile | None = None) -> None:
         """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate). pages: the mapped
         store entry the tensors are views of (engine.backends.host_pages.MappedFile): the exact rows are mapped
         from it into the store in place where they can be (HostStore.place_row), not copied."""

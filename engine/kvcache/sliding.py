@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.backends.host_pages import MappedFile
 from engine.backends.kernels import backend_for
 
 from engine.config import CacheConfig
@@ -149,7 +150,7 @@ class SlidingWindowLayer(CacheLayer):
         return {"k": self.k[row, :, slots], "v": self.v[row, :, slots]}
 
     def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False,
-                   pages=None) -> None:
+                   pages: MappedFile | None = None) -> None:
         """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate; its window is
         copied whatever pages is)."""
         slots = self._kept(length)

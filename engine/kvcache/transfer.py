@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from engine.backends.host_pages import PlacedPages, paged_length
+from engine.backends.host_pages import MappedFile, PlacedPages, paged_length
 from engine.backends.streams import Streams, streams_for
 from engine.errors import DoesNotFit
 from engine.kvcache import guide_triton
@@ -223,10 +223,10 @@ class HostStore:
             held.k[0, :, start:end], held.v[0, :, start:end] = k, v
             held.upto = max(held.upto, end)
 
-    def place_row(self, row: int, k: torch.Tensor, v: torch.Tensor, pages) -> bool:
-        """Make row's first positions hold the stored rows k/v [H_kv, n, D], views of a mapped store entry (pages:
-        engine.backends.host_pages.MappedFile), by mapping the entry's pages over them copy-on-write instead of
-        copying them in. The CPU only (a pinned store's pages must stay its own). -> whether it did."""
+    def place_row(self, row: int, k: torch.Tensor, v: torch.Tensor, pages: MappedFile) -> bool:
+        """Make row's first positions hold the stored rows k/v [H_kv, n, D], views of a mapped store entry (pages),
+        by mapping the entry's pages over them copy-on-write instead of copying them in. The CPU only (a pinned
+        store's pages must stay its own). -> whether it did."""
         return not self.asynchronous and pages.place(k, self.k[row], self.transfer.placed) \
             and pages.place(v, self.v[row], self.transfer.placed)
 
