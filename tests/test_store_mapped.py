@@ -120,6 +120,19 @@ def stored_entry(tmp_path, n=1000, heads=3, dim=64):
     return store, key, rows
 
 
+def test_a_paged_entry_is_standard_safetensors(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    store, key, rows = stored_entry(tmp_path)
+    other = load_file(store.path(key))  # any safetensors reader: the padded shape, zero rows after n
+    heads, n, dim = rows.shape
+    assert other["store_k"].shape[1] > n and torch.equal(other["store_k"][:, :n], rows)
+    assert not other["store_k"][:, n:].any() and other["qend"].tolist() == [64]
+    with safe_open(str(store.path(key)), "pt") as f:
+        assert json.loads(f.metadata()["specache"])["paged"] == {"store_k": n}
+
+
 def test_placed_rows_are_the_file_s_pages(tmp_path):
     store, key, rows = stored_entry(tmp_path, n=20000)
     loaded = store.load(key, [1, 2, 3])
