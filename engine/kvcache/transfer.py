@@ -179,9 +179,9 @@ class HostStore:
         self.held: HeldRow | None = None  # CUDA: the prefilling row's exact K/V on the device (read_prefix)
         self.asynchronous = transfer.asynchronous  # (CUDA's orchestration: streams, events, a pinned store)
         kept, dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
-        # the CPU: each row's KV heads start on a page, for place_row (the positions past max_len never touched)
-        shape = (batch, kv_heads, max_len if self.asynchronous else paged_length(max_len, head_dim * kept.itemsize),
-                 head_dim)
+        # read in place (the CPU): each row's KV heads start on a page, for place_row (never touched past max_len)
+        in_place = not self.asynchronous and not transfer.stream_verify
+        shape = (batch, kv_heads, paged_length(max_len, head_dim * kept.itemsize) if in_place else max_len, head_dim)
         self.k = transfer.host_tensor(shape, kept)  # [B, H_kv, L, D] host (pinned on CUDA: Transfer.pin_host)
         self.v = transfer.host_tensor(shape, kept)
         fshape = (batch, kv_heads, max(k_max, 1), head_dim)
