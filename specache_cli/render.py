@@ -187,7 +187,8 @@ def print_timings(result: Result) -> None:
             f"({ms:.1f} ms/token, {result.finish_reason})")
     if c:
         line += (f" · cache {c.get('mode')}: device {c.get('device_bytes', 0) / 2**20:.1f} MiB, "
-                 f"host {c.get('host_bytes', 0) / 2**20:.1f} MiB, fp16 full {c.get('full_fp16_bytes', 0) / 2**20:.1f} MiB")
+                 f"host {c.get('host_bytes', 0) / 2**20:.1f} MiB{_mapped(c)}, "
+                 f"fp16 full {c.get('full_fp16_bytes', 0) / 2**20:.1f} MiB")
         guide = guide_settings(c)
         if guide:
             line += f" · guide {guide}"
@@ -199,6 +200,14 @@ def print_timings(result: Result) -> None:
         if c.get("fused_decode"):  # a policy's own hook: its layers decode by the torch reference
             line += f" (fused decode: {c['fused_decode']})"
     err_console.print(line + "[/]", highlight=False, soft_wrap=True)
+
+
+def _mapped(c: dict) -> str:
+    """What of the host store a stored document's entry backs (mapped, not read in), "" where none does."""
+    if not c.get("host_mapped_bytes"):
+        return ""
+    return (f" ({c['host_mapped_bytes'] / 2**20:.1f} MiB mapped from the store, "
+            f"{c.get('host_mapped_resident_bytes', 0) / 2**20:.1f} MiB of it in memory)")
 
 
 def guide_settings(c: dict) -> str:

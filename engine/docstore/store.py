@@ -36,12 +36,13 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 from filelock import FileLock
 
-from engine.docstore.entries import FORMAT, EntryError, parse, read_header, serialized_size, write
+from engine.backends.host_pages import MappedFile
+from engine.docstore.entries import FORMAT, KEY_FORMAT, EntryError, parse, read_header, serialized_size, write
 from engine.errors import StorageError
 from engine.paths import cache_root
 
@@ -94,7 +95,7 @@ def ids_digest(ids: Sequence[int]) -> str:
 
 def make_key(settings: Mapping[str, object], ids: Sequence[int]) -> str:
     """The entry key: what produced the KV (model fingerprint and KV-changing settings) + the tokens."""
-    material = json.dumps({"format": FORMAT, **settings, "ids_sha256": ids_digest(ids)}, sort_keys=True)
+    material = json.dumps({"format": KEY_FORMAT, **settings, "ids_sha256": ids_digest(ids)}, sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:32]
 
 
@@ -115,12 +116,18 @@ class EntryInfo:
 
 @dataclass
 class Loaded:
-    """A verified entry."""
+    """A verified entry: its tensors are views of its mapping (pages: MappedFile.place maps its paged rows into
+    a host store); close() once they are imported."""
 
     key: str
     tensors: dict[str, torch.Tensor]
     meta: dict
     bytes: int
+    pages: MappedFile | None = None
+
+    def close(self) -> None:
+        if self.pages is not None:
+            self.pages.close()
 
 
 class DocStore:
@@ -186,31 +193,28 @@ class DocStore:
 
     # ---- reading -------------------------------------------------------------------------
     def load(self, key: str, ids: Sequence[int]) -> Loaded | None:
-        """The verified entry for key, or None (a miss). A bad entry is reported, deleted and missed."""
+        """The verified entry for key, mapped (its paged rows are read where they are used: entries.parse; close
+        it once imported), or None (a miss). A bad entry is reported, deleted and missed."""
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                buf = bytearray(st.st_size)
-                n = f.readinto(buf)
+            mapped = MappedFile(path)
         except FileNotFoundError:
             return None
         except OSError as exc:
             self.warn(f"store entry {key[:12]} could not be read ({exc}); rebuilding it")
             return None
         try:
-            if n != len(buf):
-                raise EntryError(f"short read ({n} of {len(buf)} bytes)")
-            tensors, meta = parse(buf, verify=True)
+            tensors, meta = parse(mapped.buffer, verify=True, mapped=mapped)
             if meta.get("key") != key:
                 raise EntryError("the entry's header names another key")
             stored = tensors.get("ids")
             if stored is None or stored.tolist() != list(ids):
                 raise EntryError("the stored token ids differ from the document's")
         except EntryError as exc:
+            mapped.close()
             self.warn(f"store entry {key[:12]} is corrupt ({exc}); deleted, rebuilding it")
             try:
-                self._discard(path, st)
+                self._discard(path, mapped.stat)
             except OSError as err:  # e.g. a read-only store: the entry stays unused all the same
                 self.warn(f"could not delete store entry {key[:12]} ({err})")
             return None
@@ -218,7 +222,7 @@ class DocStore:
             os.utime(path)  # least recently used = oldest mtime
         except OSError:
             pass
-        return Loaded(key, tensors, meta, len(buf))
+        return Loaded(key, tensors, meta, mapped.size, mapped)
 
     def discard(self, key: str, reason: str) -> None:
         """Delete an entry found unusable by its reader (reported on stderr through warn)."""
@@ -241,11 +245,14 @@ class DocStore:
 
     # ---- writing -------------------------------------------------------------------------
     def save(self, key: str, ids: Sequence[int], tensors: Mapping[str, torch.Tensor],
-             meta: Mapping[str, object] | None = None) -> int | None:
-        """Write an entry atomically; evict least-recently-used entries to stay under the cap.
+             meta: Mapping[str, object] | None = None, paged: Collection[str] = ()) -> int | None:
+        """Write an entry atomically; evict least-recently-used entries to stay under the cap. paged: the
+        names of tensors [A, n, D] stored page by page, for a load to map in place (entries.py).
         Returns the entry's size in bytes, or None when it was not kept (bigger than the cap)."""
         all_tensors = {"ids": torch.tensor(list(ids), dtype=torch.int64), **tensors}
         header = {**(meta or {}), "key": key, "format": FORMAT, "tokens": len(ids), "created": time.time()}
+        if paged:
+            header["paged"] = {n: tensors[n].shape[1] for n in paged}
         size = serialized_size(all_tensors, header)
         if self.max_bytes is not None and size > self.max_bytes:
             self.warn(f"not storing {key[:12]}: {size / 1e9:.2f} GB is over the store cap "

@@ -153,7 +153,11 @@ class Engine:
                 writing += infos[r]["seconds"]
         for row in range(len(prompts)):
             if row not in heads and pre[row]:
-                cache.copy_row(0, row)
+                # a document whose exact rows were mapped from the store: mapped again for this row (its pages
+                # shared), not copied from row 0 (HostStore.place_row)
+                if not (0 in loaded and cache.transfer.placed.nbytes
+                        and load_row(store, cache, row, keys[0], prompts[0][: pre[0]]) is not None):
+                    cache.copy_row(0, row)
                 infos[row] = infos[0]
         for row, prompt in enumerate(prompts):
             for item in self.prefill(cache, prompt[pre[row]:], row):

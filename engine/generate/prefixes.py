@@ -9,6 +9,7 @@ import torch
 
 from engine.docstore.store import DocStore
 from engine.kvcache import KVCache
+from engine.kvcache.guided_rows import STORE_ROWS
 
 
 @dataclass
@@ -69,10 +70,12 @@ def load_row(store: DocStoreUse, cache: KVCache, row: int, key: str, ids: list[i
     if entry is None:
         return None
     try:
-        cache.import_row(row, entry.tensors)
+        cache.import_row(row, entry.tensors, entry.pages)  # (the exact rows mapped in place where they can be)
     except ValueError as exc:
         store.store.discard(key, f"it does not fit this cache ({exc})")
         return None
+    finally:
+        entry.close()
     return {"hit": True, "key": key, "bytes": entry.bytes, "seconds": time.perf_counter() - t}
 
 
@@ -80,8 +83,10 @@ def save_row(store: DocStoreUse, cache: KVCache, row: int, key: str, ids: list[i
              label: str = "") -> int | None:
     """Save a row's state after its prefix into the store (label: what `specache cache ls` shows for
     it, the document); a failing write is reported, not fatal."""
+    tensors = cache.export_row(row)
+    paged = [n for n in tensors if n.rsplit(".", 1)[-1] in STORE_ROWS]  # (stored page by page: mapped on a load)
     try:
-        return store.store.save(key, ids, cache.export_row(row), {**settings, "label": label, "model_name": store.model_name})
+        return store.store.save(key, ids, tensors, {**settings, "label": label, "model_name": store.model_name}, paged)
     except OSError as exc:
         store.store.warn(f"could not save the document's KV to the store ({exc})")
         return None

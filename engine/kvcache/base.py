@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache
 
+from engine.backends.host_pages import MappedFile
 from engine.backends.kernels import describe
 from engine.config import CacheConfig
 from engine.kvcache.passes import (  # noqa: F401  (part of this module's API: the layers import them here)
@@ -134,8 +135,10 @@ class CacheLayer(ABC):
     def export_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
         """Row `row`'s state after `length` tokens (views), for the document store."""
 
-    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
-        """Make row `row` hold an export_row() of `length` tokens (check: only validate)."""
+    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False,
+                   pages: MappedFile | None = None) -> None:
+        """Make row `row` hold an export_row() of `length` tokens (check: only validate; pages: the mapped store
+        entry the tensors are views of, which a layer with a host store maps its rows from: GuidedRows)."""
         import_tensors(self.export_row(row, length), tensors, check, strict=True)
 
     @abstractmethod
@@ -249,9 +252,10 @@ class KVCache(Cache):
             out.update({f"layers.{i}.{name}": t for name, t in layer.export_row(row, length).items()})
         return out
 
-    def import_row(self, row: int, tensors: dict[str, torch.Tensor]) -> None:
+    def import_row(self, row: int, tensors: dict[str, torch.Tensor], pages: MappedFile | None = None) -> None:
         """Set row `row` (of a fresh cache) to an export_row() state. Raises ValueError, before
-        changing anything, when the tensors do not fit this cache (other model or settings)."""
+        changing anything, when the tensors do not fit this cache (other model or settings). pages: the
+        mapped store entry the tensors are views of (engine.backends.host_pages.MappedFile), or None."""
         if "length" not in tensors or tensors["length"].numel() != 1:
             raise ValueError("no length")
         length = int(tensors["length"])
@@ -266,7 +270,7 @@ class KVCache(Cache):
             raise ValueError("tensors of layers this model does not have")
         for check in (True, False):
             for layer, own in zip(self.layers, per_layer):
-                layer.import_row(row, length, own, check=check)
+                layer.import_row(row, length, own, check=check, pages=pages)
         self.lengths[row] = length
         self.lengths_host[row] = length
         self._bounds = None
@@ -298,6 +302,9 @@ class KVCache(Cache):
             stats["sliding_window_layers"] = len(windows)
             stats.update(windows[0].run_stats(windows))  # (the window, and the kernel its decode passes take)
         stats.update(self.decode_stats)
+        if self.transfer.placed.nbytes:  # a stored document's exact rows mapped, not read in (HostStore.place_row)
+            stats["host_mapped_bytes"] = self.transfer.placed.nbytes
+            stats["host_mapped_resident_bytes"] = self.transfer.placed.resident()
         stats["backend"] = describe(self.lengths.device)
         return stats
 

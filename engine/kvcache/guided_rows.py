@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from engine.backends.host_pages import MappedFile
 from engine.kvcache.base import import_tensors
 from engine.config import CacheConfig
 from engine.kvcache.sizes import layer_kv_bytes_per_token, quant_boundary, store_dtype
+
+
+STORE_ROWS = ("store_k", "store_v")  # a row's exact K/V in its export: paged in the entry, placed on a load
 
 
 class GuidedRows:
@@ -64,8 +68,11 @@ class GuidedRows:
             out.update({f"guide.{n}": t for n, t in self.guide.export_row(row, qend).items()})
         return out
 
-    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
-        """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate)."""
+    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False,
+                   pages: MappedFile | None = None) -> None:
+        """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate). pages: the mapped
+        store entry the tensors are views of (engine.backends.host_pages.MappedFile): the exact rows are mapped
+        from it into the store in place where they can be (HostStore.place_row), not copied."""
         qend = int(quant_boundary(torch.tensor(length), self.residual, self.group))
         got = tensors.get("qend")
         if got is None or got.numel() != 1 or int(got) != qend:
@@ -86,8 +93,12 @@ class GuidedRows:
                  "res_k": self.res_k[row, :, r0 : r0 + length - qend], "res_v": self.res_v[row, :, r0 : r0 + length - qend]}
         if self.store is not None:
             views["store_k"], views["store_v"] = self.store.k[row, :, :length], self.store.v[row, :, :length]
-        import_tensors(views, tensors, check)
         extra = set(tensors) - set(views) - {"qend"}
+        if not check and pages is not None and self.store is not None and \
+                self.store.place_row(row, tensors["store_k"], tensors["store_v"], pages):
+            placed = set(STORE_ROWS) | ({"res_k", "res_v"} if self.res_in_store else set())  # (the store's memory)
+            views = {n: t for n, t in views.items() if n not in placed}
+        import_tensors(views, tensors, check)
         if self.guide is not None:
             guide = {n[len("guide."):]: t for n, t in tensors.items() if n.startswith("guide.")}
             self.guide.import_row(row, qend, guide, check)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.backends.host_pages import MappedFile
 from engine.backends.kernels import backend_for
 
 from engine.config import CacheConfig
@@ -148,8 +149,10 @@ class SlidingWindowLayer(CacheLayer):
         slots = self._kept(length)
         return {"k": self.k[row, :, slots], "v": self.v[row, :, slots]}
 
-    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False) -> None:
-        """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate)."""
+    def import_row(self, row: int, length: int, tensors: dict[str, torch.Tensor], check: bool = False,
+                   pages: MappedFile | None = None) -> None:
+        """Make row `row` (fresh) hold an export_row() of `length` tokens (check: only validate; its window is
+        copied whatever pages is)."""
         slots = self._kept(length)
         import_tensors({"k": self.k[row, :, slots], "v": self.v[row, :, slots]}, tensors, check, strict=True)
         if not check:

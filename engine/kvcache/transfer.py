@@ -29,6 +29,7 @@ import threading
 import torch
 
 from engine.backends.host_mapping import HostMapping, mapped_zeros, untouched_zeros
+from engine.backends.host_pages import MappedFile, PlacedPages, paged_length
 from engine.backends.kernels import backend_for
 from engine.backends.streams import Streams, streams_for
 from engine.errors import DoesNotFit
@@ -69,6 +70,7 @@ class Transfer:
         self.host_tensors: list[torch.Tensor] = []  # the exact host store's tensors (host_tensor), all layers
         self._mappings: list[HostMapping] = []  # their memory
         self._registered: list[HostMapping] = []  # CUDA: those pinned by pin_host(), unpinned by close()
+        self.placed = PlacedPages()  # stored rows mapped into the store from their entries (HostStore.place_row)
 
     def host_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero host tensor of the exact store, exactly its bytes (untouched_zeros: an anonymous mapping,
@@ -176,8 +178,10 @@ class HostStore:
         self.transfer, self.streams = transfer, transfer.streams
         self.held: HeldRow | None = None  # CUDA: the prefilling row's exact K/V on the device (read_prefix)
         self.asynchronous = transfer.asynchronous  # (CUDA's orchestration: streams, events, a pinned store)
-        shape = (batch, kv_heads, max_len, head_dim)
         kept, dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+        # read in place (the CPU): each row's KV heads start on a page, for place_row (never touched past max_len)
+        in_place = not self.asynchronous and not transfer.stream_verify
+        shape = (batch, kv_heads, paged_length(max_len, head_dim * kept.itemsize) if in_place else max_len, head_dim)
         self.k = transfer.host_tensor(shape, kept)  # [B, H_kv, L, D] host (pinned on CUDA: Transfer.pin_host)
         self.v = transfer.host_tensor(shape, kept)
         fshape = (batch, kv_heads, max(k_max, 1), head_dim)
@@ -218,6 +222,12 @@ class HostStore:
         if held is not None and held.row == row and start <= held.upto:  # (the prefilling row: kept on the device)
             held.k[0, :, start:end], held.v[0, :, start:end] = k, v
             held.upto = max(held.upto, end)
+
+    def place_row(self, row: int, k: torch.Tensor, v: torch.Tensor, pages: MappedFile) -> bool:
+        """Row's first positions hold the stored rows k/v [H_kv, n, D] of a mapped entry (pages), its pages mapped
+        over them copy-on-write, not copied. The CPU only (a pinned store's pages stay its own). -> whether it did."""
+        return not self.asynchronous and pages.place(k, self.k[row], self.transfer.placed) \
+            and pages.place(v, self.v[row], self.transfer.placed)
 
     def read_prefix(self, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact K/V of row's positions [0, end) on the compute device, for a chunk of its prefill. -> [1, H_kv, n,
