@@ -9,7 +9,9 @@ merges their results; see its docstring for the stages and how to run them in on
 
 Every timed run carries `context`, `batch`, `ms_per_step`, `tokens_per_s`, `overlap` (the share of
 fetches complete before the attention needed them) and, at the planner's batches, `predicted_ms_per_step`
-(the planner's roofline step at that batch); gpu_check adds `speedup_vs_full`.
+(the planner's roofline step at that batch) and `predicted_ms_with_kernels` (that step plus its kernel launches at
+engine/plan/step_costs.KERNEL_LAUNCH_SECONDS each: the launch cost to be measured); gpu_check adds
+`speedup_vs_full`.
 """
 from __future__ import annotations
 
@@ -399,7 +401,9 @@ def plan_batches(context: int, budget_gb: float, bits: int, chunk: int) -> dict:
     per_row = exact.transfer_bytes_per_step // exact.max_batch if exact.max_batch else 0
     return {m: p.mode(m).max_batch for m in ("full", "specache", "exact")} | {
         "k": p.mode("specache").k, "exact_transfer_per_row": per_row, "hardware": hw.display_name,
-        "bits": bits, "predicted_ms_per_step": {m: round(p.mode(m).step_seconds * 1000, 2) for m in ("full", "specache")}}
+        "bits": bits, "predicted_ms_per_step": {m: round(p.mode(m).step_seconds * 1000, 2) for m in ("full", "specache")},
+        "predicted_ms_with_kernels": {m: round((p.mode(m).predicted_step_seconds or p.mode(m).step_seconds) * 1000, 2)
+                                      for m in ("full", "specache")}}
 
 
 def compare(model, context: int, batches: dict, steps: int, args) -> dict:
@@ -492,7 +496,8 @@ def paper_run(model, mode: str, bits: int, args) -> dict:
         run = timed_decode(model, mode, planned[mode], args.context, args.steps, args.chunk, bits, planned["k"])
     except torch.cuda.OutOfMemoryError as exc:
         run = {"mode": mode, "batch": planned[mode], "context": args.context, "error": f"out of memory: {str(exc)[:200]}"}
-    run |= {"bits": bits if mode != "full" else None, "predicted_ms_per_step": planned["predicted_ms_per_step"][mode]}
+    run |= {"bits": bits if mode != "full" else None, "predicted_ms_per_step": planned["predicted_ms_per_step"][mode],
+            "predicted_ms_with_kernels": planned["predicted_ms_with_kernels"][mode]}
     return {"planned": planned, "runs": [run]}
 
 
@@ -514,7 +519,8 @@ def triton_run(model, fused: bool, args) -> dict:
         os.environ.pop("SPECACHE_TRITON_DECODE", None)
         os.environ.pop("SPECACHE_CUDA_GRAPHS", None)
     run |= {"bits": 1, "correct": False, "decode": "triton" if fused else "torch",
-            "predicted_ms_per_step": planned["predicted_ms_per_step"]["specache"]}
+            "predicted_ms_per_step": planned["predicted_ms_per_step"]["specache"],
+            "predicted_ms_with_kernels": planned["predicted_ms_with_kernels"]["specache"]}
     return {"planned": planned, "runs": [run]}
 
 
