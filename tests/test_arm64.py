@@ -286,7 +286,7 @@ def test_reference_files_are_what_the_script_makes(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     made = sorted(tmp_path.glob("*.bin"))
     assert [p.name for p in made] == [p.name for p in REFS]
-    assert sum(p.stat().st_size for p in REFS) < 1_100_000  # 1.02 MB with the bf16 / fp16 linear cases
+    assert sum(p.stat().st_size for p in REFS) < 1_200_000  # 1.10 MB: the CPU store pages its KV heads (docstore)
     for new, old in zip(made, REFS):
         a, b = refs_script.read(new), refs_script.read(old)
         assert list(a) == list(b), f"{old.name}: other blobs"
