@@ -259,3 +259,34 @@ def test_an_entry_of_the_format_before_is_still_read(tiny_model, tmp_path, monke
 
 def _save_unpaged(save):
     return lambda self, key, ids, tensors, meta=None, paged=(): save(self, key, ids, tensors, meta)
+
+
+def test_cache_verify_finds_a_bit_flipped_in_the_exact_rows_a_load_does_not_read(tmp_path, own_cache_dir):
+    """A load maps the exact rows unread, so a bit flipped there after writing loads; `specache cache verify`
+    reads every byte, reports the entry damaged and removes it, and leaves a whole entry alone."""
+    from specache_cli.app import app
+
+    store, key, rows = stored_entry(own_cache_dir)  # the CLI's store folder, own_cache_dir / "kv"
+    assert store.root == S.store_dir()
+    whole = S.make_key({"model": "m"}, [4, 5])
+    store.save(whole, [4, 5], {"store_k": rows, "qend": torch.tensor([8])}, paged=["store_k"])
+    path = store.path(key)
+    data = bytearray(path.read_bytes())
+    start = data.find(rows[1, 7].numpy().tobytes())  # inside the paged rows
+    assert start > 0
+    data[start] ^= 0x01
+    path.write_bytes(bytes(data))
+    loaded = store.load(key, [1, 2, 3])
+    assert loaded is not None  # the trade-off: a load does not see it
+    del loaded
+    r = CliRunner().invoke(app, ["cache", "verify", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["checked"], out["damaged"]) == (2, 1)
+    damage = {e["key"]: e["damage"] for e in out["entries"]}
+    assert damage[whole] is None and "checksum mismatch" in damage[key] and "store_k" in damage[key]
+    assert not path.exists() and store.path(whole).exists()
+    r = CliRunner().invoke(app, ["cache", "verify", whole[:8]])
+    assert r.exit_code == 0 and "1 checked, 0 damaged" in r.stdout and "[1/1] checking" in r.stderr
+    r = CliRunner().invoke(app, ["cache", "verify", "ffffffff"])
+    assert r.exit_code == 3 and "error: no store entry" in r.stderr
