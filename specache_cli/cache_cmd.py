@@ -141,18 +141,19 @@ def verify_cmd(keys: Optional[list[str]] = typer.Argument(None, help="Keys or un
     for i, key in enumerate(chosen, 1):
         entry = entries[key]
         _note(f"[{i}/{len(chosen)}] checking {key[:12]} ({human(entry.bytes)})")
-        damage = entry_damage(entry.path, key)
-        if damage is not None:
-            store.remove([key])
-        results.append({"key": key, "label": entry.meta.get("label"), "bytes": entry.bytes, "damage": damage})
+        damage, seen = entry_damage(entry.path, key)
+        if seen is not None and damage is not None:  # (a writer's new file under the same name is kept)
+            store.delete_if_unchanged(entry.path, seen)
+        results.append({"key": key, "label": entry.meta.get("label"), "bytes": entry.bytes, "damage": damage,
+                        "removed": seen is not None and damage is not None})
     damaged = [r for r in results if r["damage"] is not None]
     if json_out:
         emit_json({"checked": len(results), "damaged": len(damaged), "entries": results}, lines=False)
         return
     for r in results:
-        said = "ok" if r["damage"] is None else f"damaged ({r['damage']}); removed"
+        said = "ok" if r["damage"] is None else f"damaged ({r['damage']})" + ("; removed" if r["removed"] else "")
         print(f"{r['key'][:12]}  {r['label'] or ''}  {human(r['bytes'])}  {said}")
-    print(f"{len(results)} checked, {len(damaged)} damaged" + (" and removed" if damaged else ""))
+    print(f"{len(results)} checked, {len(damaged)} damaged, {sum(r['removed'] for r in results)} removed")
 
 
 def clear_cmd() -> None:

@@ -285,8 +285,9 @@ def test_cache_verify_finds_a_bit_flipped_in_the_exact_rows_a_load_does_not_read
     assert (out["checked"], out["damaged"]) == (2, 1)
     damage = {e["key"]: e["damage"] for e in out["entries"]}
     assert damage[whole] is None and "checksum mismatch" in damage[key] and "store_k" in damage[key]
+    assert [e["removed"] for e in out["entries"] if e["key"] == key] == [True]
     assert not path.exists() and store.path(whole).exists()
     r = CliRunner().invoke(app, ["cache", "verify", whole[:8]])
-    assert r.exit_code == 0 and "1 checked, 0 damaged" in r.stdout and "[1/1] checking" in r.stderr
+    assert r.exit_code == 0 and "1 checked, 0 damaged, 0 removed" in r.stdout and "[1/1] checking" in r.stderr
     r = CliRunner().invoke(app, ["cache", "verify", "ffffffff"])
     assert r.exit_code == 3 and "error: no store entry" in r.stderr
