@@ -1,5 +1,5 @@
 """A file's pages as host memory: an entry of the document store (engine/docstore) mapped copy-on-write,
-and a stored row's exact K/V placed in the host store's own memory (engine/kvcache/transfer.py HostStore) by
+and a stored row's exact K/V placed in the host store's own memory (engine/kvcache/host_store.py HostStore) by
 mapping the entry's pages over it (mmap with MAP_FIXED | MAP_PRIVATE) instead of copying them in.
 
 Such a row is read from the page cache where a step reads it (the fetched rows): it costs no anonymous memory,

@@ -49,7 +49,8 @@ from engine.kvcache.sizes import (
     sink_slots,
 )
 from engine.kvcache.guided_rows import GuidedRows
-from engine.kvcache.transfer import HostStore, Transfer
+from engine.kvcache.host_store import HostStore
+from engine.kvcache.transfer import Transfer
 from engine.kvcache.watch import WatchedLayer
 
 NEG_INF = float("-inf")
@@ -166,7 +167,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         """Decodes fixed-shape passes (Step.fixed): the CUDA layout (residual buffers of its own, the store
         written as positions leave the window), no hit count, and a fetch that gathers in place (on the compute
         stream, HostStore.gather_now, or the speculative prefetch's side stream, joined at the end of the
-        pass; the corrected set at fixed size, transfer.corrected_rows_fixed); a watched layer until its watch fires
+        pass; the corrected set at fixed size, host_memory.corrected_rows_fixed); a watched layer until its watch fires
         (engine/kvcache/watch.py: a recorded pass keeps its queries, the check runs after it; a fired watch
         attends exactly, eagerly)."""
         if self.res_in_store or self.store_on_update or self.config.measure_hits or (self.watch and self.watch.lost):
