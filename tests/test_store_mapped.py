@@ -154,56 +154,6 @@ def test_placed_rows_are_the_file_s_pages(tmp_path):
     assert placed.nbytes == heads * -(-n * dim * 4 // PAGE) * PAGE and placed.resident() == placed.nbytes
 
 
-def file_rss(path: Path, within: torch.Tensor) -> int:
-    """Bytes of path's pages in this process's memory inside within's memory (/proc/self/smaps: Rss of the
-    mappings of path there)."""
-    lo = within.data_ptr()
-    hi = lo + within.numel() * within.element_size()
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:  # a mapping's header line
-            a, b = (int(x, 16) for x in line.split()[0].split("-"))
-            inside = line.endswith(" " + str(path)) and lo <= a and b <= hi
-        elif inside and line.startswith("Rss:"):
-            total += int(line.split()[1]) * 1024
-    return total
-
-
-def test_released_rows_leave_the_process_and_read_the_same(tmp_path):
-    """PlacedPages.release drops the placed pages this process holds (the question's prefill over a stored
-    document, HostStore.unmap_read): they read the file's bytes again afterwards; a page written since (a
-    private copy) is kept, with what was written."""
-    store, key, rows = stored_entry(tmp_path, n=8000)
-    loaded = store.load(key, [1, 2, 3])
-    heads, n, dim = rows.shape
-    dst, _mapping = mapped_zeros((1, heads, host_pages.paged_length(9000, dim * 4), dim), torch.float32)
-    placed = PlacedPages()
-    assert loaded.pages.place(loaded.tensors["store_k"], dst[0], placed)
-    loaded.close()
-    path, nbytes = store.path(key), heads * n * dim * 4
-    assert torch.equal(dst[0, :, :n], rows) and file_rss(path, dst[0]) >= nbytes  # every row read: resident
-    dst[0, 1, :5] = 7.0  # one page of head 1 written: a private copy
-    released = placed.release(dst[0])
-    assert nbytes - 2 * PAGE <= released <= placed.nbytes - PAGE
-    assert file_rss(path, dst[0]) == PAGE  # the written page only
-    assert placed.release(dst[1:]) == 0  # (nothing placed there)
-    assert (dst[0, 1, :5] == 7).all() and torch.equal(dst[0, 1, 5:n], rows[1, 5:])
-    assert torch.equal(dst[0, 0, :n], rows[0]) and torch.equal(dst[0, 2, :n], rows[2])
-
-
-def test_a_mapped_hit_releases_the_rows_its_question_read(tiny_model, tmp_path, monkeypatch):
-    config = CacheConfig(mode="specache", k=16, group=32, residual=16, chunk_size=64)
-    use = DocStoreUse(DocStore(tmp_path / "kv"), "tiny")
-    doc, question = prompt_ids(900, 41), prompt_ids(9, 42)
-    miss = run(tiny_model, config, use, doc, question)
-    released, original = [], PlacedPages.release
-    monkeypatch.setattr(PlacedPages, "release", lambda self, within: released.append(original(self, within))
-                        or released[-1])
-    hit = run(tiny_model, config, use, doc, question)
-    assert hit.store[0]["hit"] and hit.tokens == miss.tokens
-    assert sum(released) >= hit.cache_stats["host_mapped_bytes"] // 2  # (all but pages written since)
-
-
 def test_writes_into_placed_rows_never_reach_the_file(tmp_path):
     store, key, rows = stored_entry(tmp_path)
     path, before = store.path(key), digest(store.path(key))

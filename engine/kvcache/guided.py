@@ -40,7 +40,14 @@ from engine.kvcache.base import (
 from engine.kvcache.fused import fused_applies, fused_decode, reproduces, unfused
 from engine.kvcache.guide import Guide, GuideSpec
 from engine.kvcache.quant import guide_kernel
-from engine.kvcache.sizes import PlanTerms, Sizing, guided_sizing, quant_boundary, residual_slots, sink_slots
+from engine.kvcache.sizes import (
+    PlanTerms,
+    Sizing,
+    guided_sizing,
+    quant_boundary,
+    residual_slots,
+    sink_slots,
+)
 from engine.kvcache.guided_rows import GuidedRows
 from engine.kvcache.host_store import HostStore
 from engine.kvcache.transfer import Transfer
@@ -224,12 +231,9 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         from the guide, is capped before the one softmax, as the model caps its own)."""
         if self.guide is not None and self.guide.auto:  # until its rotation is chosen: the last 32 tokens' queries
             self.recent_q = grouped_query(q[:1, :, -32:].float(), self.shape.kv_heads).clone()
-        if not step.prefill:
-            return self.attend_decode(q, scaling, step, softcap)
-        out = self.attend_prefill(q, scaling, step, softcap)
-        if self.store is not None:  # a stored document's rows, read now, leave this process's memory
-            self.store.unmap_read(step.rows.start)
-        return out
+        if step.prefill:
+            return self.attend_prefill(q, scaling, step, softcap)
+        return self.attend_decode(q, scaling, step, softcap)
 
     def attend_prefill(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk.

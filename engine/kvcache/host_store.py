@@ -89,14 +89,6 @@ class HostStore:
         return not self.asynchronous and pages.place(k, self.k[row], self.transfer.placed) \
             and pages.place(v, self.v[row], self.transfer.placed)
 
-    def unmap_read(self, row: int) -> None:
-        """Row's rows placed from a stored entry (place_row), read by a prefill chunk, leave this process's memory
-        (PlacedPages.release; read again from the page cache where a step fetches them): the question's prefill
-        over a stored document holds one layer's rows at a time, not the whole store."""
-        if self.transfer.placed.spans:
-            self.transfer.placed.release(self.k[row])
-            self.transfer.placed.release(self.v[row])
-
     def read_prefix(self, row: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact K/V of row's positions [0, end) on the compute device, for a chunk of its prefill. -> [1, H_kv, n,
         D] each. CUDA: the prefilling row's exact K/V stay on the device while its prefill needs them (HeldRow,
