@@ -15,7 +15,6 @@ from engine.bench.long import DEFAULT_LENGTHS, QUICK_LENGTHS, LlamaCppRun, LongG
 from engine.bench.long_report import COLUMNS, PLOT_MISSING, PLOT_NAME, long_markdown, long_plot, table_rows
 from engine.bench.speed import ChildModel
 from engine.errors import BadArgument
-from engine.model.files import model_files
 from specache_cli.bench_common import BenchRun, bench_texts, docs_option, drive, print_table
 from specache_cli.console import err_console
 
@@ -50,8 +49,8 @@ def long_cmd(
         raise BadArgument("--tokens must be >= 2")
     texts = bench_texts(doc, LONG_DOC)
     lm, specs = run.load(specs)
-    files = model_files(run.model) if llama_cpp else None  # llama.cpp reads the model's GGUF file
-    llama = LlamaCppRun(str(llama_cpp) if llama_cpp else None, files.source.gguf if files and files.is_gguf else None,
+    gguf = run.files.source.gguf if llama_cpp else None  # llama.cpp reads the model's GGUF file (None: a folder)
+    llama = LlamaCppRun(str(llama_cpp) if llama_cpp else None, gguf,
                         run.threads or os.cpu_count() or 1)
     child = ChildModel(run.model, run.device, threads=run.threads)
     result = drive(run_long(lm, texts, specs, LongGrid(length_list, depth_list, n_tokens, seed), child, llama,
