@@ -309,8 +309,13 @@ def test_plan_of_a_folder_that_is_no_model_is_a_profile_error(tmp_path):
 ])
 def test_a_bench_resolves_its_model_once_and_reads_its_config_once(tiny_model_dir, tmp_path, resolutions, opened,
                                                                    command):
-    """The benches load through one ModelFiles (BenchRun.files): bench long's llama.cpp takes the same one
-    (its points' child processes each resolve the model in their own process)."""
+    """The benches load through one ModelFiles (BenchRun.files): bench long's llama.cpp takes the same one, and its
+    points' child processes the model as resolved here (ModelSource.as_json), resolving nothing again."""
+    from engine.model.sources import source_from_json
+
+    for source in (model_files(None).source, model_files(str(tiny_model_dir)).source):
+        assert source_from_json(json.loads(json.dumps(source.as_json()))) == source
+    resolutions.clear()
     r = cli(*command, "--model", str(tiny_model_dir), "--out", str(tmp_path), "--threads", "1", "--json", "--quiet")
     assert r.exit_code == 0, r.stderr
     assert resolutions == [str(tiny_model_dir)]
