@@ -131,7 +131,7 @@ def timed_decode(model, mode: str, batch: int, context: int, steps: int, chunk: 
                  config=None) -> dict:
     """Prefill `batch` rows of `context` random tokens, then time `steps` decode steps (config: a CacheConfig
     instead of the one mode, bits, k and chunk make)."""
-    from engine.kvcache.transfer import overlap_share
+    from engine.kvcache.host_store import overlap_share
 
     cache, steps_it, prefill_s = decode_setup(model, mode, batch, context, steps, chunk, bits, k, config)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

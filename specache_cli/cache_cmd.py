@@ -1,4 +1,4 @@
-"""`specache cache ls|rm|clear`: the persistent document KV store (engine/docstore/store.py).
+"""`specache cache ls|rm|clear|verify`: the persistent document KV store (engine/docstore/store.py).
 
 Entries are listed least recently used first (the next to be evicted under the size cap)."""
 from __future__ import annotations
@@ -12,11 +12,12 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.docstore.store import DocStore, check_folder, max_bytes_from
+from engine.docstore.verify import entry_damage
 from engine.errors import BadArgument, InputNotFound
 from specache_cli.console import err_console, guarded, print_warning
 from specache_cli.render import emit_json
 
-cache_app = typer.Typer(name="cache", help="The document KV store: list, remove, clear (sizes included).",
+cache_app = typer.Typer(name="cache", help="The document KV store: list, remove, clear, verify (sizes included).",
                         no_args_is_help=True)
 
 CAP = typer.Option(None, "--cache-max-gb", help="The size cap (default: $SPECACHE_CACHE_MAX_GB, else 20); "
@@ -104,13 +105,11 @@ def ls_cmd(json_out: bool = typer.Option(False, "--json", help="Print the listin
                   f"{human(store.max_bytes)} (cap) in {store.root}{writing}", highlight=False, markup=False)
 
 
-def rm_cmd(keys: list[str] = typer.Argument(..., help="Keys or unique key prefixes (as `specache cache ls` shows).")
-           ) -> None:
-    """Remove entries by key."""
-    store = _store()
+def _chosen(store: DocStore, prefixes: list[str]) -> list[str]:
+    """The keys of the entries named by key prefixes (at least 4 characters, each matching one entry)."""
     known = [e.key for e in store.entries(with_meta=False)]
     chosen = []
-    for prefix in keys:
+    for prefix in prefixes:
         if len(prefix) < 4:
             raise BadArgument(f"key prefix {prefix!r} is too short (at least 4 characters)")
         matches = [k for k in known if k.startswith(prefix.lower())]
@@ -119,8 +118,42 @@ def rm_cmd(keys: list[str] = typer.Argument(..., help="Keys or unique key prefix
         if len(matches) > 1:
             raise BadArgument(f"key prefix {prefix} matches {len(matches)} entries; give more characters")
         chosen.append(matches[0])
+    return list(dict.fromkeys(chosen))
+
+
+def rm_cmd(keys: list[str] = typer.Argument(..., help="Keys or unique key prefixes (as `specache cache ls` shows).")
+           ) -> None:
+    """Remove entries by key."""
+    store = _store()
+    chosen = _chosen(store, keys)
     freed = store.remove(chosen)
-    print(f"removed {len(set(chosen))} entr{'y' if len(set(chosen)) == 1 else 'ies'} ({human(freed)})")
+    print(f"removed {len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'} ({human(freed)})")
+
+
+def verify_cmd(keys: Optional[list[str]] = typer.Argument(None, help="Keys or unique key prefixes (default: all)."),
+               json_out: bool = typer.Option(False, "--json", help="Print the results as JSON.")) -> None:
+    """Check every CRC of the entries, the exact rows' included (a load does not read those); a damaged entry is
+    removed, as a load removes one, and rebuilt by the next run that needs it."""
+    store = _store()
+    entries = {e.key: e for e in store.entries()}
+    chosen = _chosen(store, keys) if keys else list(entries)
+    results = []
+    for i, key in enumerate(chosen, 1):
+        entry = entries[key]
+        _note(f"[{i}/{len(chosen)}] checking {key[:12]} ({human(entry.bytes)})")
+        damage, seen = entry_damage(entry.path, key)
+        if seen is not None and damage is not None:  # (a writer's new file under the same name is kept)
+            store.delete_if_unchanged(entry.path, seen)
+        results.append({"key": key, "label": entry.meta.get("label"), "bytes": entry.bytes, "damage": damage,
+                        "removed": seen is not None and damage is not None})
+    damaged = [r for r in results if r["damage"] is not None]
+    if json_out:
+        emit_json({"checked": len(results), "damaged": len(damaged), "entries": results}, lines=False)
+        return
+    for r in results:
+        said = "ok" if r["damage"] is None else f"damaged ({r['damage']})" + ("; removed" if r["removed"] else "")
+        print(f"{r['key'][:12]}  {r['label'] or ''}  {human(r['bytes'])}  {said}")
+    print(f"{len(results)} checked, {len(damaged)} damaged, {sum(r['removed'] for r in results)} removed")
 
 
 def clear_cmd() -> None:
@@ -132,6 +165,7 @@ def clear_cmd() -> None:
 cache_app.command("ls")(guarded(ls_cmd))
 cache_app.command("rm")(guarded(rm_cmd))
 cache_app.command("clear")(guarded(clear_cmd))
+cache_app.command("verify")(guarded(verify_cmd))
 
 
 def register(app: typer.Typer) -> None:

@@ -23,6 +23,21 @@ from engine.model.loading import prepare_model  # noqa: E402
 os.environ.setdefault("SPECACHE_NATIVE_CALIBRATE", "0")
 
 
+# One torch (and so native) thread per test unless SPECACHE_TEST_THREADS says: a CLI run sets torch's global
+# count from the free cores it samples, so without this a test's thread count depends on the tests before it and
+# on the machine's load; and on a loaded 2-core machine every 2-thread parallel region of a tiny model's op
+# waits for a descheduled thread (tests/test_fused.py's kernel tests: 395 s at 2 threads vs 41 s at 1, load 6.7).
+# Thread counts are tested on purpose where they matter (test_fused_results_do_not_depend_on_the_thread_count,
+# test_quant.py's test_native_threads_and_strided_inputs, tests/test_threads.py).
+TEST_THREADS = int(os.environ.get("SPECACHE_TEST_THREADS", "1"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_test():
+    torch.set_num_threads(TEST_THREADS)
+    yield
+
+
 def sigint_as_in_a_terminal() -> None:
     """Popen(preexec_fn=...) of a child that a test interrupts: SIGINT back to its default, as a
     terminal's foreground job has it (a suite started in a script's background inherits SIGINT ignored,

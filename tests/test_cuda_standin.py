@@ -16,7 +16,8 @@ from engine.backends.streams import SYNC, StandinStreams, SyncStreams, streams_f
 from engine.config import CacheConfig, GenerationConfig
 from engine.errors import DoesNotFit
 from engine.backends import triton_guide
-from engine.kvcache.transfer import HostStore, Transfer, overlap_share
+from engine.kvcache.host_store import HostStore, overlap_share
+from engine.kvcache.transfer import Transfer
 from tests.conftest import cuda_layout
 
 CPU = torch.device("cpu")

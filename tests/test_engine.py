@@ -374,7 +374,7 @@ def test_corrected_speculation_attends_with_the_output_tokens_own_set(tiny_model
 def test_corrected_rows_reuse_the_prefetched_rows_and_fetch_the_rest():
     """HostStore.correct's merge: rows at the new positions, those the prefetch held taken from the
     fetched rows (not the host: poisoned there), the others from the host store."""
-    from engine.kvcache.transfer import corrected_rows
+    from engine.kvcache.host_memory import corrected_rows
 
     g = torch.Generator().manual_seed(1)
     host_k, host_v = torch.randn(1, 1, 50, 4, generator=g), torch.randn(1, 1, 50, 4, generator=g)

@@ -37,16 +37,36 @@ def test_the_level_is_part_of_the_library_key(monkeypatch):
     assert len(paths) == 3
 
 
+KERNEL_TESTS = ["tests/test_linears.py", "tests/test_quant.py", "tests/test_fused.py", "tests/test_sliding.py",
+                "tests/test_decode_norms.py"]
+
+
+@pytest.fixture(scope="module")
+def level_runs():
+    """Every level's library built and probed at once, then every level's kernel tests started at once, each in
+    its own child (one thread each: the conftest's default), so that the levels share the cores instead of
+    running one after the other. -> {level: (probe's output, the tests' Popen)}, waited on by each level's test."""
+    envs = {level: dict(os.environ, **{native.ENV_ARCH: level}) for level in LEVELS}
+    probes = {level: subprocess.Popen([sys.executable, "-c", "from engine import native; print(native.isa(), "
+                                       "native.native_error())"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for level, env in envs.items()}
+    said = {level: "".join(probe.communicate(timeout=600)) for level, probe in probes.items()}
+    runs = {level: (said[level], subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                   "-m", "kernels", *KERNEL_TESTS], env=env, cwd=ROOT,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            for level, env in envs.items()}
+    yield runs
+    for _, tests in runs.values():
+        if tests.poll() is None:
+            tests.kill()
+            tests.communicate()
+
+
 @pytest.mark.skipif(not native.native_available(), reason="native kernels unavailable here")
 @pytest.mark.parametrize("level", LEVELS)
-def test_kernel_tests_pass_at_level(level):
-    env = dict(os.environ, **{native.ENV_ARCH: level})
-    probe = subprocess.run([sys.executable, "-c", "from engine import native; print(native.isa(), native.native_error())"],
-                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert probe.stdout.split()[0] == native.LEVEL_ISA[level], probe.stdout + probe.stderr
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "kernels",
-                          "tests/test_linears.py", "tests/test_quant.py", "tests/test_fused.py",
-                          "tests/test_sliding.py", "tests/test_decode_norms.py"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-1000:]
+def test_kernel_tests_pass_at_level(level, level_runs):
+    probe, tests = level_runs[level]
+    assert probe.split()[0] == native.LEVEL_ISA[level], probe
+    out, err = tests.communicate(timeout=1200)
+    assert tests.returncode == 0, out[-4000:] + err[-2000:]
+    assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-1000:]

@@ -154,6 +154,56 @@ def test_placed_rows_are_the_file_s_pages(tmp_path):
     assert placed.nbytes == heads * -(-n * dim * 4 // PAGE) * PAGE and placed.resident() == placed.nbytes
 
 
+def file_rss(path: Path, within: torch.Tensor) -> int:
+    """Bytes of path's pages in this process's memory inside within's memory (/proc/self/smaps: Rss of the
+    mappings of path there)."""
+    lo = within.data_ptr()
+    hi = lo + within.numel() * within.element_size()
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:  # a mapping's header line
+            a, b = (int(x, 16) for x in line.split()[0].split("-"))
+            inside = line.endswith(" " + str(path)) and lo <= a and b <= hi
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_released_rows_leave_the_process_and_read_the_same(tmp_path):
+    """PlacedPages.release drops the placed pages this process holds (the question's prefill over a stored
+    document, HostStore.unmap_read): they read the file's bytes again afterwards; a page written since (a
+    private copy) is kept, with what was written."""
+    store, key, rows = stored_entry(tmp_path, n=8000)
+    loaded = store.load(key, [1, 2, 3])
+    heads, n, dim = rows.shape
+    dst, _mapping = mapped_zeros((1, heads, host_pages.paged_length(9000, dim * 4), dim), torch.float32)
+    placed = PlacedPages()
+    assert loaded.pages.place(loaded.tensors["store_k"], dst[0], placed)
+    loaded.close()
+    path, nbytes = store.path(key), heads * n * dim * 4
+    assert torch.equal(dst[0, :, :n], rows) and file_rss(path, dst[0]) >= nbytes  # every row read: resident
+    dst[0, 1, :5] = 7.0  # one page of head 1 written: a private copy
+    released = placed.release(dst[0])
+    assert nbytes - 2 * PAGE <= released <= placed.nbytes - PAGE
+    assert file_rss(path, dst[0]) == PAGE  # the written page only
+    assert placed.release(dst[1:]) == 0  # (nothing placed there)
+    assert (dst[0, 1, :5] == 7).all() and torch.equal(dst[0, 1, 5:n], rows[1, 5:])
+    assert torch.equal(dst[0, 0, :n], rows[0]) and torch.equal(dst[0, 2, :n], rows[2])
+
+
+def test_a_mapped_hit_releases_the_rows_its_question_read(tiny_model, tmp_path, monkeypatch):
+    config = CacheConfig(mode="specache", k=16, group=32, residual=16, chunk_size=64)
+    use = DocStoreUse(DocStore(tmp_path / "kv"), "tiny")
+    doc, question = prompt_ids(900, 41), prompt_ids(9, 42)
+    miss = run(tiny_model, config, use, doc, question)
+    released, original = [], PlacedPages.release
+    monkeypatch.setattr(PlacedPages, "release", lambda self, within: released.append(original(self, within))
+                        or released[-1])
+    hit = run(tiny_model, config, use, doc, question)
+    assert hit.store[0]["hit"] and hit.tokens == miss.tokens
+    assert sum(released) >= hit.cache_stats["host_mapped_bytes"] // 2  # (all but pages written since)
+
+
 def test_writes_into_placed_rows_never_reach_the_file(tmp_path):
     store, key, rows = stored_entry(tmp_path)
     path, before = store.path(key), digest(store.path(key))
@@ -259,3 +309,35 @@ def test_an_entry_of_the_format_before_is_still_read(tiny_model, tmp_path, monke
 
 def _save_unpaged(save):
     return lambda self, key, ids, tensors, meta=None, paged=(): save(self, key, ids, tensors, meta)
+
+
+def test_cache_verify_finds_a_bit_flipped_in_the_exact_rows_a_load_does_not_read(tmp_path, own_cache_dir):
+    """A load maps the exact rows unread, so a bit flipped there after writing loads; `specache cache verify`
+    reads every byte, reports the entry damaged and removes it, and leaves a whole entry alone."""
+    from specache_cli.app import app
+
+    store, key, rows = stored_entry(own_cache_dir)  # the CLI's store folder, own_cache_dir / "kv"
+    assert store.root == S.store_dir()
+    whole = S.make_key({"model": "m"}, [4, 5])
+    store.save(whole, [4, 5], {"store_k": rows, "qend": torch.tensor([8])}, paged=["store_k"])
+    path = store.path(key)
+    data = bytearray(path.read_bytes())
+    start = data.find(rows[1, 7].numpy().tobytes())  # inside the paged rows
+    assert start > 0
+    data[start] ^= 0x01
+    path.write_bytes(bytes(data))
+    loaded = store.load(key, [1, 2, 3])
+    assert loaded is not None  # the trade-off: a load does not see it
+    del loaded
+    r = CliRunner().invoke(app, ["cache", "verify", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["checked"], out["damaged"]) == (2, 1)
+    damage = {e["key"]: e["damage"] for e in out["entries"]}
+    assert damage[whole] is None and "checksum mismatch" in damage[key] and "store_k" in damage[key]
+    assert [e["removed"] for e in out["entries"] if e["key"] == key] == [True]
+    assert not path.exists() and store.path(whole).exists()
+    r = CliRunner().invoke(app, ["cache", "verify", whole[:8]])
+    assert r.exit_code == 0 and "1 checked, 0 damaged, 0 removed" in r.stdout and "[1/1] checking" in r.stderr
+    r = CliRunner().invoke(app, ["cache", "verify", "ffffffff"])
+    assert r.exit_code == 3 and "error: no store entry" in r.stderr

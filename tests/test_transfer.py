@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kvcache.transfer import HostStore, Transfer, overlap_share
+from engine.kvcache.host_store import HostStore, overlap_share
+from engine.kvcache.transfer import Transfer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -170,7 +171,7 @@ def test_cuda_model_calls_leave_no_thread():
 def test_the_cpu_store_is_resident_only_where_written():
     """The host store on a CPU is zero pages until written (transfer.untouched_zeros): 256 MiB allocated
     costs next to nothing resident, reads as zeros, and the pages written become resident."""
-    from engine.kvcache.transfer import untouched_zeros
+    from engine.backends.host_mapping import untouched_zeros
 
     def rss_mib() -> int:
         return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) // 1024

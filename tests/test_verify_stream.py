@@ -1,4 +1,4 @@
-"""Exact mode's verification stream (engine.kvcache.transfer.VerifyStream): on CUDA each layer's exact
+"""Exact mode's verification stream (engine.kvcache.verify_stream.VerifyStream): on CUDA each layer's exact
 K/V are copied from the host store into two device buffers, double-buffered. No GPU here: the staged
 path is forced on the CPU (Transfer.stream_verify), where its copies are plain copies, or run with the
 streams' stand-in (engine.backends.streams: the copies queued on a side stream, events between them), so
@@ -12,7 +12,9 @@ import engine.generate.engine as eng
 from engine.backends.streams import StandinStreams
 from engine.config import CacheConfig
 from engine.kvcache import make_cache
-from engine.kvcache.transfer import HostStore, Transfer, VerifyStream, copy_prefix
+from engine.kvcache.host_store import HostStore
+from engine.kvcache.transfer import Transfer
+from engine.kvcache.verify_stream import VerifyStream, copy_prefix
 from tests.conftest import tiny_config
 from tests.test_engine import dynamic_cache_greedy, prompts_of, run
 

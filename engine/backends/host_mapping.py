@@ -1,6 +1,6 @@
 """Host memory for an exact store that a device with memory of its own may pin in place: anonymous mappings
 (their addresses handed to Streams.pin, engine/backends/streams.py) and the zero tensors in them
-(engine/kvcache/transfer.py's HostStore keeps its K and V there)."""
+(engine/kvcache/host_store.py's HostStore keeps its K and V there)."""
 from __future__ import annotations
 
 import mmap

@@ -1,5 +1,5 @@
 """A file's pages as host memory: an entry of the document store (engine/docstore) mapped copy-on-write,
-and a stored row's exact K/V placed in the host store's own memory (engine/kvcache/transfer.py HostStore) by
+and a stored row's exact K/V placed in the host store's own memory (engine/kvcache/host_store.py HostStore) by
 mapping the entry's pages over it (mmap with MAP_FIXED | MAP_PRIVATE) instead of copying them in.
 
 Such a row is read from the page cache where a step reads it (the fetched rows): it costs no anonymous memory,
@@ -19,6 +19,7 @@ import torch
 
 PAGE = mmap.PAGESIZE
 _MAP_FIXED = 0x10  # <sys/mman.h> on the architectures Linux runs this on (not exposed by the mmap module)
+_MADV_DONTNEED = 4
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -31,6 +32,7 @@ def _libc() -> ctypes.CDLL | None:
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                               ctypes.c_long]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     except (OSError, AttributeError):
         return None
     return libc
@@ -57,6 +59,21 @@ class PlacedPages:
 
     def __init__(self):
         self.spans: list[tuple[int, int]] = []  # (address, bytes)
+
+    def release(self, within: torch.Tensor) -> int:
+        """Drop from this process the placed pages inside `within`'s memory that still map the file (madvise
+        MADV_DONTNEED on them; a page written since, a private copy now, is kept): a later read maps them again
+        from the page cache, the file's bytes. The kernel may keep them cached; this process no longer holds
+        them. -> bytes released."""
+        lo = within.data_ptr()
+        hi = lo + within.numel() * within.element_size()
+        done = 0
+        for address, nbytes in self.spans:
+            if lo <= address and address + nbytes <= hi:
+                for start, size in _file_runs(address, nbytes):
+                    if _LIBC.madvise(start, size, _MADV_DONTNEED) == 0:
+                        done += size
+        return done
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +158,23 @@ class MappedFile:
                 return None
             spans.append((address, offset, nbytes))
         return spans
+
+
+def _file_runs(address: int, nbytes: int) -> list[tuple[int, int]]:
+    """Runs (address, bytes) of the pages in [address, address + nbytes) that are in this process's memory and map
+    a file's page (/proc/self/pagemap: bit 63 present, bit 61 a file page; a private copy of a written page is
+    anonymous); none where pagemap cannot be read."""
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(address // PAGE * 8)
+            raw = f.read(nbytes // PAGE * 8)
+    except OSError:
+        return []
+    flags = torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+    keep = (((flags >> 63) & 1) * ((flags >> 61) & 1)).to(torch.int8)
+    edges = torch.diff(keep, prepend=keep.new_zeros(1), append=keep.new_zeros(1))
+    starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+    return [(address + a * PAGE, (b - a) * PAGE) for a, b in zip(starts, ends)]
 
 
 def _zero_pages(address: int, nbytes: int) -> None:

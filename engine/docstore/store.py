@@ -214,7 +214,7 @@ class DocStore:
             mapped.close()
             self.warn(f"store entry {key[:12]} is corrupt ({exc}); deleted, rebuilding it")
             try:
-                self._discard(path, mapped.stat)
+                self.delete_if_unchanged(path, mapped.stat)
             except OSError as err:  # e.g. a read-only store: the entry stays unused all the same
                 self.warn(f"could not delete store entry {key[:12]} ({err})")
             return None
@@ -233,7 +233,7 @@ class DocStore:
         except OSError as err:
             self.warn(f"could not delete store entry {key[:12]} ({err})")
 
-    def _discard(self, path: Path, seen: os.stat_result) -> None:
+    def delete_if_unchanged(self, path: Path, seen: os.stat_result) -> None:
         """Delete a bad entry, unless a writer has replaced it with a new file meanwhile."""
         with self.lock():
             try:

@@ -4,7 +4,7 @@ the run's policy class (layer_classes). Policies: one module each in policies/ (
 kivi.py, window.py, exact.py), found by registry.discover and registered by name; `--cache` lists
 them by their `listed` place. Shared below them: passes.py (Step, masks, the attention pieces),
 base.py (the layer base class and the cache), sizes.py (formulas the planner uses too), quant.py /
-guide.py (the 1/2-bit guide), transfer.py (host store and prefetch), fused.py (the native CPU
+guide.py (the 1/2-bit guide), host_store.py (host store and prefetch), transfer.py (a cache's transfer resources), fused.py (the native CPU
 decode call)."""
 from __future__ import annotations
 

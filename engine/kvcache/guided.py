@@ -40,16 +40,10 @@ from engine.kvcache.base import (
 from engine.kvcache.fused import fused_applies, fused_decode, reproduces, unfused
 from engine.kvcache.guide import Guide, GuideSpec
 from engine.kvcache.quant import guide_kernel
-from engine.kvcache.sizes import (
-    PlanTerms,
-    Sizing,
-    guided_sizing,
-    quant_boundary,
-    residual_slots,
-    sink_slots,
-)
+from engine.kvcache.sizes import PlanTerms, Sizing, guided_sizing, quant_boundary, residual_slots, sink_slots
 from engine.kvcache.guided_rows import GuidedRows
-from engine.kvcache.transfer import HostStore, Transfer
+from engine.kvcache.host_store import HostStore
+from engine.kvcache.transfer import Transfer
 from engine.kvcache.watch import WatchedLayer
 
 NEG_INF = float("-inf")
@@ -166,7 +160,7 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         """Decodes fixed-shape passes (Step.fixed): the CUDA layout (residual buffers of its own, the store
         written as positions leave the window), no hit count, and a fetch that gathers in place (on the compute
         stream, HostStore.gather_now, or the speculative prefetch's side stream, joined at the end of the
-        pass; the corrected set at fixed size, transfer.corrected_rows_fixed); a watched layer until its watch fires
+        pass; the corrected set at fixed size, host_memory.corrected_rows_fixed); a watched layer until its watch fires
         (engine/kvcache/watch.py: a recorded pass keeps its queries, the check runs after it; a fired watch
         attends exactly, eagerly)."""
         if self.res_in_store or self.store_on_update or self.config.measure_hits or (self.watch and self.watch.lost):
@@ -230,9 +224,12 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
         from the guide, is capped before the one softmax, as the model caps its own)."""
         if self.guide is not None and self.guide.auto:  # until its rotation is chosen: the last 32 tokens' queries
             self.recent_q = grouped_query(q[:1, :, -32:].float(), self.shape.kv_heads).clone()
-        if step.prefill:
-            return self.attend_prefill(q, scaling, step, softcap)
-        return self.attend_decode(q, scaling, step, softcap)
+        if not step.prefill:
+            return self.attend_decode(q, scaling, step, softcap)
+        out = self.attend_prefill(q, scaling, step, softcap)
+        if self.store is not None:  # a stored document's rows, read now, leave this process's memory
+            self.store.unmap_read(step.rows.start)
+        return out
 
     def attend_prefill(self, q: torch.Tensor, scaling: float, step: Step, softcap: float | None = None) -> torch.Tensor:
         """A prefill chunk of one row: exact attention over the row's exact prefix and the chunk.

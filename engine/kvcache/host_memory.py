@@ -1,4 +1,4 @@
-"""The host side of the exact store (engine/kvcache/transfer.py): the prefetch worker thread and the gathers
+"""The host side of the exact store (engine/kvcache/host_store.py): the prefetch worker thread and the gathers
 of exact K/V rows from the store (its memory, which CUDA may pin in place: engine/backends/host_mapping.py)."""
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ class TransferSide(Protocol):
 
 
 class ExactStore(Protocol):
-    """What a VerifyStream reads of a layer's exact host store (engine.kvcache.transfer.HostStore):
+    """What a VerifyStream reads of a layer's exact host store (engine.kvcache.host_store.HostStore):
     its K and V, [B, H_kv, L, D] each."""
 
     k: torch.Tensor

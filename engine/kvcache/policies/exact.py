@@ -22,7 +22,7 @@ runs cycles:
   cache that only ever saw the accepted tokens would hold.
 
 On the CPU the store is read in place (no copy). On CUDA the store is in pinned host memory and a
-verification streams it through two device buffers (engine.kvcache.transfer.VerifyStream, the
+verification streams it through two device buffers (engine.kvcache.verify_stream.VerifyStream, the
 cache's one, shared by its layers): layer 0's `update` starts the pass (the copies of layers 0 and 1
 of the committed past [0, max(start)) go out on the side stream); each layer's `attend` waits for its
 own copy, writes the pass's new tokens (kept from `update`, already on the device) into the buffer
