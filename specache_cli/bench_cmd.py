@@ -166,7 +166,7 @@ def speed_cmd(
     else:
         length_list = [min(run.quick_or(256, 7000), lm.max_context - steps - 4)]
     grid = SpeedGrid(length_list, batch_list, n_tokens, n_repeats, n_warmup)
-    child = ChildModel(run.model, run.device, threads=run.threads) if isolate else None
+    child = ChildModel(run.files.source.as_json(), run.device, threads=run.threads) if isolate else None
     result = drive(run_speed(lm, texts, specs, grid, child, run.quick), run.quiet)
     run.report("speed", result, speed_markdown(result), show_speed)
 

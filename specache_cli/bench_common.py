@@ -23,6 +23,7 @@ from engine.bench.common import (
 )
 from engine.config import PREFETCH
 from engine.errors import BadArgument
+from engine.model.files import ModelFiles, model_files
 from engine.model.loading import load_model
 from engine.plan.profiles import loaded_model_profile, model_defaults, profile_k
 from specache_cli.console import err_console, print_warning
@@ -73,6 +74,15 @@ class BenchRun:
 
     def __post_init__(self):
         self.folder = out_dir(self.out, self.quick)  # a bad --out is refused before the model loads
+        self._files: ModelFiles | None = None
+
+    @property
+    def files(self) -> ModelFiles:
+        """--model resolved once for the command (engine.model.files): the load and whatever else reads the model's
+        files (bench long's llama.cpp: its GGUF) take this one object."""
+        if self._files is None:
+            self._files = model_files(self.model, None if self.quiet else progress)
+        return self._files
 
     def quick_or(self, quick, full):
         """A default by the size of the run: its --quick value, else its full-run one."""
@@ -84,7 +94,7 @@ class BenchRun:
 
     def model_only(self, classes: str = "auto"):
         """The model of --model, --device and --threads (load_bench_model)."""
-        return load_bench_model(self.model, self.device, self.quiet, self.threads, classes)
+        return load_bench_model(self.files, self.device, self.quiet, self.threads, classes)
 
     def load(self, specs: list, classes: str = "auto"):
         """The model, and the mode labels over its defaults."""
@@ -110,9 +120,11 @@ def bench_texts(docs: list[str], default: str):
     return load_texts(docs or [default_doc(default)])
 
 
-def load_bench_model(model: Optional[str], device: str, quiet: bool, threads: Optional[int], classes: str = "auto"):
-    """classes: engine.model.loading.load_model's ("transformers" where a bench times the hf baseline in
-    the same process: transformers' generate and module code, not engine.model.llama's)."""
+def load_bench_model(model: "str | None | ModelFiles", device: str, quiet: bool, threads: Optional[int],
+                     classes: str = "auto"):
+    """model: --model, or the command's ModelFiles (BenchRun.files). classes: engine.model.loading.load_model's
+    ("transformers" where a bench times the hf baseline in the same process: transformers' generate and module
+    code, not engine.model.llama's)."""
     import torch
 
     if threads is not None:
@@ -120,12 +132,17 @@ def load_bench_model(model: Optional[str], device: str, quiet: bool, threads: Op
             raise BadArgument("--threads must be >= 1")
         torch.set_num_threads(threads)
 
-    status = None if quiet else (lambda m: err_console.print(f"[dim]{m}[/]", highlight=False, soft_wrap=True))
-    lm = load_model(model, device=device, on_status=status, classes=classes, on_warning=print_warning)
+    lm = load_model(model, device=device, on_status=None if quiet else progress, classes=classes,
+                    on_warning=print_warning)
     if not quiet:
-        err_console.print(f"[dim]model {lm.name} on {lm.device} ({lm.dtype}), window {lm.max_context} tokens, "
-                          f"loaded in {lm.load_seconds:.1f} s[/]", highlight=False, soft_wrap=True)
+        progress(f"model {lm.name} on {lm.device} ({lm.dtype}), window {lm.max_context} tokens, loaded in "
+                 f"{lm.load_seconds:.1f} s")
     return lm
+
+
+def progress(message: str) -> None:
+    """One dim progress line on stderr."""
+    err_console.print(f"[dim]{message}[/]", highlight=False, soft_wrap=True)
 
 
 def with_model_defaults(specs: list, lm) -> list:
@@ -143,7 +160,7 @@ def drive(events, quiet: bool) -> dict:
         if isinstance(event, BenchProgress):
             if not quiet:
                 count = f"[{event.done}/{event.total}] " if event.total else ""
-                err_console.print(f"[dim]{count}{event.message}[/]", highlight=False, soft_wrap=True)
+                progress(f"{count}{event.message}")
         elif isinstance(event, BenchResult):
             return event.data
     raise RuntimeError("the bench ended without a result")
@@ -166,7 +183,7 @@ def save(out: Path, name: str, result: dict, markdown: str, quiet: bool, extra: 
         paths.append(write_atomic(out / fname, data))
     paths.append(write_atomic(out / f"{name}.md", markdown))
     if not quiet:
-        err_console.print(f"[dim]wrote {', '.join(str(p) for p in paths)}[/]", highlight=False, soft_wrap=True)
+        progress(f"wrote {', '.join(str(p) for p in paths)}")
 
 
 def print_table(title: str, columns, rows, left: int = 1) -> None:

@@ -15,7 +15,7 @@ from engine.bench.long import DEFAULT_LENGTHS, QUICK_LENGTHS, LlamaCppRun, LongG
 from engine.bench.long_report import COLUMNS, PLOT_MISSING, PLOT_NAME, long_markdown, long_plot, table_rows
 from engine.bench.speed import ChildModel
 from engine.errors import BadArgument
-from engine.model.files import model_files
+from engine.model.files import ModelFiles
 from specache_cli.bench_common import BenchRun, bench_texts, docs_option, drive, print_table
 from specache_cli.console import err_console
 
@@ -50,10 +50,9 @@ def long_cmd(
         raise BadArgument("--tokens must be >= 2")
     texts = bench_texts(doc, LONG_DOC)
     lm, specs = run.load(specs)
-    files = model_files(run.model) if llama_cpp else None  # llama.cpp reads the model's GGUF file
-    llama = LlamaCppRun(str(llama_cpp) if llama_cpp else None, files.source.gguf if files and files.is_gguf else None,
+    llama = LlamaCppRun(str(llama_cpp) if llama_cpp else None, gguf_of(run.files) if llama_cpp else None,
                         run.threads or os.cpu_count() or 1)
-    child = ChildModel(run.model, run.device, threads=run.threads)
+    child = ChildModel(run.files.source.as_json(), run.device, threads=run.threads)
     result = drive(run_long(lm, texts, specs, LongGrid(length_list, depth_list, n_tokens, seed), child, llama,
                             run.quick), run.quiet)
     png = long_plot(result)
@@ -62,6 +61,11 @@ def long_cmd(
     result["plot"] = PLOT_NAME if png else None
     run.report("long", result, long_markdown(result, PLOT_NAME if png else None), show_long,
                {PLOT_NAME: png} if png else None)
+
+
+def gguf_of(files: ModelFiles) -> Path | None:
+    """The GGUF file llama.cpp reads: the model's own, as the command resolved it (None: a folder, refused)."""
+    return files.source.gguf
 
 
 def show_long(result: dict) -> None:

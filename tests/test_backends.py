@@ -238,3 +238,27 @@ def test_only_the_backends_hand_pointers_to_a_library():
         if re.search(r"\bdata_ptr\(|^import ctypes|^from ctypes", path.read_text(), re.M):
             found.add(rel)
     assert found <= POINTERS_OUTSIDE, sorted(found - POINTERS_OUTSIDE)
+
+
+def test_device_resolution_is_the_backends(monkeypatch):
+    """--device is resolved in engine.backends.devices, which the run's checks and the loader ask: auto is CUDA
+    only where there is one, a CUDA device asked for without one is one error, a bad name another."""
+    from engine.backends import devices
+    from engine.errors import BadArgument, ModelLoadError
+    from engine.model import loading
+
+    assert loading.pick_device is devices.pick_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.pick_device("auto") == torch.device("cpu") and devices.pick_device("cpu") == torch.device("cpu")
+    for bad, error in (("cuda", ModelLoadError), ("cuda:1", ModelLoadError), ("gpu", BadArgument),
+                       ("cuda:x", BadArgument)):
+        with pytest.raises(error, match="--device"):
+            devices.check_device(bad)
+    with pytest.raises(ModelLoadError, match="no CUDA device"):
+        devices.pick_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert devices.pick_device("auto") == torch.device("cuda")
+    devices.check_device("cuda:0")
+    with pytest.raises(BadArgument, match="there are 1 CUDA device"):
+        devices.check_device("cuda:1")

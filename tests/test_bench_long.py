@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -114,8 +113,7 @@ def test_llama_cpp_runs_beside_the_modes_from_its_folder(tiny_model_dir, tmp_pat
     assert "not a GGUF" in available(folder, None) and available(folder, tmp_path / "m.gguf") is None
     assert "node-llama-cpp is not installed" in available(tmp_path, tmp_path / "m.gguf")
     assert "not requested" in available(None, tmp_path / "m.gguf")
-    gguf = SimpleNamespace(is_gguf=True, source=SimpleNamespace(gguf=tmp_path / "m.gguf"))
-    monkeypatch.setattr("specache_cli.bench_long_cmd.model_files", lambda spec: gguf)
+    monkeypatch.setattr("specache_cli.bench_long_cmd.gguf_of", lambda files: tmp_path / "m.gguf")
     result, md, stderr = invoke(tiny_model_dir, tmp_path / "out", "--lengths", "256", "--modes", "specache",
                                 "--llama-cpp", str(folder))
     assert result["settings"]["llama_cpp"] == {"folder": str(folder), "ran": True, "threads": 1, "note": None}

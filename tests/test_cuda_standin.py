@@ -480,19 +480,36 @@ def test_a_recording_that_fails_falls_back_to_eager_passes_said_once(tiny_model,
 
 
 def test_graph_replay_is_the_default_on_cuda_only(monkeypatch):
-    """Unset, SPECACHE_CUDA_GRAPHS follows the streams (CUDA's on; the CPU's and the stand-in's off); 0 and 1 rule."""
+    """Graph replay is the CUDA backend's declaration in the backends' table (Kernels.graph_replay), read once per
+    device type: unset, SPECACHE_CUDA_GRAPHS follows it (CUDA's on; the CPU's, and the stand-in's on CPU tensors,
+    off); 0 and 1 rule; a CUDA backend declaring it off turns it off; the env var is read in that one place."""
     from types import SimpleNamespace
 
+    from engine.backends import kernels
     from engine.backends.streams import CudaStreams
     from engine.generate.graphs import graphs_wanted
 
-    def cache(streams):
-        return SimpleNamespace(transfer=SimpleNamespace(streams=streams), capturable=True)
+    def cache(streams, kind):
+        return SimpleNamespace(transfer=SimpleNamespace(streams=streams, device=torch.device(kind)), capturable=True)
 
     cuda = CudaStreams.__new__(CudaStreams)  # (its attributes only: no device here)
     monkeypatch.delenv("SPECACHE_CUDA_GRAPHS", raising=False)
-    assert graphs_wanted(cache(cuda)) and not graphs_wanted(cache(StandinStreams())) and not graphs_wanted(cache(SYNC))
+    assert graphs_wanted(cache(cuda, "cuda")) and not graphs_wanted(cache(StandinStreams(), "cpu"))
+    assert not graphs_wanted(cache(SYNC, "cpu"))
     monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "0")
-    assert not graphs_wanted(cache(cuda))
+    assert not graphs_wanted(cache(cuda, "cuda"))
     monkeypatch.setenv("SPECACHE_CUDA_GRAPHS", "1")
-    assert graphs_wanted(cache(StandinStreams())) and not graphs_wanted(cache(SYNC))
+    assert graphs_wanted(cache(StandinStreams(), "cpu")) and not graphs_wanted(cache(SYNC, "cpu"))
+    monkeypatch.delenv("SPECACHE_CUDA_GRAPHS")
+    declared = kernels.backends()["cuda"][0]
+    assert declared.graph_replay is True and kernels.graph_default("cpu") is False
+    monkeypatch.setattr(declared, "graph_replay", False)
+    kernels.forget()
+    try:
+        assert not graphs_wanted(cache(cuda, "cuda"))
+    finally:
+        monkeypatch.undo()
+        kernels.forget()
+    root = Path(__file__).resolve().parent.parent / "engine"
+    readers = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if '"SPECACHE_CUDA_GRAPHS"' in p.read_text()}
+    assert readers == {"backends/kernels.py"}

@@ -326,9 +326,7 @@ CUDA_ALLOWED = {
     "engine/plan/profile_types.py": "a hardware profile's kind and CUDA names",
     "engine/plan/roofline.py": "the planner's model of a machine kind (a profile's, not a device's)",
     "engine/plan/planner.py": "the planner's model of a machine kind (a profile's, not a device's)",
-    "engine/model/loading.py": "--device auto / cuda resolved to a torch device (pick_device)",
     "engine/jobs/workers.py": "Ray's GPU placement for --device cuda",
-    "engine/jobs/prepare.py": "--device checked against the CUDA devices present",
 }
 CUDA_BRANCH = re.compile(r'^\s*(import triton|from triton)|torch\.cuda\b|[=!]= "cuda"|startswith\("cuda"\)|\.is_cuda\b',
                          re.M)

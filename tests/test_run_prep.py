@@ -256,13 +256,67 @@ def test_a_gguf_s_window_from_its_header_agrees_with_its_converted_config():
     assert files.window_origin.startswith("config.json's") and files.window == from_header
 
 
-def test_plan_of_a_gguf_resolves_it_once_and_reads_its_config_once(resolutions, opened):
-    """`specache plan --model FILE.gguf` takes the model through the run's ModelFiles too."""
+def test_plan_of_a_gguf_resolves_it_once_and_converts_nothing(resolutions, opened, monkeypatch):
+    """`specache plan --model FILE.gguf` takes the model through the run's ModelFiles, its config made from the
+    GGUF header (ModelFiles.plan_config): no conversion, no config.json read."""
     gguf = model_files(None).source.gguf
-    config = model_files(str(gguf)).folder / "config.json"  # (converted here, once per machine)
+    monkeypatch.setattr(ModelFiles, "folder", property(lambda self: pytest.fail("converted for its config")))
     resolutions.clear()
     opened.clear()
     r = cli("plan", "--gpu", "cpu", "--model", str(gguf), "--json")
     assert r.exit_code == 0, r.stderr
-    assert resolutions == [str(gguf)] and opened.count(str(config)) == 1
+    assert resolutions == [str(gguf)] and not [p for p in opened if p.endswith("config.json")]
     assert json.loads(r.stdout)["model_profile"]["max_context"] == 8192
+
+
+def test_a_gguf_s_profile_from_its_header_is_its_converted_config_s(tmp_path, monkeypatch):
+    """The header's config gives the planner what the converted config.json gives (the embedded Llama and a tiny
+    Gemma 3 GGUF); an architecture the header does not give falls back to the conversion."""
+    from engine.model.gguf_config import header_config
+    from engine.model.gguf_header import Header
+    from engine.plan.profiles import model_profile_from_config
+    from tests.test_gemma_gguf import write_gemma_gguf
+
+    monkeypatch.setenv("SPECACHE_CACHE_DIR", str(tmp_path / "cache"))  # the tiny Gemma converted here
+    for spec in (None, str(write_gemma_gguf(tmp_path / "tiny-gemma3.gguf", "gemma3"))):
+        files = model_files(spec)
+        made = files.plan_config
+        assert files._folder is None  # not converted for it
+        assert model_profile_from_config(made) == model_profile_from_config(files.config), spec
+        assert files.plan_config is files.config  # once converted and read, the config itself
+    header = model_files(None).header
+    assert header_config(Header({**header.fields, "general.architecture": "falcon"}, header.tensors)) is None
+    skipped = {**header.fields, "llama.attention.head_count_kv": None}  # an array the header skipped
+    assert header_config(Header(skipped, header.tensors)) is None
+
+
+def test_plan_of_a_folder_resolves_it_once_and_reads_its_config_once(tiny_model_dir, resolutions, opened):
+    r = cli("plan", "--gpu", "cpu", "--model", str(tiny_model_dir), "--json")
+    assert r.exit_code == 0, r.stderr
+    assert resolutions == [str(tiny_model_dir)]
+    assert opened.count(str(tiny_model_dir / "config.json")) == 1
+    assert json.loads(r.stdout)["model_profile"]["max_context"] == 1024
+
+
+def test_plan_of_a_folder_that_is_no_model_is_a_profile_error(tmp_path):
+    r = cli("plan", "--gpu", "cpu", "--model", str(tmp_path))
+    assert r.exit_code == 11 and "no config.json" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "fidelity", "--quick"],
+    ["bench", "long", "--quick", "--lengths", "256", "--depths", "0.5", "--tokens", "2", "--llama-cpp", "."],
+])
+def test_a_bench_resolves_its_model_once_and_reads_its_config_once(tiny_model_dir, tmp_path, resolutions, opened,
+                                                                   command):
+    """The benches load through one ModelFiles (BenchRun.files): bench long's llama.cpp takes the same one, and its
+    points' child processes the model as resolved here (ModelSource.as_json), resolving nothing again."""
+    from engine.model.sources import source_from_json
+
+    for source in (model_files(None).source, model_files(str(tiny_model_dir)).source):
+        assert source_from_json(json.loads(json.dumps(source.as_json()))) == source
+    resolutions.clear()
+    r = cli(*command, "--model", str(tiny_model_dir), "--out", str(tmp_path), "--threads", "1", "--json", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert resolutions == [str(tiny_model_dir)]
+    assert opened.count(str(tiny_model_dir / "config.json")) == 1

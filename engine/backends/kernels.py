@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import pkgutil
 from typing import ClassVar
 
@@ -46,6 +47,7 @@ HOOKS = ("guide_scores", "guide_values", "sliding_attention", "prefill_attention
 PACKAGE = "engine.backends"
 REGISTERED: dict[str, type] = {}  # name -> the registered Kernels subclass
 _CHOSEN: dict[str, "Kernels"] = {}
+GRAPHS_OVERRIDE = "SPECACHE_CUDA_GRAPHS"  # 1 / 0: decode passes replayed as graphs, or not, whatever the table says
 
 
 class Kernels:
@@ -55,6 +57,7 @@ class Kernels:
     devices: ClassVar[tuple[str, ...]] = ()  # device types it serves (the reference serves every one)
     rank: ClassVar[int] = 0  # its place among a device's backends: lowest first
     sdpa_backends: ClassVar[list | None] = None  # torch's SDPA backends its devices' attention may use (None: any)
+    graph_replay: ClassVar[bool | None] = None  # its devices' decode passes replayed as graphs by default (None: not said)
 
     @classmethod
     def available(cls) -> bool:
@@ -163,6 +166,7 @@ def forget() -> None:
     """Choose again on the next backend_for (tests that switch a library off)."""
     _CHOSEN.clear()
     sdpa_backends.cache_clear()
+    graph_default.cache_clear()
 
 
 @functools.cache
@@ -171,6 +175,22 @@ def sdpa_backends(kind: str) -> list | None:
     backends in the table that declares some (its own library here or not: torch computes the attention), else
     None (torch's own choice)."""
     return next((cls.sdpa_backends for cls in backends().get(kind, ()) if cls.sdpa_backends is not None), None)
+
+
+@functools.cache
+def graph_default(kind: str) -> bool:
+    """Whether a device type's decode passes are replayed as graphs by default: the first declaration
+    (Kernels.graph_replay) of the type's backends in the table (its own library here or not: the device's
+    streams record the graphs), else not."""
+    return next((cls.graph_replay for cls in backends().get(kind, ()) if cls.graph_replay is not None), False)
+
+
+def replays_graphs(kind: str) -> bool:
+    """Whether decode passes on a device type are replayed as graphs: $SPECACHE_CUDA_GRAPHS where set (1 on, 0
+    off: the override), else the table's default (graph_default). engine.generate.graphs asks it, with the
+    streams' capability (Streams.records_graphs) and the cache's (KVCache.capturable)."""
+    asked = os.environ.get(GRAPHS_OVERRIDE)
+    return asked == "1" if asked is not None else graph_default(kind)
 
 
 def describe(device: torch.device | str) -> dict:

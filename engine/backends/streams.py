@@ -51,7 +51,6 @@ class Streams:
 
     asynchronous = False  # the device has memory of its own and asynchronous streams
     records_graphs = False  # capture() records a pass that replay() runs again without the host
-    graphs_by_default = False  # decode passes replayed as graphs unless SPECACHE_CUDA_GRAPHS says otherwise
     kernels_of: str | None = None  # the device type whose backend (engine.backends.kernels) serves; None: its own
 
     def __init__(self, wait_seconds: float = WAIT_SECONDS):
@@ -109,7 +108,6 @@ class CudaStreams(Streams):
 
     asynchronous = True
     records_graphs = True
-    graphs_by_default = True
 
     def __init__(self, device: torch.device, wait_seconds: float = WAIT_SECONDS):
         super().__init__(wait_seconds)

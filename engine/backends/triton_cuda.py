@@ -40,6 +40,7 @@ class TritonCUDA(Kernels):
     # of a 101 ms decode step: the length grows by one each step); flash takes unmasked calls, the
     # memory-efficient kernel masked ones
     sdpa_backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    graph_replay = True  # a decode step of ~1,500 small kernels is bound by their launches (engine.generate.graphs)
 
     @classmethod
     def available(cls) -> bool:

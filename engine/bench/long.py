@@ -150,7 +150,7 @@ def length_points(run: LongRun, length: int):
     forced = None
     for spec in modes:
         t0 = time.perf_counter()
-        job = {"model": child.spec, "device": child.device, "dtype": child.dtype, "threads": child.threads,
+        job = {"model": child.source, "device": child.device, "dtype": child.dtype, "threads": child.threads,
                "mode": spec.label, "config": asdict(spec.config), "prompt": prompt, "tokens": grid.tokens,
                "forced": forced if spec is not full else None,
                "save_reference": str(reference) if spec is full else None,

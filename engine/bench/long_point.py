@@ -26,7 +26,9 @@ from engine.bench.speed import PROGRESS, _load_average, current_rss_bytes, peak_
 from engine.config import CacheConfig, GenerationConfig
 from engine.generate.engine import Engine, Finished
 from engine.generate.steps import decode_headroom, greedy, sync
+from engine.model.files import ModelFiles
 from engine.model.loading import load_model
+from engine.model.sources import source_from_json
 
 WARMUP_TOKENS = 64
 
@@ -96,7 +98,7 @@ def measure_point(job: dict, say) -> dict:
     config = CacheConfig(**job["config"]) if job.get("config") else spec.config
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
-    lm = load_model(job["model"], device=job["device"], dtype=job.get("dtype", "auto"))
+    lm = load_model(ModelFiles(source_from_json(job["model"])), device=job["device"], dtype=job.get("dtype", "auto"))
     load_start = _load_average()
     prompt = job["prompt"]
     timed_run(lm.model, config, prompt[:WARMUP_TOKENS], 3)  # one-time costs (allocator, kernels) out of the timing

@@ -34,7 +34,9 @@ from engine.config import CacheConfig
 from engine.errors import BadArgument, SpecacheError
 from engine.generate.engine import Engine
 from engine.generate.steps import greedy, sync
+from engine.model.files import ModelFiles
 from engine.model.loading import load_model
+from engine.model.sources import source_from_json
 
 PROGRESS = "@progress "
 TARGET_VS_FULL, TARGET_VS_HF = 1.5, 2.5
@@ -166,10 +168,10 @@ class SpeedGrid:
 
 @dataclass(frozen=True)
 class ChildModel:
-    """How a mode's child process loads the model (run_speed with isolation): the --model spec as given,
-    the device, the dtype and the torch threads."""
+    """How a mode's child process loads the model (run_speed with isolation): the model as the parent resolved
+    it (ModelSource.as_json: the child resolves nothing), the device, the dtype and the torch threads."""
 
-    spec: str | None
+    source: dict
     device: str = "cpu"
     dtype: str = "auto"
     threads: int | None = None
@@ -219,7 +221,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
         spec = replace(spec, config=CacheConfig(**job["config"]))
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
-    lm = load_model(job["model"], device=job["device"], dtype=job["dtype"],  # hf: transformers' own classes
+    lm = load_model(ModelFiles(source_from_json(job["model"])), device=job["device"], dtype=job["dtype"],  # hf: transformers' own classes
                     classes="transformers" if spec.mode == HF_MODE else "auto")
     corpus = job["corpus"]
     say = lambda m: print(PROGRESS + m, file=sys.stderr, flush=True)  # noqa: E731
@@ -299,7 +301,7 @@ def run_speed(lm, texts, modes: Sequence[ModeSpec], grid: SpeedGrid, child: Chil
 
 def _measure_child(child: ChildModel, spec: ModeSpec, corpus: list[int], grid: SpeedGrid, i: int, n: int):
     """One mode in a child process (run_child): forwards its progress; returns its result."""
-    job = {"model": child.spec, "device": child.device, "dtype": child.dtype, "mode": spec.label, "corpus": corpus,
+    job = {"model": child.source, "device": child.device, "dtype": child.dtype, "mode": spec.label, "corpus": corpus,
            "lengths": list(grid.lengths), "batches": list(grid.batches), "tokens": grid.tokens,
            "repeats": grid.repeats, "warmup": grid.warmup, "threads": child.threads,
            "config": asdict(spec.config) if spec.config is not None else None}

@@ -8,32 +8,32 @@ layer of the cache decodes such passes (KVCache.capturable: full, and the guided
 with the current prefetch; a watched layer keeps its queries and its guide check runs after the replay). Per batch size, the
 first pass is run eagerly to warm up, then recorded with static input ids; each later pass copies its ids
 in, does the cache's host bookkeeping (begin, then commit: the device lengths advance outside the graph),
-replays, and hands out a copy of the logits. On by default where the device's streams say so (CUDA:
-Streams.graphs_by_default); `SPECACHE_CUDA_GRAPHS=1` / `0` turns it on / off. A recording that fails falls
-back to eager passes for the rest of the run: one note on stderr, and `graphs` in the cache's --json stats
+replays, and hands out a copy of the logits. On by default where the device's backend declares it in the
+backends' table (Kernels.graph_replay: the CUDA backend's); `SPECACHE_CUDA_GRAPHS=1` / `0` turns it on / off.
+A recording that fails falls back to eager passes for the rest of the run: one note on stderr, and `graphs`
+in the cache's --json stats
 (`replayed`, or the fallback and its error). The recording is the cache's streams' (engine.backends.streams:
 CUDA graphs on CUDA; in the tests, the streams' stand-in on the CPU, or an eager recorder, eager_graph)."""
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Callable
 
 import torch
 
+from engine.backends.kernels import replays_graphs
 from engine.backends.streams import Streams
 from engine.generate.forward import PassOptions
 from engine.kvcache import KVCache
 
 
 def graphs_wanted(cache: KVCache) -> bool:
-    """Replay decode passes as graphs: asked for (SPECACHE_CUDA_GRAPHS=1; unset: the streams' default, on for
-    CUDA), on a device whose streams record graphs, every layer capturable."""
-    streams = cache.transfer.streams
-    asked = os.environ.get("SPECACHE_CUDA_GRAPHS")
-    on = asked == "1" if asked is not None else streams.graphs_by_default
-    return on and streams.records_graphs and cache.capturable
+    """Replay decode passes as graphs: on for the cache's device type (engine.backends.kernels.replays_graphs: the
+    table's declaration, on for CUDA, or SPECACHE_CUDA_GRAPHS), on a device whose streams record graphs, every
+    layer capturable."""
+    transfer = cache.transfer
+    return replays_graphs(transfer.device.type) and transfer.streams.records_graphs and cache.capturable
 
 
 def record_graph(streams: Streams, run: Callable[[], torch.Tensor]):

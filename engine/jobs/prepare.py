@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
+from engine.backends import devices
 from engine.config import CacheConfig, GenerationConfig, settings
 from engine.docstore.store import DocStore, check_folder, max_bytes_from
-from engine.errors import BadArgument, ModelLoadError, ProfileError
+from engine.errors import BadArgument, ProfileError
 from engine.jobs.pipeline import STRATEGIES, Runner, count_tokens
 from engine.kvcache import policy
 from engine.model.files import ModelFiles, model_files
@@ -37,7 +37,6 @@ from engine.plan.planner import check_fits_before_load
 from engine.plan.profiles import loaded_model_profile, model_defaults
 from engine.plan.threads import choose_threads
 
-DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 PROMPT_SLACK = 512  # tokens a prompt may add around the document and question (chat template, labels)
 # the settings that size buffers in tokens (engine.config.Setting.tokens): bounded by the model's window
 WINDOW_FLAGS = {name: declared for name, declared in settings().items() if declared.tokens}
@@ -76,17 +75,13 @@ class Notes:
 
 
 def check_device(device: str, dtype: str) -> None:
-    """--device and --dtype, before anything is loaded: names only, and CUDA only where there is one."""
-    if not DEVICES.fullmatch(device):
+    """--device and --dtype, before anything is loaded: names only, and CUDA only where there is one
+    (engine.backends.devices)."""
+    if not devices.DEVICES.fullmatch(device):
         raise BadArgument(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
     if dtype not in DTYPES:
         raise BadArgument(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ModelLoadError(f"--device {device} was asked for but no CUDA device is available")
-        index = int(device.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise BadArgument(f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s)")
+    devices.check_device(device)
 
 
 def check_window(overrides: dict, max_tokens: int, window: int) -> None:
@@ -189,7 +184,7 @@ class PreparedRun:
         call (its text counted at 4 characters a token, the least a tokenizer gives), with the settings
         given (--k, --residual, ...; the others by their default rule), must fit in memory."""
         r = self.request
-        if r.device.startswith("cuda") or (r.device == "auto" and torch.cuda.is_available()):
+        if devices.pick_device(r.device).type != "cpu":
             return  # the GPU's check runs after loading (plan_for_run), with the device's own free memory
         files = self.files
         context = min(self.window, r.gen.max_tokens + PROMPT_SLACK + len(self.longest_text) // 4)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import ModelLoadError
+from engine.model.gguf_config import header_config
 from engine.model.gguf_convert import ensure_converted
 from engine.model.gguf_header import Header, read_header
 from engine.model.sources import ModelSource, resolve_source
@@ -89,6 +90,16 @@ class ModelFiles:
                 raise ModelLoadError(f"{path} is not a JSON object")
             self._config, self._config_bytes = config, raw
         return self._config
+
+    @property
+    def plan_config(self) -> dict:
+        """The config the planner reads: config.json's (read once), or a held GGUF's made from its header
+        (engine.model.gguf_config.header_config) where the file is not converted yet, so a plan converts nothing."""
+        if self.is_gguf and self._config is None:
+            made = header_config(self.header)
+            if made is not None:
+                return made
+        return self.config
 
     @property
     def config_bytes(self) -> bytes:

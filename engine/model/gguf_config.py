@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.model.gguf_header import Header
+from engine.model.gguf_header import Header, held_architecture
 
 GEMMA_TOKENIZERS = ("gemma2", "gemma3")  # the builds whose merges gemma_merges derives (transformers' gemma_tokenizer)
 SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
@@ -46,6 +46,26 @@ def config_dict(header: Header, vocab_size: int | None) -> dict:
     if "vocab_size" not in out and vocab_size is not None:
         out["vocab_size"] = vocab_size
     return out
+
+
+def header_config(header: Header) -> dict | None:
+    """A held architecture's transformers config made from its header read without arrays (what the planner
+    needs, without converting the file): what the converted folder's config.json holds (config_and_tokenizer
+    in engine.model.gguf_convert), its vocabulary's size taken from the embedding's rows (the tokens' array is
+    skipped). None where the header alone does not give it: an architecture transformers' own reader converts,
+    no embedding, a config key whose value is an array the header skipped, or a config transformers refuses."""
+    embedding = header.tensors.get("token_embd.weight")
+    if not held_architecture(header.arch) or embedding is None or len(embedding.ne) != 2:
+        return None
+    made = config_dict(header, embedding.ne[1])
+    if any(value is None for value in made.values()):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**made).to_dict()
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def gemma_merges(tokens: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from engine.backends.devices import pick_device
 from engine.errors import BadArgument, ModelLoadError
 from engine.model.attention import ATTENTION_NAME, register_with_transformers
 from engine.model.embedded import EMBEDDED_NAME  # noqa: F401  (re-exported: the embedded model's name)
@@ -82,15 +83,6 @@ def fingerprint(path: Path, config_bytes: bytes) -> str:
     if (path / GGUF_POINTER).is_file():
         h.update(json.loads((path / GGUF_POINTER).read_text(encoding="utf-8"))["identity"].encode())
     return h.hexdigest()[:16]
-
-
-def pick_device(device: str) -> torch.device:
-    """'auto' takes CUDA when present, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError("--device cuda was asked for but no CUDA device is available")
-    return torch.device(device)
 
 
 def load_model(

@@ -46,6 +46,17 @@ class ModelSource:
             return self.gguf.stat().st_size
         return folder_weight_bytes(self.folder) if self.folder is not None else 0
 
+    def as_json(self) -> dict:
+        """The source as a child process takes it (source_from_json): resolved once, by the parent."""
+        return {"kind": self.kind, "name": self.name, "folder": None if self.folder is None else str(self.folder),
+                "gguf": None if self.gguf is None else str(self.gguf)}
+
+
+def source_from_json(given: dict) -> ModelSource:
+    """ModelSource.as_json's dict back (in a bench's child process: the model as its parent resolved it)."""
+    return ModelSource(given["kind"], given["name"], folder=None if given["folder"] is None else Path(given["folder"]),
+                       gguf=None if given["gguf"] is None else Path(given["gguf"]))
+
 
 def folder_weight_bytes(folder: Path) -> int:
     files = [*folder.glob("*.safetensors"), *folder.glob("*.bin"), *folder.glob("*.gguf")]

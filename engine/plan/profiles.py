@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
 
-from engine.errors import BadArgument, ProfileError
+from engine.errors import BadArgument, ModelLoadError, ProfileError
 from engine.kvcache.passes import sliding_windows
 from engine.model import families
 from engine.model.embedded import EMBEDDED_NAME, EMBEDDED_PROFILE
@@ -173,29 +173,51 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
 
 
 def load_model_profile(name_or_path: str) -> ModelProfile:
-    """A model profile by name or alias, a YAML path, a local HF model dir / config.json, or a GGUF
-    file (or ollama:NAME[:TAG]), whose weights count as the engine holds them."""
+    """A model profile by name or alias, a YAML path, a config.json, or a model as --model names it (a local HF
+    model folder, a GGUF file, ollama:NAME[:TAG]: resolved once, engine.model.files), whose weights count as the
+    engine holds them."""
     if name_or_path.startswith(OLLAMA_PREFIX):
-        return model_from_gguf(model_files(name_or_path))
+        return model_from_files(model_files(name_or_path))
     if _looks_like_path(name_or_path):
         path = Path(name_or_path).expanduser()
         if not path.exists():
             raise BadArgument(f"model profile path not found: {path}")
         if path.suffix in (".yaml", ".yml"):
             return model_from_yaml(path)
-        if path.is_file() and is_gguf_file(path):
-            return model_from_gguf(model_files(str(path)))
+        if path.is_dir():
+            return model_from_files(folder_files(path))
+        if is_gguf_file(path):
+            return model_from_files(model_files(str(path)))
         return model_from_hf(path)
     return _by_name(name_or_path, list_models(), "model profile")
 
 
+def folder_files(path: Path) -> ModelFiles:
+    """A model folder resolved as --model resolves it; a folder that is not one is a ProfileError (the planner's
+    exit code), its config read (once) here."""
+    try:
+        files = model_files(str(path))
+        _ = files.plan_config
+    except ModelLoadError as exc:
+        raise ProfileError(str(exc)) from None
+    return files
+
+
+def model_from_files(files: ModelFiles) -> ModelProfile:
+    """The profile of a model as engine.model.files resolved it (once): a GGUF's (model_from_gguf), or a folder's
+    from its config.json (read once)."""
+    if files.is_gguf:
+        return model_from_gguf(files)
+    return model_profile_from_config(files.config, name=files.name, source=str(files.folder / "config.json"))
+
+
 def model_from_gguf(files: ModelFiles) -> ModelProfile:
-    """A GGUF's profile (files: the model as engine.model.files resolved it, once): its config (converted
-    once), its parameters counted from the tensor table and its weights' bytes as held on the CPU
+    """A GGUF's profile: its config (from its header where it gives it, else converted once: ModelFiles.plan_config),
+    its parameters counted from the tensor table and its weights' bytes as held on the CPU
     (engine.model.gguf_header.estimate_held_bytes)."""
     path, header = files.source.gguf, files.header
     parameters = sum(int(math.prod(t.ne)) for t in header.tensors.values())
-    profile = model_profile_from_config(files.config, name=path.stem, source=str(path), parameters=parameters)
+    profile = model_profile_from_config(files.plan_config, name=path.stem, source=str(path), parameters=parameters)
     return replace(profile, held_weight_bytes=estimate_held_bytes(header))
 
 
