@@ -3,6 +3,8 @@ device type cuda (the `gpu` extra; CUDA builds of torch bring Triton). Its hooks
 
   guide_scores / guide_values   the guide's math in one launch each (engine/backends/triton_guide.py)
   fused_decode                  a guided layer's decode pass by the fused kernels (engine/backends/triton_decode.py)
+  write_recent                  a pass's new K/V into the residual window and sinks, one launch (where fused_decode
+                                takes the layer)
   gather_applies / gather_rows  the fetched set's rows read in place from the pinned, mapped host store
 
 A family of kernels whose launch fails is said once on stderr and not used again (triton_guide.launch); `runs`

@@ -21,7 +21,8 @@ GuidedLayer.attend_decode and select_and_prefetch compute with ~30 torch ops, an
    layer's fidx / fvalid (the same set as a top-k over every position: no split holds more than CP of the k best).
 
 No torch op runs around the kernels (allocations only; a contiguous copy of the queries where they are not) and
-no value is read on the host: a selecting pass is four launches, a pass without selection two.
+no value is read on the host: a selecting pass is four launches, a pass without selection two; the pass's new
+K/V went into the residual window and the sinks before, in one launch (write_recent, from GuidedLayer.update).
 
 The contract is GuidedLayer's (tests/test_triton_decode.py checks it against the torch code): queries
 [b, H_kv, G*T, D] grouped as passes.grouped_query groups them; a guide rotation R rotates the queries for
