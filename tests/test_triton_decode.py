@@ -21,7 +21,6 @@ import torch
 from engine.kvcache.guide import Guide, GuideSpec
 from engine.kvcache.passes import ModelShape
 from engine.kvcache.policies.specache import SpecacheLayer
-from engine.kvcache.sizes import quant_boundary
 
 pytest.importorskip("triton")  # (tests/conftest.py has set TRITON_INTERPRET=1)
 from engine.backends import triton_decode  # noqa: E402
@@ -91,7 +90,7 @@ def buffers(layer: SpecacheLayer) -> triton_decode.DecodeBuffers:
     g = layer.guide
     return triton_decode.DecodeBuffers(g.keys, g.values, g.outliers, g.rotation, layer.sink_k, layer.sink_v,
                                        layer.sinks, layer.store.fk, layer.store.fv, layer.fidx.clone(),
-                                       layer.fvalid.clone(), layer.res_k, layer.res_v, layer.qend)
+                                       layer.fvalid.clone(), layer.res_k, layer.res_v, layer.qend, RESIDUAL)
 
 
 def reference(layer: SpecacheLayer, qg, step, scaling, softcap):
@@ -140,10 +139,9 @@ def run_both(bits, outliers, rotation, group, tokens, softcap, select, select_bo
     qg = torch.randn(B, H, group * tokens, D, generator=gen) * 1.5
     scaling = 1 / math.sqrt(D)
     step = step_of(tokens, select)
-    bound = quant_boundary(step.start + step.keep, RESIDUAL, GROUP)
     got, picked = triton_decode.decode(buffers(layer), triton_decode.DecodePass(
         qg, step.start, tokens, scaling, max(QEND), softcap=softcap, select=select, select_both=select_both,
-        bound=bound))
+        keep=step.keep))
     want, cand, idx, valid = reference(layer, qg, step, scaling, softcap)
     got = got.reshape(B, H * group, tokens, D).transpose(1, 2)  # as ungroup_output lays it out
     return got, want, picked, cand, idx, valid
@@ -187,6 +185,28 @@ def test_selection_by_both_tokens_and_a_pass_that_selects_nothing(monkeypatch):
     out, none = triton_decode.decode(buffers(layer), triton_decode.DecodePass(qg, torch.tensor(START), 2, 0.2,
                                                                               max(QEND)))
     assert none is None and out.shape == (B, H, 8, D) and torch.isfinite(out).all()
+
+
+def test_a_passes_new_keys_and_values_are_written_in_one_launch():
+    """triton_decode.write_recent (GuidedLayer.update's writes in the CUDA layout): rows at different positions,
+    keys and values strided as the model's projections give them, two new tokens; each into its residual slot
+    (position - qend), and a row's tokens below the sinks into the sinks too; nothing else written."""
+    gen = torch.Generator().manual_seed(3)
+    start, qend, w, s = torch.tensor([2, 40, 77]), torch.tensor([0, 32, 64]), 16, 4
+    kv = torch.randn(3, 2, H, D, 2, generator=gen)
+    k, v = kv[..., 0].transpose(1, 2), kv[..., 1].transpose(1, 2)  # [3, H, 2, D], not contiguous
+    got = [torch.zeros(3, H, n, D) for n in (w, w, s, s)]
+    assert triton_decode.write_recent(k, v, start, qend, tuple(got), s)
+    want = [torch.zeros(3, H, n, D) for n in (w, w, s, s)]
+    for r in range(3):
+        for j in range(2):
+            pos = int(start[r]) + j
+            want[0][r, :, pos - int(qend[r])], want[1][r, :, pos - int(qend[r])] = k[r, :, j], v[r, :, j]
+            if pos < s:
+                want[2][r, :, pos], want[3][r, :, pos] = k[r, :, j], v[r, :, j]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert want[2][0, :, 2:].abs().sum() > 0 and want[2][1:].abs().sum() == 0
 
 
 def drive(layer, steps: int, seed: int, monkeypatch, kernels: bool) -> list:

@@ -73,21 +73,26 @@ def decode_buffers(d: int, bits: int, group: int, k: int, outliers: int) -> trit
         torch.eye(d) if outliers else None, exact(SINKS),
         exact(SINKS), SINKS, exact(k), exact(k), torch.zeros(2, 2, k, dtype=torch.long),
         torch.zeros(2, 2, k, dtype=torch.bool), exact(residual_slots(RESIDUAL, group, 2)),
-        exact(residual_slots(RESIDUAL, group, 2)), torch.full((2,), CAPACITY, dtype=torch.long))
+        exact(residual_slots(RESIDUAL, group, 2)), torch.full((2,), CAPACITY, dtype=torch.long), RESIDUAL)
 
 
 def decode_launches(d: int, nq: int, bits: int, group: int, k: int) -> list[triton_build.Launch]:
-    """The fused decode's launches (split, merge, select) for one shape, with the bits' default outlier channels
-    and a rotation and without, recorded from engine/backends/triton_decode.py's decode."""
+    """The fused decode's launches (split, merge, select, top, and the new K/V's write) for one shape, with the
+    bits' default outlier channels and a rotation and without, recorded from engine/backends/triton_decode.py's
+    decode and write_recent."""
     into: list[triton_build.Launch] = []
     for outliers in sorted({0, DEFAULT_OUTLIERS[bits]}):
         tag = f"d{d}-q{nq}-{bits}b-g{group}-o{outliers}"
-        labels = (f"decode-split-{tag}", f"decode-merge-{tag}", f"decode-select-{tag}")
+        labels = (f"decode-split-{tag}", f"decode-merge-{tag}", f"decode-select-{tag}", f"decode-top-{tag}")
         start = torch.full((2,), CAPACITY + 10, dtype=torch.long)
         step = triton_decode.DecodePass(torch.zeros(2, 2, nq, d), start, TOKENS, d ** -0.5, CAPACITY, select=1,
-                                        bound=start)
-        with triton_build.recording(triton_decode, labels, into):
-            triton_decode.decode(decode_buffers(d, bits, group, k, outliers), step)
+                                        keep=TOKENS)
+        buf = decode_buffers(d, bits, group, k, outliers)
+        with triton_build.recording(triton_decode, labels + (f"decode-write-{tag}",), into):
+            triton_decode.decode(buf, step)
+            new = torch.zeros(2, 2, TOKENS, d).transpose(1, 2).contiguous().transpose(1, 2)  # (strided, as in a step)
+            triton_decode.write_recent(new, new, start, buf.qend, (buf.res_k, buf.res_v, buf.sink_k, buf.sink_v),
+                                       SINKS)
     return into
 
 

@@ -24,7 +24,9 @@ Besides the hooks: `runs(hook)` says whether a hook's code runs here now (the ba
 own, its kernels not switched off by a failed launch); `fused_takes(layer, q, step)` whether its fused call
 takes this pass of this layer (the cache modes, layouts and dtypes its code implements: anything else runs
 the torch pass); `gather_applies` / `gather_rows` the device-side gather of exact rows from a pinned, mapped
-host store (engine.kvcache.transfer, on an asynchronous device only: not named in `describe`).
+host store (engine.kvcache.transfer, on an asynchronous device only: not named in `describe`); `write_recent`
+a decode pass's new K/V written into a guided layer's residual window and sinks in one call where the fused
+decode takes the layer (engine.kvcache.guided's update; not named in `describe`).
 
 A backend is one module of this package whose Kernels subclass is registered (`@register`) with its
 `name`, the device types it serves (`devices`) and its `rank` among them; `backends()` is the table they make
@@ -102,6 +104,11 @@ class Kernels:
 
     def fused_takes(self, layer, q, step) -> bool:
         """Whether fused_decode's call computes this decode pass of `layer` (q: its queries, step: the pass)."""
+        return False
+
+    def write_recent(self, layer, k, v, step) -> bool:
+        """A decode pass's new K/V [b, H_kv, T, D] into `layer`'s residual window and sinks (its own buffers: the
+        CUDA layout), every index read on the device. -> False where it does not run (the layer writes them)."""
         return False
 
     def gather_applies(self, src_k, src_v, idx, dst_k, dst_v, only=None) -> bool:

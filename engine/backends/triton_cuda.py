@@ -3,6 +3,8 @@ device type cuda (the `gpu` extra; CUDA builds of torch bring Triton). Its hooks
 
   guide_scores / guide_values   the guide's math in one launch each (engine/backends/triton_guide.py)
   fused_decode                  a guided layer's decode pass by the fused kernels (engine/backends/triton_decode.py)
+  write_recent                  a pass's new K/V into the residual window and sinks, one launch (where fused_decode
+                                takes the layer)
   gather_applies / gather_rows  the fetched set's rows read in place from the pinned, mapped host store
 
 A family of kernels whose launch fails is said once on stderr and not used again (triton_guide.launch); `runs`
@@ -68,6 +70,15 @@ class TritonCUDA(Kernels):
                 and c.prefetch == "speculative" and not (c.correct and layer.topk)
                 and triton_decode.kernels() is not None)
 
+    def write_recent(self, layer, k, v, step) -> bool:
+        """Where the fused decode takes the layer's passes (fused_takes, the layer's store written as positions
+        leave the window: not on update), one launch (triton_decode.write_recent)."""
+        if step.prefill or layer.store_on_update or not (self.runs("fused_decode") and self.fused_takes(layer, k, step)):
+            return False
+        rows = step.rows
+        into = (layer.res_k[rows], layer.res_v[rows], layer.sink_k[rows], layer.sink_v[rows])
+        return triton_decode.write_recent(k, v, step.start, layer.qend[rows], into, layer.sinks)
+
     def fused_decode(self, layer):
         return TritonDecode(layer)
 
@@ -86,7 +97,7 @@ class TritonDecode:
         g, store = layer.guide, layer.store
         return triton_decode.DecodeBuffers(g.keys, g.values, g.outliers, g.rotation, layer.sink_k, layer.sink_v,
                                            layer.sinks, store.fk, store.fv, layer.fidx, layer.fvalid, layer.res_k,
-                                           layer.res_v, layer.qend)
+                                           layer.res_v, layer.qend, layer.residual)
 
     def __call__(self, qg: torch.Tensor, scaling: float, step, softcap: float | None = None) -> torch.Tensor | None:
         """qg [b, H_kv, G*T, D] -> fp32 [b, H_kv, G*T, D]; with a selecting token the next fetched set chosen and
@@ -96,11 +107,9 @@ class TritonDecode:
             layer.store.fetched(rows, step.fixed)  # the compute stream waits for the prefetch
         nq = layer.guide.keys.capacity if step.fixed else max(layer.qend_host[rows])
         selects = step.select is not None and layer.topk > 0
-        start = step.start.to(torch.long)
-        bound = layer.boundaries(start + step.keep) if selects else None
         done = triton_decode.decode(self.buffers(), triton_decode.DecodePass(
-            qg, start, step.n_new, scaling, nq, rows.start, softcap, step.select if selects else None,
-            selects and layer.config.select_both, bound))
+            qg, step.start, step.n_new, scaling, nq, rows.start, softcap, step.select if selects else None,
+            selects and layer.config.select_both, step.keep))
         if done is None:
             return None
         out, picked = done
@@ -108,6 +117,5 @@ class TritonDecode:
             if not step.fixed:  # groups about to leave the window are candidates: into the store first (the host's
                 for i, upto in enumerate(layer.boundaries([s + step.keep for s in step.starts])):  # copy; a
                     layer.flush_to_store(rows.start + i, upto)  # recorded pass had before_fixed_pass do it)
-            layer.fidx[rows], layer.fvalid[rows] = picked
             layer.store.prefetch(rows, picked[0], step.fixed)
         return out

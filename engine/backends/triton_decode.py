@@ -2,27 +2,32 @@
 GuidedLayer.attend_decode and select_and_prefetch compute with ~30 torch ops, and the CPU's native call
 (engine/backends/native_fused.py) in one, here flash-decoding over split blocks of the guide:
 
-1. guide_split_kernel, per (row, KV head, split of the guide region): scores of the grouped queries against
-   the packed 1/2-bit key codes (and the 4-bit outlier channels) on the tensor cores, fp16 operands and fp32
-   sums, never a dequantized copy nor a score tensor in memory; the split's softmax max and sum and its
-   guide-values accumulator over the guide-only positions (not a sink, not fetched, below the row's qend).
+1. guide_split_kernel, per (row, KV head, split of the guide region): the map of fetched positions of its range
+   (int8, written and read by the split's own program), then scores of the grouped queries (rotated by the
+   guide's R in the kernel) against the packed 1/2-bit key codes (and the 4-bit outlier channels) on the tensor
+   cores, fp16 operands and fp32 sums, never a dequantized copy nor a score tensor in memory; the split's
+   softmax max and sum and its guide-values accumulator over the guide-only positions (not a sink, not fetched,
+   below the row's qend).
 2. decode_merge_kernel, per (row, KV head): exact scores at the sinks, the fetched set and the residual window
-   (causal per new token), one softmax with the splits' statistics, exact + guide values -> the output, and
-   the softmax's final max and sum per query; with a selecting token, the selecting queries' weights (their
-   probabilities summed) of the fetched positions and the residual slots, as candidates.
+   (causal per new token), one softmax with the splits' statistics, exact + guide values (rotated back by R^T
+   in the kernel) -> the output, and the softmax's final max and sum per query; with a selecting token, the
+   selecting queries' weights (their probabilities summed) of the fetched positions and the residual slots, as
+   candidates.
 3. With a selecting token: select_weights_kernel, per (row, KV head, split): the selecting queries' weights of
    the split's guide-only positions, of which it keeps the CP best (CP: k rounded up to a power of two; a
-   running sorted list) as a compact candidate list (weight and position packed in one int64); then torch's
-   top-k over the candidates of every split and the exact ones, in [sinks, next qend) -> the next fetched
-   set (the same set as a top-k over every position: no split holds more than CP of the k best).
+   running sorted list) as a compact candidate list (weight and position packed in one int64).
+4. select_top_kernel, per (row, KV head): the k best of every split's list and the exact positions', in
+   [sinks, next qend) (computed from start + keep on the device) -> the next fetched set, written into the
+   layer's fidx / fvalid (the same set as a top-k over every position: no split holds more than CP of the k best).
 
-Around the kernels, torch ops on small tensors: the map of fetched positions (zeros + scatter), the queries
-made fp32 (and rotated), the rotated guide output (matmul), and the top-k over the candidates.
+No torch op runs around the kernels (allocations only; a contiguous copy of the queries where they are not) and
+no value is read on the host: a selecting pass is four launches, a pass without selection two; the pass's new
+K/V went into the residual window and the sinks before, in one launch (write_recent, from GuidedLayer.update).
 
 The contract is GuidedLayer's (tests/test_triton_decode.py checks it against the torch code): queries
 [b, H_kv, G*T, D] grouped as passes.grouped_query groups them; a guide rotation R rotates the queries for
 the main guide's scores (the outlier channels are scored with the unrotated queries) and the guide's value
-output back by R^T (a matmul after the merge); softcap caps every score before the one softmax.
+output back by R^T; softcap caps every score before the one softmax.
 Rows may differ in length: qend [b] (each row's guide region) and start [b] (each row's first new
 position) are read on the device; nq, the longest guide region, only sizes the grid."""
 from __future__ import annotations
@@ -63,6 +68,7 @@ class DecodeBuffers:
     res_k: torch.Tensor
     res_v: torch.Tensor
     qend: torch.Tensor
+    residual: int  # the exact recent tokens (with the key group, what a row's quantized prefix is: quant_boundary)
 
 
 @dataclass
@@ -70,7 +76,8 @@ class DecodePass:
     """One pass: grouped queries q [b, H, G*T, D] of rows [row0, row0 + b), T new tokens, each row's first new
     position start [b]; scaling and softcap (or None); nq the longest guide region among the rows; select: the
     new token whose probabilities pick the next fetched set (None: no selection; select_both: both tokens'),
-    among positions [sinks, bound[b]) (bound: each row's qend after the pass), k of them."""
+    among positions [sinks, bound[b]), k of them (bound: each row's qend after the pass, quant_boundary of
+    start + keep, computed by the kernel that picks them)."""
 
     q: torch.Tensor
     start: torch.Tensor
@@ -81,17 +88,20 @@ class DecodePass:
     softcap: float | None = None
     select: int | None = None
     select_both: bool = False
-    bound: torch.Tensor | None = None
+    keep: int = 0
 
 
 @functools.lru_cache(maxsize=1)
 def kernels():
-    """(split, merge, select) kernels of engine/backends/triton_code/decode_kernels.py, or None without Triton."""
+    """(split, merge, select, top, write) kernels of engine/backends/triton_code/ (decode_kernels.py,
+    select_kernels.py), or None without Triton."""
     try:
         mod = importlib.import_module("engine.backends.triton_code.decode_kernels")
+        sel = importlib.import_module("engine.backends.triton_code.select_kernels")
     except ImportError:
         return None
-    return mod.guide_split_kernel, mod.decode_merge_kernel, mod.select_weights_kernel
+    return (mod.guide_split_kernel, mod.decode_merge_kernel, sel.select_weights_kernel, sel.select_top_kernel,
+            mod.write_recent_kernel)
 
 
 def _rows(t: torch.Tensor, p: DecodePass) -> torch.Tensor:
@@ -110,152 +120,139 @@ def _geometry(buf: DecodeBuffers, p: DecodePass) -> dict:
             "cp": _padded(max(buf.fidx.shape[2], block), 1), "precise": d <= PRECISE_HEAD}
 
 
-def _held(buf: DecodeBuffers, p: DecodePass) -> torch.Tensor:
-    """int8 [b, H, capacity + 1]: 1 at each valid fetched position (the guide part skips them)."""
-    b, h = p.q.shape[:2]
-    cap = buf.keys.capacity
-    held = torch.zeros(b, h, cap + 1, dtype=torch.int8, device=p.q.device)
-    idx = torch.where(_rows(buf.fvalid, p), _rows(buf.fidx, p).clamp(max=cap), cap)
-    return held.scatter_(-1, idx, 1)
+def _shared(buf: DecodeBuffers, p: DecodePass, geo: dict) -> dict:
+    """The launch options the guide's kernels (split, select) share."""
+    return {"G": buf.keys.group, "BITS": buf.keys.bits, "BLOCK_N": geo["block"], "BLOCK_D": geo["bd"],
+            "MP": geo["mp"], "OP": geo["op"], "HAS_OUT": buf.outliers is not None, "SOFTCAP": p.softcap is not None,
+            "PRECISE": geo["precise"], "ROT": buf.rotation is not None, "RC": MIN_DOT, "num_warps": geo["warps"]}
 
 
-def _outlier_args(buf: DecodeBuffers, p: DecodePass, held: torch.Tensor) -> tuple:
-    """(idx, codes, scale, zero) of the outlier channels and their count; stand-ins (never read) without."""
-    side = buf.outliers
-    if side is None:
-        z = held[:, :, :1]
-        return (z, z, z, z), 0
-    return (_rows(side.idx, p), _rows(side.codes, p), _rows(side.scale, p), _rows(side.zero, p)), side.count
-
-
-def _guide_args(buf: DecodeBuffers, p: DecodePass, q: torch.Tensor, qr: torch.Tensor, held: torch.Tensor) -> list:
-    """The arguments the split and select kernels share, up to the fetched-position map: queries (unrotated,
-    rotated), key codes, scale, zero, outlier idx / codes / scale / zero, the map."""
-    k = buf.keys
+def _guide_args(buf: DecodeBuffers, p: DecodePass, q: torch.Tensor, fmap: torch.Tensor) -> tuple[list, list]:
+    """The arguments the split and select kernels share, up to the fetched-position map: queries, the rotation
+    (the queries again without one: never read), key codes, scale, zero; outlier idx / codes / scale / zero
+    (stand-ins, never read, without), the map."""
+    k, side = buf.keys, buf.outliers
     kc, ks, kz = _rows(k.codes, p), _rows(k.scale, p), _rows(k.zero, p)
-    (oi, oc, os_, oz), _ = _outlier_args(buf, p, held)
-    return [q, qr, q.stride(0), q.stride(1), kc, kc.stride(0), kc.stride(1), ks, kz, ks.stride(0), ks.stride(1)], \
+    if side is None:
+        oi = oc = os_ = oz = fmap[:, :, :1]
+    else:
+        oi, oc, os_, oz = (_rows(t, p) for t in (side.idx, side.codes, side.scale, side.zero))
+    rot = buf.rotation if buf.rotation is not None else q
+    return [q, rot, q.stride(0), q.stride(1), kc, kc.stride(0), kc.stride(1), ks, kz, ks.stride(0), ks.stride(1)], \
         [oi, oi.stride(0), oi.stride(1), oc, oc.stride(0), oc.stride(1), os_, oz, os_.stride(0), os_.stride(1),
-         held, held.stride(0), held.stride(1)]
+         fmap, fmap.stride(0), fmap.stride(1)]
 
 
-def _queries(buf: DecodeBuffers, p: DecodePass) -> tuple[torch.Tensor, torch.Tensor]:
-    """The queries fp32 contiguous, and rotated by the guide's R (the same tensor without one)."""
-    q = p.q.float().contiguous()
-    return q, (q @ buf.rotation).contiguous() if buf.rotation is not None else q
+def _fetched(buf: DecodeBuffers, p: DecodePass) -> list:
+    """The fetched set's positions and validity (int8) of the pass's rows, with their strides."""
+    fi, fok = _rows(buf.fidx, p), _rows(buf.fvalid, p).view(torch.int8)
+    return [fi, fok, fi.stride(0), fi.stride(1)]
 
 
-def _split(buf: DecodeBuffers, p: DecodePass, q, qr, held, geo: dict):
-    """Launch 1 -> (max and sum [splits, b*H, 2, MP], accumulators [splits, b*H, MP, BLOCK_D])."""
+def _split(buf: DecodeBuffers, p: DecodePass, q, fmap, geo: dict):
+    """Launch 1 -> (max and sum [splits, b*H, 2, MP], accumulators [splits, b*H, MP, BLOCK_D]); the map of
+    fetched positions written."""
     b, h, m, d = p.q.shape
     v = buf.values
     vc, vs, vz = _rows(v.codes, p), _rows(v.scale, p), _rows(v.zero, p)
     ml = torch.empty(geo["splits"], b * h, 2, geo["mp"], dtype=torch.float32, device=q.device)
     acc = torch.empty(geo["splits"], b * h, geo["mp"], geo["bd"], dtype=torch.float32, device=q.device)
-    head, side = _guide_args(buf, p, q, qr, held)
-    _, count = _outlier_args(buf, p, held)
+    head, side = _guide_args(buf, p, q, fmap)
+    count = buf.outliers.count if buf.outliers is not None else 0
     ok = launch(
-        "decode", kernels()[0], (b * h, geo["splits"]), *head, vc, vc.stride(0), vc.stride(1), vs, vz, vs.stride(0), vs.stride(1), *side, _rows(buf.qend, p), ml, acc,
-        h, m, d, buf.sinks, count, geo["per"], p.scaling, p.softcap or 0.0, G=buf.keys.group, GV=v.group,
-        BITS=buf.keys.bits, BLOCK_N=geo["block"], BLOCK_D=geo["bd"], MP=geo["mp"], OP=geo["op"],
-        HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, PRECISE=geo["precise"], num_warps=geo["warps"])
+        "decode", kernels()[0], (b * h, geo["splits"]), *head, vc, vc.stride(0), vc.stride(1), vs, vz, vs.stride(0),
+        vs.stride(1), *side, *_fetched(buf, p), _rows(buf.qend, p), ml, acc, h, m, d, buf.sinks, count,
+        buf.fidx.shape[2], geo["per"], p.scaling, p.softcap or 0.0, GV=v.group, KB=MIN_DOT, **_shared(buf, p, geo))
     return (ml, acc) if ok else None
 
 
 def _exact_args(buf: DecodeBuffers, p: DecodePass) -> list:
     """The exact part's buffers as the merge kernel takes them (sinks, fetched set and its positions, residual)."""
     sk, sv, fk, fv = (_rows(t, p) for t in (buf.sink_k, buf.sink_v, buf.fk, buf.fv))
-    fi, fok, rk, rv = _rows(buf.fidx, p), _rows(buf.fvalid, p).view(torch.int8), _rows(buf.res_k, p), _rows(buf.res_v, p)
-    return [sk, sv, sk.stride(0), sk.stride(1), fk, fv, fk.stride(0), fk.stride(1), fi, fok, fi.stride(0),
-            fi.stride(1), rk, rv, rk.stride(0), rk.stride(1)]
+    rk, rv = _rows(buf.res_k, p), _rows(buf.res_v, p)
+    return [sk, sv, sk.stride(0), sk.stride(1), fk, fv, fk.stride(0), fk.stride(1), *_fetched(buf, p), rk, rv,
+            rk.stride(0), rk.stride(1)]
 
 
 def _selects(p: DecodePass) -> bool:
     return p.select is not None or p.select_both
 
 
-def _candidates(buf: DecodeBuffers, p: DecodePass, geo: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidate lists of a selecting pass (int64 keys, engine/backends/triton_code/decode_kernels.py's _keys):
-    the guide's, the CP best of each split [b*H, splits, CP], and the exact positions' [b*H, K + W]; stand-ins
-    (never written) otherwise."""
+def _candidates(buf: DecodeBuffers, p: DecodePass, geo: dict) -> torch.Tensor:
+    """The candidate keys of a selecting pass (int64, decode_kernels.py's _keys) [b*H, splits * CP + K + W]: the CP
+    best of each split, then the exact positions'; a stand-in (never written) otherwise."""
     b, h = p.q.shape[:2]
-    if not _selects(p):
-        none = torch.empty(1, dtype=torch.int64, device=p.q.device)
-        return none, none
-    return (torch.empty(b * h, geo["splits"], geo["cp"], dtype=torch.int64, device=p.q.device),
-            torch.empty(b * h, buf.fidx.shape[2] + buf.res_k.shape[2], dtype=torch.int64, device=p.q.device))
+    n = geo["splits"] * geo["cp"] + buf.fidx.shape[2] + buf.res_k.shape[2] if _selects(p) else 1
+    return torch.empty(b * h if _selects(p) else 1, n, dtype=torch.int64, device=p.q.device)
 
 
 def _merge(buf: DecodeBuffers, p: DecodePass, q, ml, acc, cand, geo: dict):
     """Launch 2 -> (output fp32 [b, H, G*T, D], the softmax's (max, sum) [b*H, 2, MP]); the exact positions'
-    candidates into cand."""
+    candidates into cand (after the splits')."""
     b, h, m, d = p.q.shape
     out = torch.empty(b, h, m, d, dtype=torch.float32, device=q.device)
-    guide = torch.empty_like(out) if buf.rotation is not None else out
     stat = torch.empty(b * h, 2, geo["mp"], dtype=torch.float32, device=q.device)
+    exact = cand[:, geo["splits"] * geo["cp"]:] if _selects(p) else cand
     ok = launch(
-        "decode", kernels()[1], (b * h,), q, q.stride(0), q.stride(1), *_exact_args(buf, p), _rows(buf.qend, p), p.start, ml, acc, out, guide, stat,
-        cand, ml.shape[0], h, m, d, min(buf.sinks, buf.sink_k.shape[2]), buf.fidx.shape[2],
-        buf.res_k.shape[2], p.tokens, -1 if p.select_both else (p.select or 0), p.scaling, p.softcap or 0.0,
-        MP=geo["mp"], BLOCK_D=geo["bd"], BLOCK_E=EXACT_BLOCK, SOFTCAP=p.softcap is not None,
-        ROT=buf.rotation is not None, SELECT=_selects(p), num_warps=4)
-    if not ok:
-        return None
-    if buf.rotation is not None:
-        out += guide @ buf.rotation.T
-    return out, stat
+        "decode", kernels()[1], (b * h,), q, q.stride(0), q.stride(1), *_exact_args(buf, p), _rows(buf.qend, p),
+        p.start, ml, acc, out, buf.rotation if buf.rotation is not None else q, stat, exact, cand.stride(0),
+        ml.shape[0], h, m, d, min(buf.sinks, buf.sink_k.shape[2]), buf.fidx.shape[2], buf.res_k.shape[2], p.tokens,
+        -1 if p.select_both else (p.select or 0), p.scaling, p.softcap or 0.0, MP=geo["mp"], BLOCK_D=geo["bd"],
+        BLOCK_E=EXACT_BLOCK, SOFTCAP=p.softcap is not None, ROT=buf.rotation is not None, SELECT=_selects(p),
+        RC=MIN_DOT, num_warps=4)
+    return (out, stat) if ok else None
 
 
-def _select(buf: DecodeBuffers, p: DecodePass, q, qr, held, stat, cand, geo: dict) -> bool:
+def _select(buf: DecodeBuffers, p: DecodePass, q, fmap, stat, cand, geo: dict) -> bool:
     """Launch 3: each split's best guide-only positions for the selecting queries into cand."""
     b, h, m, d = p.q.shape
-    head, side = _guide_args(buf, p, q, qr, held)
-    _, count = _outlier_args(buf, p, held)
+    head, side = _guide_args(buf, p, q, fmap)
+    count = buf.outliers.count if buf.outliers is not None else 0
     return launch(
-        "decode", kernels()[2], (b * h, geo["splits"]), *head, *side, _rows(buf.qend, p), stat, cand, h, m, d, buf.sinks, count, p.tokens,
-        -1 if p.select_both else p.select, geo["per"], p.scaling, p.softcap or 0.0, G=buf.keys.group,
-        BITS=buf.keys.bits, BLOCK_N=geo["block"], BLOCK_D=geo["bd"], MP=geo["mp"], OP=geo["op"], CP=geo["cp"],
-        HAS_OUT=count > 0, SOFTCAP=p.softcap is not None, PRECISE=geo["precise"], num_warps=geo["warps"])
+        "decode", kernels()[2], (b * h, geo["splits"]), *head, *side, _rows(buf.qend, p), stat, cand, cand.stride(0),
+        h, m, d, buf.sinks, count, p.tokens, -1 if p.select_both else p.select, geo["per"], p.scaling,
+        p.softcap or 0.0, CP=geo["cp"], **_shared(buf, p, geo))
 
 
-def unpack(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidate keys (int64) -> (weights fp32, -1 where none; positions long)."""
-    w = (keys >> 32).to(torch.int32).view(torch.float32)
-    return torch.where(keys < 0, -1.0, w), keys & 0xFFFFFFFF
-
-
-def top_positions(keys: torch.Tensor, bound: torch.Tensor, sinks: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k candidates of largest weight among keys [b, H, n] (unpack) at positions in [sinks, bound[b]) ->
-    (idx [b, H, k] long, 0 in unused slots; valid [b, H, k] bool), as SpecacheLayer.top_positions pads them."""
-    b, h, n = keys.shape
-    w, pos = unpack(keys)
-    w = w.masked_fill((pos >= bound[:, None, None]) | (pos < sinks), -1.0)
-    top, at = w.topk(min(k, n), dim=-1, sorted=False)
-    valid = top >= 0
-    idx = pos.gather(-1, at).masked_fill(~valid, 0)
-    if idx.shape[-1] < k:
-        pad = k - idx.shape[-1]
-        idx, valid = torch.cat([idx, idx.new_zeros(b, h, pad)], -1), torch.cat([valid, valid.new_zeros(b, h, pad)], -1)
-    return idx, valid
+def _top(buf: DecodeBuffers, p: DecodePass, cand: torch.Tensor) -> bool:
+    """Launch 4: the next fetched set from the candidates, written into buf.fidx / buf.fvalid."""
+    b, h = p.q.shape[:2]
+    k = buf.fidx.shape[2]
+    fi, fok, fi_sb, fi_sh = _fetched(buf, p)
+    return launch("decode", kernels()[3], (b * h,), cand, cand.shape[1], p.start, fi, fok, fi_sb, fi_sh, h,
+                  buf.sinks, k, p.keep, buf.residual, buf.keys.group, KP=_padded(k, MIN_DOT), num_warps=4)
 
 
 def decode(buf: DecodeBuffers, p: DecodePass) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
     """One guided decode pass (module docstring) -> (output fp32 [b, H, G*T, D], the next fetched set
-    (idx, valid) [b, H, k] when p.select or p.select_both, else None), or None where a kernel failed to launch
-    (said once on stderr by triton_guide.launch; the caller computes the pass otherwise)."""
+    (idx, valid) [b, H, k]: the pass's rows of buf.fidx / buf.fvalid, written in place, when p.select or
+    p.select_both, else None), or None where a kernel failed to launch (said once on stderr by
+    triton_guide.launch; the caller computes the pass otherwise)."""
     if kernels() is None:
         raise RuntimeError("the fused Triton decode needs Triton")
     geo = _geometry(buf, p)
-    q, qr = _queries(buf, p)
-    held = _held(buf, p)
-    parts = _split(buf, p, q, qr, held, geo)
-    guide_cand, exact_cand = _candidates(buf, p, geo)
-    merged = parts and _merge(buf, p, q, *parts, exact_cand, geo)
+    b, h = p.q.shape[:2]
+    q = p.q.contiguous()
+    fmap = torch.empty(b, h, max(buf.keys.capacity, 1), dtype=torch.int8, device=q.device)
+    parts = _split(buf, p, q, fmap, geo)
+    cand = _candidates(buf, p, geo)
+    merged = parts and _merge(buf, p, q, *parts, cand, geo)
     if not merged or not _selects(p):
         return (merged[0], None) if merged else None
     out, stat = merged
-    if not _select(buf, p, q, qr, held, stat, guide_cand, geo):
+    if not (_select(buf, p, q, fmap, stat, cand, geo) and _top(buf, p, cand)):
         return None
-    b, h = p.q.shape[:2]
-    keys = torch.cat([guide_cand.view(b, h, -1), exact_cand.view(b, h, -1)], dim=-1)
-    return out, top_positions(keys, p.bound, buf.sinks, buf.fidx.shape[2])
+    return out, (_rows(buf.fidx, p), _rows(buf.fvalid, p))
+
+
+def write_recent(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, qend: torch.Tensor,
+                 into: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], sinks: int) -> bool:
+    """A pass's new K/V [b, H, T, D] of rows whose first new positions are start [b] written in one launch into
+    `into` (res_k, res_v [b, H, W, D], sink_k, sink_v [b, H, S', D]): each token into its residual slot
+    (position - qend [b]) and, at positions below sinks, into the sinks; every index read on the device.
+    -> False where the launch failed (the caller's torch writes run)."""
+    b, h, t, d = k.shape
+    res_k, res_v, sink_k, sink_v = into
+    return launch("decode", kernels()[4], (b * h,), k, v, *k.stride(), *v.stride(), start, qend, res_k, res_v,
+                  res_k.stride(0), res_k.stride(1), sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), h, t, d,
+                  min(sinks, sink_k.shape[2]), BLOCK_T=_padded(t, 1), BLOCK_D=_padded(d, MIN_DOT), num_warps=4)

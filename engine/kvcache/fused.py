@@ -62,6 +62,17 @@ def fused_applies(layer, q: torch.Tensor, step) -> bool:
             and hooks_reproduced(type(layer)) and backend.fused_takes(layer, q, step))
 
 
+def fused_write(layer, k: torch.Tensor, v: torch.Tensor, step) -> bool:
+    """Whether the device's backend wrote a pass's new K/V into the layer's residual window and sinks in one call
+    (Kernels.write_recent: the CUDA layout, where its fused decode takes the layer; the layer's writes otherwise)."""
+    if layer.res_in_store:
+        return False
+    writer = layer.__dict__.get("writer")  # (the device's backend asked once per layer: it costs ~0.6 us a call)
+    if writer is None:
+        writer = layer.writer = backend_for(k.device).write_recent
+    return writer(layer, k, v, step)
+
+
 def fused_decode(layer):
     """The layer's fused call (its device's backend: engine.backends.native_fused.FusedDecode on the CPU,
     engine.backends.triton_cuda.TritonDecode on CUDA)."""

@@ -37,7 +37,7 @@ from engine.kvcache.base import (
     split_prefill_attention,
     ungroup_output,
 )
-from engine.kvcache.fused import fused_applies, fused_decode, reproduces, unfused
+from engine.kvcache.fused import fused_applies, fused_decode, fused_write, reproduces, unfused
 from engine.kvcache.guide import Guide, GuideSpec
 from engine.kvcache.quant import guide_kernel
 from engine.kvcache.sizes import (
@@ -124,8 +124,10 @@ class GuidedLayer(GuidedRows, WatchedLayer, CacheLayer):
 
     # ---- writing -------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
-        """Store the new tokens' K/V [b, H_kv, T, D]: host store, sinks, residual buffer.
+        """Store the new tokens' K/V [b, H_kv, T, D]: host store, sinks, residual buffer (fused_write: one call).
         Each row's new positions are contiguous, so every write is a slice copy."""
+        if fused_write(self, k, v, step):
+            return
         if step.fixed:
             self.write_fixed(k, v, step)
             return

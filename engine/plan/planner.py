@@ -144,8 +144,9 @@ def _plan_mode(policy: type, hw: HardwareProfile, t: PlanTerms, s: Sizing, avail
         exact = {"gamma": gamma, "acceptance": EXACT_ACCEPTANCE, "verify_seconds": verify_s,
                  "draft_seconds": draft_s}
     kernels = None  # a GPU's kernels (a CPU runs the fused native decode: step_costs counts the torch one)
-    if hw.kind != "cpu":  # (the speculative prefetch where the policy has it: the roofline's step)
-        column = replace(t.cache, prefetch="speculative") if speculative(policy) else t.cache
+    if hw.kind != "cpu":  # (the speculative prefetch where the policy has it, no corrected set: the roofline's step,
+        # the fused Triton decode's kernels)
+        column = replace(t.cache, prefetch="speculative", correct=False) if speculative(policy) else t.cache
         kernels = launches_per_token(policy, column, m.layers, exact.get("gamma", 0), EXACT_ACCEPTANCE)
     breakdown = {**s.state, "decode_working_set": s.decode_working_set}
     shared = {"weights": weight_bytes(m, eb)}

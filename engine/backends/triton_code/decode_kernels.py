@@ -107,13 +107,48 @@ def _queries(q_ptr, rows, d, M, D, oi, O, OP: tl.constexpr):
 
 
 @triton.jit
-def _head_queries(q_ptr, qr_ptr, q_sb, q_sh, oi, oi_sb, oi_sh, b, h, rows, d, M, D, O, OP: tl.constexpr):
-    """A split program's queries of row b and KV head h: the rotated ones [MP, BLOCK_D] (qr_ptr), the outlier
-    channels, and the unrotated queries at those channels [MP, OP] (q_ptr)."""
-    q, ch = _queries(qr_ptr + b * q_sb + h * q_sh, rows, d, M, D, oi + b * oi_sb + h * oi_sh, O, OP)
-    qo = tl.load(q_ptr + b * q_sb + h * q_sh + rows[:, None] * D + ch[None, :],
+def _rotated(q_ptr, r_ptr, rows, d, M, D, RC: tl.constexpr):
+    """The head's queries (q_ptr, rows of D) times the guide's rotation R [D, D] fp32 -> [MP, BLOCK_D] fp32: RC
+    channels of the queries (RC rows of R) a dot, in fp32."""
+    c = tl.arange(0, RC)
+    out = tl.zeros((rows.shape[0], d.shape[0]), tl.float32)
+    for c0 in range(0, D, RC):
+        qc = tl.load(q_ptr + rows[:, None] * D + (c0 + c)[None, :], mask=(rows < M)[:, None] & (c0 + c < D)[None, :],
+                     other=0).to(tl.float32)
+        rc = tl.load(r_ptr + (c0 + c)[:, None] * D + d[None, :], mask=(c0 + c < D)[:, None] & (d < D)[None, :],
+                     other=0)
+        out += tl.dot(qc, rc, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def _head_queries(q_ptr, r_ptr, q_sb, q_sh, oi, oi_sb, oi_sh, b, h, rows, d, M, D, O, OP: tl.constexpr,
+                  ROT: tl.constexpr, RC: tl.constexpr):
+    """A split program's queries of row b and KV head h: rotated by R (r_ptr; ROT) [MP, BLOCK_D], the outlier
+    channels, and the unrotated queries at those channels [MP, OP]."""
+    head = q_ptr + b * q_sb + h * q_sh
+    q, ch = _queries(head, rows, d, M, D, oi + b * oi_sb + h * oi_sh, O, OP)
+    if ROT:
+        q = _rotated(head, r_ptr, rows, d, M, D, RC)
+    qo = tl.load(head + rows[:, None] * D + ch[None, :],
                  mask=(rows < M)[:, None] & (tl.arange(0, OP) < O)[None, :], other=0).to(tl.float32)
     return q, ch, qo
+
+
+@triton.jit
+def _fetched_map(fm, fi, fok, lo, hi, K, BLOCK_N: tl.constexpr, KB: tl.constexpr):
+    """fm[n] (int8, the head's map) for n in [lo, hi): 1 at the valid fetched positions (fi, fok: the head's K
+    of them), 0 elsewhere. A split program writes and reads its own range only (a barrier between)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tl.store(fm + tok, tl.zeros((BLOCK_N,), tl.int8), mask=tok < hi)
+    tl.debug_barrier()
+    for j0 in range(0, K, KB):
+        j = j0 + tl.arange(0, KB)
+        idx = tl.load(fi + j, mask=j < K, other=-1).to(tl.int32)
+        got = tl.load(fok + j, mask=j < K, other=0)
+        tl.store(fm + idx, tl.full((KB,), 1, tl.int8), mask=(got != 0) & (idx >= lo) & (idx < hi))
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -130,21 +165,25 @@ def _block(q, qo, kc, ks, kz, oc, os_, oz, fm, n0, hi, d, dm, D, O, scaling, sof
 
 
 @triton.jit
-def guide_split_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, ks_sb, ks_sh, vc, vc_sb, vc_sh, vs,
+def guide_split_kernel(q_ptr, r_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, ks_sb, ks_sh, vc, vc_sb, vc_sh, vs,
                        vz, vs_sb, vs_sh, oi, oi_sb, oi_sh, oc, oc_sb, oc_sh, os_, oz, os_sb, os_sh, fm, fm_sb,
-                       fm_sh, qend_ptr, ml_ptr, acc_ptr, H, M, D, S, O, SPLIT, scaling, softcap,
-                       G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       fm_sh, fi, fok, fi_sb, fi_sh, qend_ptr, ml_ptr, acc_ptr, H, M, D, S, O, K, SPLIT, scaling,
+                       softcap, G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, MP: tl.constexpr, OP: tl.constexpr, HAS_OUT: tl.constexpr,
-                       SOFTCAP: tl.constexpr, PRECISE: tl.constexpr):
+                       SOFTCAP: tl.constexpr, PRECISE: tl.constexpr, ROT: tl.constexpr, RC: tl.constexpr,
+                       KB: tl.constexpr):
     """One (row, KV head, split) of the guide region: flash-decoding statistics (max, sum) and the value
-    accumulator over the split's guide-only positions (neither a sink nor fetched, below the row's qend)."""
+    accumulator over the split's guide-only positions (neither a sink nor fetched, below the row's qend); the
+    map of fetched positions of its range written first (select_weights_kernel reads it)."""
     bh, sp = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows, d = tl.arange(0, MP), tl.arange(0, BLOCK_D)
     dm = d < D
-    q, ch, qo = _head_queries(q_ptr, qr_ptr, q_sb, q_sh, oi, oi_sb, oi_sh, b, h, rows, d, M, D, O, OP)
+    q, ch, qo = _head_queries(q_ptr, r_ptr, q_sb, q_sh, oi, oi_sb, oi_sh, b, h, rows, d, M, D, O, OP, ROT, RC)
     lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, tl.load(qend_ptr + b).to(tl.int32))
+    _fetched_map(fm + b * fm_sb + h * fm_sh, fi + b * fi_sb + h * fi_sh, fok + b * fi_sb + h * fi_sh, lo, hi, K,
+                 BLOCK_N, KB)
     m_i = tl.full((MP,), float("-inf"), tl.float32)
     l_i = tl.zeros((MP,), tl.float32)
     acc = tl.zeros((MP, BLOCK_D), tl.float32)
@@ -212,16 +251,31 @@ def _merge_splits(ml_ptr, acc_ptr, bh, NBH, NS, rows, d, MP: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _unrotate(out_ptr, r_ptr, g, rows, d, M, D, RC: tl.constexpr):
+    """out [M, D] (the head's output, its exact part stored) += g [MP, BLOCK_D] @ R^T, RC output channels a dot
+    in fp32 (R [D, D] fp32)."""
+    c = tl.arange(0, RC)
+    for c0 in range(0, D, RC):
+        rt = tl.load(r_ptr + (c0 + c)[None, :] * D + d[:, None], mask=(d < D)[:, None] & (c0 + c < D)[None, :],
+                     other=0)
+        at = rows[:, None] * D + (c0 + c)[None, :]
+        ok = (rows < M)[:, None] & (c0 + c < D)[None, :]
+        tl.store(out_ptr + at, tl.load(out_ptr + at, mask=ok, other=0) + tl.dot(g, rt, input_precision="ieee"),
+                 mask=ok)
+
+
+@triton.jit
 def decode_merge_kernel(q_ptr, q_sb, q_sh, sk, sv, sk_sb, sk_sh, fk, fv, fk_sb, fk_sh, fi, fok, fi_sb, fi_sh, rk,
-                        rv, rk_sb, rk_sh, qend_ptr, start_ptr, ml_ptr, acc_ptr, out_ptr, guide_ptr, stat_ptr, cand,
-                        NS, H, M, D, S, K, W, T, sel, scaling, softcap, MP: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_E: tl.constexpr, SOFTCAP: tl.constexpr, ROT: tl.constexpr, SELECT: tl.constexpr):
+                        rv, rk_sb, rk_sh, qend_ptr, start_ptr, ml_ptr, acc_ptr, out_ptr, r_ptr, stat_ptr, cand,
+                        cand_sb, NS, H, M, D, S, K, W, T, sel, scaling, softcap, MP: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, SOFTCAP: tl.constexpr, ROT: tl.constexpr,
+                        SELECT: tl.constexpr, RC: tl.constexpr):
     """One (row, KV head): the exact part (sinks below the row's qend, the valid fetched positions below it,
     the residual window's slots j at position qend + j, causal per new token) in one online softmax, merged
-    with the guide part's splits: out = exact values + guide values over the one softmax's sum (ROT: the
-    guide part written apart, still in the rotated coordinates); the final (max, sum) per query kept. SELECT:
-    the selecting queries' (sel: the new token, -1 both) weights of the fetched positions and the residual slots
-    as candidate keys at cand[row*KV head] (K + W of them)."""
+    with the guide part's splits: out = exact values + guide values over the one softmax's sum (ROT: the guide
+    part rotated back by R^T, _unrotate); the final (max, sum) per query kept. SELECT: the selecting queries'
+    (sel: the new token, -1 both) weights of the fetched positions and the residual slots as candidate keys at
+    cand[row*KV head] (K + W of them; cand_sb apart)."""
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
     rows, d, e = tl.arange(0, MP), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_E)
@@ -258,7 +312,8 @@ def decode_merge_kernel(q_ptr, q_sb, q_sh, sk, sv, sk_sb, sk_sh, fk, fv, fk_sb, 
     keep = rm[:, None] & dm[None, :]
     if ROT:
         tl.store(out_ptr + at, acc_e * (alpha / l_all)[:, None], mask=keep)
-        tl.store(guide_ptr + at, acc_g * (beta / l_all)[:, None], mask=keep)
+        tl.debug_barrier()
+        _unrotate(out_ptr + bh * M * D, r_ptr, acc_g * (beta / l_all)[:, None], rows, d, M, D, RC)
     else:
         tl.store(out_ptr + at, (acc_e * alpha[:, None] + acc_g * beta[:, None]) / l_all[:, None], mask=keep)
     tl.store(stat_ptr + 2 * bh * MP + rows, m)
@@ -266,7 +321,7 @@ def decode_merge_kernel(q_ptr, q_sb, q_sh, sk, sv, sk_sb, sk_sh, fk, fv, fk_sb, 
     if SELECT:
         picks = rm & ((rows % T == sel) | (sel < 0))
         _exact_weights(q, fk + b * fk_sb + h * fk_sh, fi + b * fi_sb + h * fi_sh, fok + b * fi_sb + h * fi_sh,
-                       rk + b * rk_sb + h * rk_sh, cand + bh * (K + W), qend, pos, picks, m, l_all, d, dm, rm, D, K,
+                       rk + b * rk_sb + h * rk_sh, cand + bh * cand_sb, qend, pos, picks, m, l_all, d, dm, rm, D, K,
                        W, scaling, softcap, BLOCK_E, SOFTCAP)
 
 
@@ -308,40 +363,21 @@ def _exact_weights(q, fk, fi, fok, rk, out, qend, pos, picks, m, l_all, d, dm, r
 
 
 @triton.jit
-def _top(run, keys, CP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The CP largest of the running candidates run [CP] and a block's keys [BLOCK_N] (CP >= BLOCK_N)."""
-    R: tl.constexpr = CP // BLOCK_N
-    r = tl.arange(0, R)
-    staged = tl.reshape(tl.where((r == 0)[:, None], keys[None, :], -1), (CP,))
-    both = tl.sort(tl.reshape(tl.join(run, staged), (2 * CP,)), descending=True)
-    top, _ = tl.split(tl.trans(tl.reshape(both, (2, CP))))
-    return top
-
-
-@triton.jit
-def select_weights_kernel(q_ptr, qr_ptr, q_sb, q_sh, kc, kc_sb, kc_sh, ks, kz, ks_sb, ks_sh, oi, oi_sb, oi_sh, oc,
-                          oc_sb, oc_sh, os_, oz, os_sb, os_sh, fm, fm_sb, fm_sh, qend_ptr, stat_ptr, cand, H, M, D, S,
-                          O, T, sel, SPLIT, scaling, softcap, G: tl.constexpr, BITS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MP: tl.constexpr, OP: tl.constexpr,
-                          CP: tl.constexpr, HAS_OUT: tl.constexpr, SOFTCAP: tl.constexpr, PRECISE: tl.constexpr):
-    """The next step's candidates of one (row, KV head, split): the selecting queries' probabilities in the one
-    softmax (decode_merge_kernel's max and sum), summed per position over the guide-only positions; the split's
-    CP largest kept as it goes (a sort of the running list and each block) and written as candidate keys (_keys)
-    at cand[row*KV head, split] (decode_merge_kernel writes the fetched positions' and the residual slots')."""
-    bh, sp = tl.program_id(0), tl.program_id(1)
+def write_recent_kernel(k_ptr, v_ptr, k_sb, k_sh, k_st, k_sd, v_sb, v_sh, v_st, v_sd, start_ptr, qend_ptr, rk, rv,
+                        rk_sb, rk_sh, sk, sv, sk_sb, sk_sh, H, T, D, S, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (row, KV head) of a pass's new keys and values k, v [b, H, T, D] (any strides): token t (position
+    start + t) into the residual window's slot start + t - qend, and into the sinks where its position is below S."""
+    bh = tl.program_id(0)
     b, h = bh // H, bh % H
-    rows, d = tl.arange(0, MP), tl.arange(0, BLOCK_D)
-    dm = d < D
-    q, ch, qo = _head_queries(q_ptr, qr_ptr, q_sb, q_sh, oi, oi_sb, oi_sh, b, h, rows, d, M, D, O, OP)
-    picks = (rows < M) & ((rows % T == sel) | (sel < 0))
-    m, l_all = tl.load(stat_ptr + 2 * bh * MP + rows), tl.load(stat_ptr + 2 * bh * MP + MP + rows)
-    lo = sp * SPLIT
-    hi = tl.minimum(lo + SPLIT, tl.load(qend_ptr + b).to(tl.int32))
-    run = tl.full((CP,), -1, tl.int64)
-    for n0 in range(lo, hi, BLOCK_N):
-        tok, s, held = _block(q, qo, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh, kz + b * ks_sb + h * ks_sh,
-                              oc + b * oc_sb + h * oc_sh, os_ + b * os_sb + h * os_sh, oz + b * os_sb + h * os_sh,
-                              fm + b * fm_sb + h * fm_sh, n0, hi, d, dm, D, O, scaling, softcap, G, BITS, BLOCK_N, OP,
-                              HAS_OUT, SOFTCAP, PRECISE)
-        run = _top(run, _keys(_weights(s, picks, m, l_all), tok, (tok < hi) & (tok >= S) & (held == 0)), CP, BLOCK_N)
-    tl.store(cand + (bh * tl.num_programs(1) + sp) * CP + tl.arange(0, CP), run)
+    t, d = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_D)
+    pos = tl.load(start_ptr + b).to(tl.int32) + t
+    slot = pos - tl.load(qend_ptr + b).to(tl.int32)
+    ok = (t < T)[:, None] & (d < D)[None, :]
+    kk = tl.load(k_ptr + b * k_sb + h * k_sh + t[:, None] * k_st + d[None, :] * k_sd, mask=ok, other=0)
+    vv = tl.load(v_ptr + b * v_sb + h * v_sh + t[:, None] * v_st + d[None, :] * v_sd, mask=ok, other=0)
+    res = b * rk_sb + h * rk_sh + slot[:, None] * D + d[None, :]
+    tl.store(rk + res, kk.to(rk.dtype.element_ty), mask=ok)
+    tl.store(rv + res, vv.to(rv.dtype.element_ty), mask=ok)
+    sink = b * sk_sb + h * sk_sh + pos[:, None] * D + d[None, :]
+    tl.store(sk + sink, kk.to(sk.dtype.element_ty), mask=ok & (pos < S)[:, None])
+    tl.store(sv + sink, vv.to(sv.dtype.element_ty), mask=ok & (pos < S)[:, None])

@@ -33,8 +33,9 @@ class SpecacheLayer(GuidedLayer):
 
     fetches = True
     watches = True  # its decode is checked against the exact store (engine/kvcache/watch.py)
-    decode_launches = (103, 20)  # (CacheLayer.decode_launches) with prefetch current; speculative_launches else
-    speculative_launches = (147, 22)
+    decode_launches = (103, 20)  # (CacheLayer.decode_launches) with prefetch current; speculative_launches with
+    speculative_launches = (147, 22)  # the corrected set (the torch decode); fused_launches without it: the fused
+    fused_launches = (41, 22)  # Triton decode's (engine/backends/triton_decode.py: 5 kernels + 3 prefetch copies)
 
     @classmethod
     def speculates(cls, config: CacheConfig) -> bool:
@@ -43,7 +44,11 @@ class SpecacheLayer(GuidedLayer):
 
     @classmethod
     def step_launches(cls, config: CacheConfig) -> tuple[int, int]:
-        return cls.speculative_launches if cls.speculates(config) else cls.decode_launches
+        """The speculative step without the corrected set is the fused Triton decode's on CUDA (what its kernels
+        implement, with $SPECACHE_TRITON_DECODE=1; the planner's column: the method as its roofline models it)."""
+        if not cls.speculates(config):
+            return cls.decode_launches
+        return cls.speculative_launches if config.correct else cls.fused_launches
 
     @classmethod
     def plan_sizing(cls, terms: PlanTerms) -> Sizing:
