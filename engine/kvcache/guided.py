@@ -40,14 +40,7 @@ from engine.kvcache.base import (
 from engine.kvcache.fused import fused_applies, fused_decode, fused_write, reproduces, unfused
 from engine.kvcache.guide import Guide, GuideSpec
 from engine.kvcache.quant import guide_kernel
-from engine.kvcache.sizes import (
-    PlanTerms,
-    Sizing,
-    guided_sizing,
-    quant_boundary,
-    residual_slots,
-    sink_slots,
-)
+from engine.kvcache.sizes import PlanTerms, Sizing, guided_sizing, quant_boundary, residual_slots, sink_slots
 from engine.kvcache.guided_rows import GuidedRows
 from engine.kvcache.host_store import HostStore
 from engine.kvcache.transfer import Transfer
