@@ -119,10 +119,10 @@ def test_cpu_tensors_are_not_handed_to_a_compiled_gather(monkeypatch):
 
 
 def test_triton_gather_of_the_missing_slots_keeps_the_others(gather_here):
-    """The corrected set's gather in a recorded pass (transfer.corrected_rows_fixed from a pinned store): only
+    """The corrected set's gather in a recorded pass (host_memory.corrected_rows_fixed from a pinned store): only
     the slots asked for are read from the store and written; the others keep the rows the prefetch brought;
     the result equals the torch path's (the same function without the kernel)."""
-    from engine.kvcache import transfer
+    from engine.kvcache import host_memory
 
     gen = torch.Generator().manual_seed(4)
     store_k, store_v = torch.randn(2, 2, 90, 40, generator=gen), torch.randn(2, 2, 90, 40, generator=gen)
@@ -145,12 +145,12 @@ def test_triton_gather_of_the_missing_slots_keeps_the_others(gather_here):
     want_v = torch.gather(store_v, 2, idx[..., None].expand(-1, -1, -1, 40))
     expect = ((idx[..., :, None] == old_idx[..., None, :]) & old_valid[..., None, :]).any(-1)
     for in_place in (True, False):  # the kernel's masked gather from the store, and the torch path
-        k, v, reused = transfer.corrected_rows_fixed(*on(old_k, old_v), src_k, src_v, *on(idx, old_idx, old_valid),
+        k, v, reused = host_memory.corrected_rows_fixed(*on(old_k, old_v), src_k, src_v, *on(idx, old_idx, old_valid),
                                                      in_place=TritonCUDA().gather_rows if in_place else None)
         assert torch.equal(k.cpu(), want) and torch.equal(v.cpu(), want_v)
         assert torch.equal(reused.cpu(), expect) and expect.any() and (~expect).any()
     five = as_store(torch.full_like(store_k, 5.0))  # a store that differs: which slots came from where
-    k, _, _ = transfer.corrected_rows_fixed(*on(old_k, old_v), five, five, *on(idx, old_idx, old_valid),
+    k, _, _ = host_memory.corrected_rows_fixed(*on(old_k, old_v), five, five, *on(idx, old_idx, old_valid),
                                             in_place=TritonCUDA().gather_rows)
     k = k.cpu()
     assert torch.equal(k[expect], want[expect]) and (k[~expect] == 5.0).all()

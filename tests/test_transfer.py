@@ -169,7 +169,7 @@ def test_cuda_model_calls_leave_no_thread():
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc (Linux)")
 def test_the_cpu_store_is_resident_only_where_written():
-    """The host store on a CPU is zero pages until written (transfer.untouched_zeros): 256 MiB allocated
+    """The host store on a CPU is zero pages until written (host_mapping.untouched_zeros): 256 MiB allocated
     costs next to nothing resident, reads as zeros, and the pages written become resident."""
     from engine.backends.host_mapping import untouched_zeros
 
