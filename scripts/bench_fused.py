@@ -1,7 +1,7 @@
 """Micro-benchmark of the fused native decode attention (engine/kvcache/fused.py) of one layer.
 
 Builds a randomly initialised 2-layer model of SmolLM2-135M's attention shape (9 query heads,
-3 KV heads, head dim 64), prefills random prompts of --length tokens, decodes --steps tokens
+3 KV heads, head dim 64; --shape qwen: Qwen2.5-Coder-1.5B's, 12 query heads on 2 KV heads of 128), prefills random prompts of --length tokens, decodes --steps tokens
 with the engine's real step loop and times every ``specache_decode_attention`` call. Prints the
 median microseconds per layer call. With --lib given twice (two builds of the native library,
 e.g. before and after a change to guide_kernels.c, built with engine/native's flags), the two
@@ -31,12 +31,18 @@ from engine.generate.engine import Engine  # noqa: E402
 from engine.model.loading import prepare_model  # noqa: E402
 
 
-def smollm2_shaped(layers: int = 2):
+# --shape -> (hidden size, query heads, KV heads, head dim) of the model whose attention is timed
+SHAPES = {"smollm2": (576, 9, 3, 64), "qwen": (1536, 12, 2, 128)}
+
+
+def smollm2_shaped(layers: int = 2, shape: str = "smollm2", context: int = 8192):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
+    hidden, heads, kv_heads, head_dim = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=context)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # peaky attention, like a trained model's
         for layer in model.model.layers:
@@ -51,6 +57,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--length", type=int, default=6400, help="prompt tokens per row")
     ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the attention shape timed")
     ap.add_argument("--prefetch", choices=("current", "speculative"), default="current")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
@@ -63,7 +70,7 @@ def main() -> None:
     libs = {path: native._load(Path(path)) for path in args.lib} or {"built": native.lib()}
     print(f"native kernels: {native.isa()} ({native.ENV_ARCH}={native.arch()}), torch CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
-    model = smollm2_shaped()
+    model = smollm2_shaped(shape=args.shape, context=max(8192, args.length + args.steps))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (args.length,), generator=gen).tolist() for _ in range(args.batch)]
     config = CacheConfig(prefetch=args.prefetch, k=args.k)
@@ -102,7 +109,7 @@ def main() -> None:
             results[name].append(statistics.median(times) * 1e6)
     native._lib = next(iter(libs.values()))
     what = "decode attention (attend_decode)" if args.vs_torch else "fused decode attention"
-    print(f"{what}, {args.prefetch} k {args.k}, batch {args.batch}, {args.length} tokens, "
+    print(f"{what}, {args.shape} shape, {args.prefetch} k {args.k}, batch {args.batch}, {args.length} tokens, "
           f"{args.threads} thread(s): median us per layer call (each round)")
     for name, values in results.items():
         print(f"  {name}: {statistics.median(values):.0f}  ({' '.join(f'{v:.0f}' for v in values)})")

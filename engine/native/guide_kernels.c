@@ -1442,8 +1442,22 @@ static void fetch_top(const DecodeArgs *a, int64_t r, int64_t h, const float *ag
     }
 }
 
+/* dst[l] += bias + sum_o w[o] c[l][o] for the m tokens l of one group, c[l][o] the 4-bit code of outlier channel o
+ * (two a byte, low nibble first). Each token's sum runs in the order of o, as a token-at-a-time loop would add it,
+ * so every token gets the same float; inlined with O a constant (outlier_scores), the token loop vectorises. */
+SIMD_INLINE void outlier_tokens(const uint8_t *restrict c, int64_t O, const float *restrict w, float bias, int64_t m,
+                                float *restrict dst) {
+    const int64_t bytes = (O + 1) / 2;
+    for (int64_t l = 0; l < m; l++) {
+        float acc = bias;
+        for (int64_t o = 0; o < O; o++) acc += w[o] * (float)((c[l * bytes + o / 2] >> (4 * (o % 2))) & 15);
+        dst[l] += acc;
+    }
+}
+
 /* scores[i][l] += sum_o q[i][idx_o] * (s[l/g][o] c[l][o] + z[l/g][o]) for l < n: the outlier channels'
- * side guide (engine/kvcache/outliers.py OutlierKeys.scores), q the scaled, unrotated queries [Q][D]. */
+ * side guide (engine/kvcache/outliers.py OutlierKeys.scores), q the scaled, unrotated queries [Q][D].
+ * The defaults' channel counts (2 for a 2-bit guide: a byte a token; 4 for 1 bit) get loops of their own. */
 static void outlier_scores(const DecodeArgs *a, int64_t r, int64_t h, const float *q, int64_t Q, int64_t D, int64_t n,
                            float *scores, int64_t Lmax) {
     const int64_t O = a->O, g = a->g, bytes = (O + 1) / 2;
@@ -1460,12 +1474,10 @@ static void outlier_scores(const DecodeArgs *a, int64_t r, int64_t h, const floa
                 w[o] = qo * half_to_float(sc[j * O + o]);
                 bias += qo * half_to_float(zc[j * O + o]);
             }
-            for (int64_t l = j * g; l < (j + 1) * g; l++) {
-                const uint8_t *c = codes + l * bytes;
-                float acc = bias;
-                for (int64_t o = 0; o < O; o++) acc += w[o] * (float)((c[o / 2] >> (4 * (o % 2))) & 15);
-                row[l] += acc;
-            }
+            const uint8_t *c = codes + j * g * bytes;
+            if (O == 2) outlier_tokens(c, 2, w, bias, g, row + j * g);
+            else if (O == 4) outlier_tokens(c, 4, w, bias, g, row + j * g);
+            else outlier_tokens(c, O, w, bias, g, row + j * g);
         }
     }
 }
