@@ -105,9 +105,9 @@ def ls_cmd(json_out: bool = typer.Option(False, "--json", help="Print the listin
                   f"{human(store.max_bytes)} (cap) in {store.root}{writing}", highlight=False, markup=False)
 
 
-def _chosen(store: DocStore, prefixes: list[str]) -> list[str]:
-    """The keys of the entries named by key prefixes (at least 4 characters, each matching one entry)."""
-    known = [e.key for e in store.entries(with_meta=False)]
+def _chosen(known: list[str], prefixes: list[str]) -> list[str]:
+    """The keys among `known` (the store's entries') named by key prefixes (at least 4 characters, each matching
+    one entry)."""
     chosen = []
     for prefix in prefixes:
         if len(prefix) < 4:
@@ -125,7 +125,7 @@ def rm_cmd(keys: list[str] = typer.Argument(..., help="Keys or unique key prefix
            ) -> None:
     """Remove entries by key."""
     store = _store()
-    chosen = _chosen(store, keys)
+    chosen = _chosen([e.key for e in store.entries(with_meta=False)], keys)
     freed = store.remove(chosen)
     print(f"removed {len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'} ({human(freed)})")
 
@@ -136,7 +136,7 @@ def verify_cmd(keys: Optional[list[str]] = typer.Argument(None, help="Keys or un
     removed, as a load removes one, and rebuilt by the next run that needs it."""
     store = _store()
     entries = {e.key: e for e in store.entries()}
-    chosen = _chosen(store, keys) if keys else list(entries)
+    chosen = _chosen(list(entries), keys) if keys else list(entries)
     results = []
     for i, key in enumerate(chosen, 1):
         entry = entries[key]

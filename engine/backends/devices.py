@@ -14,9 +14,19 @@ DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device takes
 
 
 def check_device(device: str) -> None:
-    """--device, before anything is loaded: a name DEVICES takes, and CUDA (and its index) only where present."""
+    """--device, before anything is loaded: a name DEVICES takes (check_name), and CUDA (and its index) only where
+    present (check_present)."""
+    check_name(device)
+    check_present(device)
+
+
+def check_name(device: str) -> None:
     if not DEVICES.fullmatch(device):
         raise BadArgument(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
+
+
+def check_present(device: str) -> None:
+    """A CUDA --device (and its index) only where there is one."""
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ModelLoadError(f"--device {device} was asked for but no CUDA device is available")

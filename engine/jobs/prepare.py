@@ -77,11 +77,10 @@ class Notes:
 def check_device(device: str, dtype: str) -> None:
     """--device and --dtype, before anything is loaded: names only, and CUDA only where there is one
     (engine.backends.devices)."""
-    if not devices.DEVICES.fullmatch(device):
-        raise BadArgument(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    devices.check_name(device)
     if dtype not in DTYPES:
         raise BadArgument(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    devices.check_device(device)
+    devices.check_present(device)
 
 
 def check_window(overrides: dict, max_tokens: int, window: int) -> None:
